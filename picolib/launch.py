@@ -9,8 +9,9 @@ start as copies of the caller, so `fn` can be anything the notebook defined.
 The contract (lesson 00 shows each part):
 - every rank calls `torch.set_num_threads(1)` before any math: forking a process whose
   OpenMP pool is live can deadlock, and N ranks on a few cores should not fight anyway;
-- the group meets through a TCP store that the caller opens on a free port of
-  127.0.0.1, so two notebooks running at once never collide;
+- the group meets through a TCP store that rank 0 serves on a socket the caller bound
+  to a free port of 127.0.0.1, so two notebooks running at once never collide (and the
+  caller starts no thread of its own: forking while a thread holds a lock can hang);
 - a rank that raises becomes a `WorkerError` in the caller, naming the rank and
   carrying its traceback; a run that does not finish in `timeout` seconds becomes a
   `WorkerTimeout`; an interrupt (the notebook's stop button) ends every rank;
@@ -22,13 +23,16 @@ On a cluster the same worker code runs under `torchrun`; call `init_from_env()` 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import io
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -146,12 +150,13 @@ def _to_cpu(value):
     return value
 
 
-def _worker(rank, world_size, backend, port, timeout, conn, fn, args, kwargs):
+def _worker(rank, world_size, backend, listener, timeout, conn, stack_file, fn, args, kwargs):
     global _IN_WORKER
     _IN_WORKER = True
     torch.set_num_threads(1)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides; it kills us
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     lock = threading.Lock()
     sys.stdout = _RankStream(conn, lock, "out")
     sys.stderr = _RankStream(conn, lock, "err")
@@ -159,8 +164,17 @@ def _worker(rank, world_size, backend, port, timeout, conn, fn, args, kwargs):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                              timeout=timedelta(seconds=timeout))
+        # rank 0 serves the rendezvous store on the socket the caller bound; the caller runs
+        # no store thread of its own, so nothing holds a lock while it forks
+        port = listener.getsockname()[1]
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
+                                  timeout=timedelta(seconds=timeout), wait_for_workers=False,
+                                  master_listen_fd=listener.fileno(), use_libuv=False)
+        else:
+            listener.close()
+            store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                                  timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         result = _to_cpu(fn(*args, **kwargs))
@@ -212,21 +226,22 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto",
                            "cannot use it: call run(...) before touching the GPU, or use torchrun")
 
     ctx = mp.get_context("fork")  # explicit: Python 3.14 changes the default
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    listener = socket.create_server(("127.0.0.1", 0), backlog=max(world_size, 8))
     procs, conns = [], []
+    stacks = [tempfile.TemporaryFile("w+") for _ in range(world_size)]
     sys.stdout.flush(), sys.stderr.flush()
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker, daemon=True, name=f"picolib-rank{rank}",
-                            args=(rank, world_size, backend, store.port, timeout, child_end,
-                                  fn, args, kwargs))
+                            args=(rank, world_size, backend, listener, timeout, child_end,
+                                  stacks[rank], fn, args, kwargs))
             p.start()
             child_end.close()
             procs.append(p)
             conns.append(parent_end)
-        results = _collect(procs, conns, timeout)
+        listener.close()
+        results = _collect(procs, conns, stacks, timeout)
         for c in conns:  # all done: let every rank leave the group
             try:
                 c.send("exit")
@@ -243,11 +258,27 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto",
             p.join()
         for c in conns:
             c.close()
-        del store
+        for f in stacks:
+            f.close()
+        listener.close()
         sys.stdout.flush()
 
 
-def _collect(procs, conns, timeout):
+def _stuck_stacks(procs, ranks, stacks) -> str:
+    """Ask each stuck rank for its Python stack (faulthandler on SIGUSR1) and collect them."""
+    for r in ranks:
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(0.3)
+    text = []
+    for r in ranks:
+        stacks[r].seek(0)
+        lines = [ln for ln in stacks[r].read().splitlines() if ln.strip()]
+        text.append(f"--- rank {r} was here ---\n" + "\n".join(lines[:12]))
+    return "\n".join(text)
+
+
+def _collect(procs, conns, stacks, timeout):
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
     open_conns = dict(enumerate(conns))
@@ -258,7 +289,8 @@ def _collect(procs, conns, timeout):
             waiting = [r for r in range(len(procs)) if r not in results]
             raise WorkerTimeout(
                 f"ranks {waiting} did not finish within {timeout:g} s (a collective that "
-                f"some rank never called? a deadlock in send/recv?); all ranks were stopped")
+                f"some rank never called? a deadlock in send/recv?); all ranks were stopped\n"
+                + _stuck_stacks(procs, waiting, stacks))
         ready = mpc.wait(list(open_conns.values()) +
                          [p.sentinel for r, p in enumerate(procs) if r not in results],
                          timeout=min(left, 1.0))

@@ -1,0 +1,307 @@
+"""The collectives, behind one thin instrumented layer (lesson 00).
+
+Every technique in picolib talks to other ranks through these functions, so a lesson can
+open a `Ledger` around a training step and read back what moved:
+
+    with Ledger() as ledger:
+        all_reduce(grad, group=dp_group)
+    ledger.total("sent_bytes")      # bytes this rank put on the wire
+
+Each record holds the op, the group size, the payload bytes (the full buffer of the
+collective), the bytes this rank sends under the standard algorithm, and the wall time.
+
+Two kinds of implementation:
+- the *native* ones call torch.distributed (gloo's or NCCL's own algorithms). Their
+  `sent_bytes` is the textbook cost of the ring (or direct) algorithm, computed by
+  `ring_sent_bytes` — a model, marked `measured=False`;
+- `ring_reduce_scatter`, `ring_all_gather` and `ring_all_reduce` are picolib's own rings,
+  built from send/recv; their `sent_bytes` adds up the tensors actually sent
+  (`measured=True`). Lesson 00 uses them to check the formulas against real traffic.
+
+The ring formulas for B payload bytes on N ranks (each rank sends, per collective):
+    reduce-scatter, all-gather: (N−1)/N · B        all-reduce: 2(N−1)/N · B
+    all-to-all (direct):        (N−1)/N · B        broadcast (pipelined chain): B, 0 for the last rank
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Record", "Ledger", "ring_sent_bytes", "all_reduce", "reduce_scatter", "all_gather",
+           "broadcast", "all_to_all", "send", "recv", "exchange", "barrier",
+           "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+
+
+@dataclass
+class Record:
+    op: str
+    group_size: int
+    nbytes: int              # the collective's full buffer (for send/recv: the tensor)
+    sent_bytes: int          # what this rank puts on the wire
+    seconds: float | None    # wall time; for async ops, from issue to the end of wait()
+    measured: bool = False   # True when sent_bytes was counted, not computed
+    meta: dict = field(default_factory=dict)
+
+
+class Ledger:
+    """Records every picolib collective called while it is open (in this process only).
+
+    Ledgers nest: an inner ledger's records also reach the outer ones."""
+
+    _open: list["Ledger"] = []
+
+    def __init__(self):
+        self.records: list[Record] = []
+
+    def __enter__(self):
+        Ledger._open.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        Ledger._open.remove(self)
+
+    def select(self, op: str | None = None) -> list[Record]:
+        return [r for r in self.records if op is None or r.op == op]
+
+    def count(self, op: str | None = None) -> int:
+        return len(self.select(op))
+
+    def total(self, what: str = "sent_bytes", op: str | None = None):
+        return sum(getattr(r, what) or 0 for r in self.select(op))
+
+    def summary(self) -> dict[str, dict]:
+        """{op: {"calls", "nbytes", "sent_bytes", "seconds"}} — picklable, for returning from a rank."""
+        out: dict[str, dict] = {}
+        for r in self.records:
+            s = out.setdefault(r.op, {"calls": 0, "nbytes": 0, "sent_bytes": 0, "seconds": 0.0})
+            s["calls"] += 1
+            s["nbytes"] += r.nbytes
+            s["sent_bytes"] += r.sent_bytes
+            s["seconds"] += r.seconds or 0.0
+        return out
+
+    def as_dicts(self) -> list[dict]:
+        return [asdict(r) for r in self.records]
+
+    @staticmethod
+    def _add(record: Record):
+        for ledger in Ledger._open:
+            ledger.records.append(record)
+
+
+def ring_sent_bytes(op: str, nbytes: int, n: int, rank: int = 0, root: int = 0) -> int:
+    """Bytes one rank sends for a collective over `nbytes` on `n` ranks (module docstring)."""
+    if n == 1:
+        return 0
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return nbytes * (n - 1) // n
+    if op == "all_reduce":
+        return 2 * nbytes * (n - 1) // n
+    if op == "broadcast":  # chain root → root+1 → ...: everyone but the last forwards B
+        return 0 if (rank - root) % n == n - 1 else nbytes
+    if op == "send":
+        return nbytes
+    if op == "recv":
+        return 0
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Timed:
+    """Wraps an async Work so that wait() completes the ledger record's time."""
+
+    def __init__(self, work, record: Record, t0: float):
+        self._work, self._record, self._t0 = work, record, t0
+
+    def wait(self):
+        self._work.wait()
+        self._record.seconds = time.perf_counter() - self._t0
+        return True
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+
+def _native(op, call, nbytes, group, async_op, rank_in_group=0, root=0, meta=None):
+    n = dist.get_world_size(group)
+    rec = Record(op, n, nbytes, ring_sent_bytes(op, nbytes, n, rank_in_group, root), None,
+                 meta=meta or {})
+    Ledger._add(rec)
+    t0 = time.perf_counter()
+    work = call(async_op)
+    if async_op:
+        return _Timed(work, rec, t0)
+    rec.seconds = time.perf_counter() - t0
+    return None
+
+
+def all_reduce(tensor, op: str = "sum", group=None, async_op: bool = False):
+    """In place: every rank ends with the reduction (sum / avg / max) of all ranks' tensors."""
+    return _native("all_reduce", lambda a: dist.all_reduce(tensor, _REDUCE_OPS[op], group, a),
+                   _bytes(tensor), group, async_op)
+
+
+def reduce_scatter(output, input, op: str = "sum", group=None, async_op: bool = False):
+    """Rank r gets chunk r of the reduction: input has N·output.numel() elements."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return _native("reduce_scatter", lambda a: fn(output, input, _REDUCE_OPS[op], group, a),
+                   _bytes(input), group, async_op)
+
+
+def all_gather(output, input, group=None, async_op: bool = False):
+    """Every rank gets all ranks' inputs, concatenated along dim 0, in rank order."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return _native("all_gather", lambda a: fn(output, input, group, a),
+                   _bytes(output), group, async_op)
+
+
+def broadcast(tensor, src: int, group=None, async_op: bool = False):
+    """In place: every rank gets `src`'s tensor (`src` is a global rank)."""
+    me = dist.get_rank(group)
+    root = dist.get_group_rank(group, src) if group is not None else src
+    return _native("broadcast", lambda a: dist.broadcast(tensor, src, group, a),
+                   _bytes(tensor), group, async_op, rank_in_group=me, root=root)
+
+
+def all_to_all(output, input, group=None, output_split_sizes=None, input_split_sizes=None,
+               async_op: bool = False):
+    """Rank r sends chunk j of its input to rank j and receives chunk r of every rank's input."""
+    n = dist.get_world_size(group)
+    if input_split_sizes is None:
+        sent = _bytes(input) * (n - 1) // n
+    else:
+        me = dist.get_rank(group)
+        row = input[0:1].numel() * input.element_size() if input.dim() else input.element_size()
+        sent = sum(s for j, s in enumerate(input_split_sizes) if j != me) * row
+    rec = Record("all_to_all", n, _bytes(input), sent, None)
+    Ledger._add(rec)
+    t0 = time.perf_counter()
+    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                  group=group, async_op=async_op)
+    if async_op:
+        return _Timed(work, rec, t0)
+    rec.seconds = time.perf_counter() - t0
+
+
+def send(tensor, dst: int, group=None):
+    """Blocking point-to-point send to global rank `dst`."""
+    return _native("send", lambda a: dist.send(tensor, dst, group), _bytes(tensor), group, False)
+
+
+def recv(tensor, src: int, group=None):
+    """Blocking point-to-point receive from global rank `src`, into `tensor`."""
+    return _native("recv", lambda a: dist.recv(tensor, src, group), _bytes(tensor), group, False)
+
+
+def exchange(sends=(), recvs=(), group=None):
+    """Post all sends [(tensor, dst)] and receives [(tensor, src)] at once, then wait.
+
+    Batching lets two neighbours send to each other without deadlock (ranks are global)."""
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    if not ops:
+        return
+    n = dist.get_world_size(group)
+    t0 = time.perf_counter()
+    recs = [Record("send", n, _bytes(t), _bytes(t), None, meta={"peer": p}) for t, p in sends]
+    recs += [Record("recv", n, _bytes(t), 0, None, meta={"peer": p}) for t, p in recvs]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    dt = time.perf_counter() - t0
+    for r in recs:
+        r.seconds = dt
+        Ledger._add(r)
+
+
+def barrier(group=None):
+    dist.barrier(group)
+
+
+# ------------------------------------------------------------------- picolib's own rings
+
+def _ring_neighbours(group):
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    return n, me, to_global((me + 1) % n), to_global((me - 1) % n)
+
+
+def _ring_step(send_buf, recv_buf, right, left, group):
+    ops = [dist.P2POp(dist.isend, send_buf, right, group), dist.P2POp(dist.irecv, recv_buf, left, group)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    return _bytes(send_buf)
+
+
+@contextmanager
+def _ring_record(op, nbytes, group):
+    rec = Record(op, dist.get_world_size(group), nbytes, 0, None, measured=True,
+                 meta={"algorithm": "ring"})
+    t0 = time.perf_counter()
+    yield rec
+    rec.seconds = time.perf_counter() - t0
+    Ledger._add(rec)
+
+
+def _reduce_scatter_steps(chunks, n, me, right, left, group):
+    """N−1 steps: in step k, send the running sum of chunk (me−k−1) to the right, add what
+    arrives from the left into chunk (me−k−2). Afterwards chunk me holds the full sum."""
+    sent = 0
+    incoming = torch.empty_like(chunks[0])
+    for k in range(n - 1):
+        s, r = (me - k - 1) % n, (me - k - 2) % n
+        sent += _ring_step(chunks[s], incoming, right, left, group)
+        chunks[r] += incoming
+    return sent
+
+
+def _all_gather_steps(chunks, n, me, right, left, group):
+    """N−1 steps: pass along the chunk received last; each rank ends with all N."""
+    sent = 0
+    for k in range(n - 1):
+        s, r = (me - k) % n, (me - k - 1) % n
+        sent += _ring_step(chunks[s], chunks[r], right, left, group)
+    return sent
+
+
+def ring_reduce_scatter(tensor, group=None) -> torch.Tensor:
+    """Sum over ranks, rank r keeps chunk r (returned). `tensor.numel()` must divide by N; it
+    is used as scratch space."""
+    n, me, right, left = _ring_neighbours(group)
+    if tensor.numel() % n:
+        raise ValueError(f"ring_reduce_scatter: {tensor.numel()} elements do not divide by {n} ranks")
+    chunks = list(tensor.view(-1).chunk(n))
+    with _ring_record("reduce_scatter", _bytes(tensor), group) as rec:
+        rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group)
+    return chunks[me].clone()
+
+
+def ring_all_gather(shard, group=None) -> torch.Tensor:
+    """Concatenate every rank's `shard` in rank order, passing chunks around the ring."""
+    n, me, right, left = _ring_neighbours(group)
+    out = torch.empty(n * shard.numel(), dtype=shard.dtype, device=shard.device)
+    chunks = list(out.chunk(n))
+    chunks[me].copy_(shard.reshape(-1))
+    with _ring_record("all_gather", _bytes(out), group) as rec:
+        rec.sent_bytes = _all_gather_steps(chunks, n, me, right, left, group)
+    return out
+
+
+def ring_all_reduce(tensor, group=None) -> torch.Tensor:
+    """In place sum over ranks = ring reduce-scatter followed by ring all-gather."""
+    n, me, right, left = _ring_neighbours(group)
+    if tensor.numel() % n:
+        raise ValueError(f"ring_all_reduce: {tensor.numel()} elements do not divide by {n} ranks")
+    chunks = list(tensor.view(-1).chunk(n))
+    with _ring_record("all_reduce", _bytes(tensor), group) as rec:
+        rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group)
+        rec.sent_bytes += _all_gather_steps(chunks, n, me, right, left, group)
+    return tensor

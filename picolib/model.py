@@ -1,0 +1,246 @@
+"""A tiny Llama: the model every lesson trains, small enough for 8 ranks on a laptop.
+
+Same parts as Llama 3 — RMSNorm, rotary position embedding (RoPE), grouped-query
+attention (GQA: fewer key/value heads than query heads) and a SwiGLU MLP — at sizes of a
+few hundred thousand parameters. Lesson 01 counts its parameters with a formula and
+measures its memory; the technique files (tensor, sequence, pipeline parallel, ...) cut
+it into pieces and must give back the same numbers as this single-process reference.
+
+Choices made for teaching:
+- q, k, v, o and gate, up, down are separate `nn.Linear`s, named as in the literature,
+  so a parallel version can shard each one;
+- attention is written out (`attn_impl="eager"`) so the saved s×s score matrices are
+  visible to the memory lesson; `attn_impl="sdpa"` uses the fused kernel (flash-style
+  on CPU and GPU), which saves no s×s matrix;
+- `recompute="full"` recomputes each block in backward, `"selective"` only the
+  attention core (the softmax(QKᵀ)V part), as in Korthikanti et al. 2022 (lesson 01);
+- weights come from the config's seed alone: same seed → bitwise same model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["LlamaConfig", "TinyLlama", "RMSNorm", "Attention", "SwiGLU", "Block",
+           "rope_tables", "apply_rope", "attention_core", "param_count", "random_tokens",
+           "TextData", "repeat_kv"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256          # bytes: the shipped text is tokenised byte by byte
+    hidden: int = 64               # h
+    n_layers: int = 4              # L
+    n_heads: int = 4               # a (query heads)
+    n_kv_heads: int = 2            # key/value heads (GQA); = n_heads is plain multi-head
+    ffn_hidden: int = 128          # SwiGLU inner size
+    max_seq: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    seed: int = 0
+    attn_impl: str = "eager"       # "eager" | "sdpa"
+    recompute: str = "none"        # "none" | "full" | "selective"
+
+    def __post_init__(self):
+        if self.hidden % self.n_heads:
+            raise ValueError(f"hidden={self.hidden} must divide by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must divide by n_kv_heads={self.n_kv_heads}")
+        if self.attn_impl not in ("eager", "sdpa"):
+            raise ValueError(f"attn_impl must be 'eager' or 'sdpa', not {self.attn_impl!r}")
+        if self.recompute not in ("none", "full", "selective"):
+            raise ValueError(f"recompute must be 'none', 'full' or 'selective', not {self.recompute!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    def replace(self, **changes) -> "LlamaConfig":
+        return replace(self, **changes)
+
+
+def param_count(cfg: LlamaConfig) -> int:
+    """Parameters of TinyLlama by formula (lesson 01).
+
+    embedding v·h + per layer [q: h·a·d, k and v: 2·h·kv·d, o: a·d·h, SwiGLU: 3·h·f,
+    two norms: 2h] + final norm h + output head h·v (untied).
+    """
+    h, v, L, f = cfg.hidden, cfg.vocab_size, cfg.n_layers, cfg.ffn_hidden
+    d, a, kv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    per_layer = h * a * d + 2 * h * kv * d + a * d * h + 3 * h * f + 2 * h
+    return v * h + L * per_layer + h + h * v
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · g — LayerNorm without the mean and the bias."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq: int, theta: float):
+    """cos and sin of position·frequency, shape (max_seq, head_dim/2)."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x[2i], x[2i+1]) by the position's angle. x: (b, heads, s, d); cos/sin: (s, d/2)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+def repeat_kv(x, n_rep: int):
+    """GQA: each key/value head serves n_rep query heads. (b, kv, s, d) → (b, kv·n_rep, s, d)."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def attention_core(q, k, v, impl: str = "eager", causal: bool = True):
+    """softmax(q kᵀ/√d + causal mask) v for (b, heads, s, d) tensors."""
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        s_q, s_k = scores.shape[-2:]
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        h, d = cfg.hidden, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, d
+        self.impl, self.selective = cfg.attn_impl, cfg.recompute == "selective"
+        self.wq = nn.Linear(h, cfg.n_heads * d, bias=False)
+        self.wk = nn.Linear(h, cfg.n_kv_heads * d, bias=False)
+        self.wv = nn.Linear(h, cfg.n_kv_heads * d, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * d, h, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_rep = q.shape[1] // k.shape[1]  # heads may be a shard: keep the ratio, not the totals
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        if self.selective and torch.is_grad_enabled():
+            out = checkpoint(attention_core, q, k, v, self.impl, use_reentrant=False)
+        else:
+            out = attention_core(q, k, v, self.impl)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w_up = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyLlama(nn.Module):
+    """tokens (b, s) → logits (b, s, vocab). `loss(tokens, targets)` is the mean cross-entropy."""
+
+    def __init__(self, cfg: LlamaConfig | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg or LlamaConfig()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters(cfg.seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int):
+        """Normal(0, 0.02) weights and unit norms, drawn from a private generator (seeded)."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+    def rope(self, seq_len: int, offset: int = 0):
+        if offset + seq_len > self.cfg.max_seq:
+            raise ValueError(f"positions up to {offset + seq_len} exceed max_seq={self.cfg.max_seq}")
+        return self.rope_cos[offset:offset + seq_len], self.rope_sin[offset:offset + seq_len]
+
+    def forward(self, tokens, pos_offset: int = 0):
+        x = self.embed(tokens)
+        cos, sin = self.rope(tokens.shape[1], pos_offset)
+        for block in self.blocks:
+            if self.cfg.recompute == "full" and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+    def loss(self, tokens, targets):
+        logits = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# --------------------------------------------------------------------------- data
+
+def random_tokens(batch: int, seq: int, vocab: int = 256, seed: int = 0):
+    """(tokens, targets) of uniform random ids; targets are tokens shifted by one."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+class TextData:
+    """The shipped text (picolib/data/tiny.txt) as bytes; `batch(b, s, step)` gives
+    (tokens, targets) windows, deterministic in `step`. Nothing is downloaded."""
+
+    path = Path(__file__).parent / "data" / "tiny.txt"
+
+    def __init__(self, path: str | Path | None = None):
+        self.ids = torch.tensor(list(Path(path or self.path).read_bytes()), dtype=torch.long)
+
+    def batch(self, batch: int, seq: int, step: int = 0, seed: int = 0):
+        if seq + 1 > len(self.ids):
+            raise ValueError(f"seq={seq} is longer than the text ({len(self.ids)} bytes)")
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.ids) - seq - 1, (batch,), generator=g)
+        windows = torch.stack([self.ids[s:s + seq + 1] for s in starts.tolist()])
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

@@ -1,0 +1,296 @@
+"""Per-rank timelines: record spans, merge the ranks, draw a Gantt chart, measure bubbles.
+
+    tl = Timeline(emulate={"F": 0.02, "B": 0.04})      # one recorder per rank
+    with tl.span("F", mb=3):                            # an event: rank, name, lane, times, meta
+        y = stage(x)
+    return tl.events                                    # plain dicts, through launch.run
+    ...
+    events = merge(run(worker, 4))                      # one list, t = 0 at the first start
+    plot_gantt(events); bubble_fraction(events); to_chrome_trace(events, "trace.json")
+
+Lessons 02 (all-reduce hidden behind backward), 03 (ZeRO prefetch) and 07 (pipeline
+schedules) draw their timelines with it. Times come from `time.perf_counter()`, a
+monotonic clock that forked ranks on one machine share, so spans of different ranks can
+be set side by side.
+
+Cost emulation. On a laptop 8 ranks share 2 cores, so the wall clock of a span measures
+the OS scheduler more than the schedule. With `emulate={"F": 0.02}` (or `span(cost=...)`)
+a span runs its body and then sleeps until `start + cost`: its duration is
+max(cost, real time), and sleeping ranks leave the cores to the others. Pick costs well
+above the real compute time and the figure shows the schedule as it would be on
+dedicated devices; each event records `emulated`, and a lesson says which mode a figure
+used. On a GPU, spans time the host: synchronise inside the span to time the kernels.
+"""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+__all__ = ["Timeline", "merge", "gather", "plot_gantt", "to_chrome_trace", "busy_time",
+           "makespan", "bubble_fraction", "bubble_ratio", "overlap_time", "COLORS"]
+
+COMPUTE = ("F", "B", "W", "BW")
+
+# Fixed colours, so a name looks the same in every lesson. Comm names are matched
+# without case, "_" or "-" ("all_reduce" == "AllReduce").
+COLORS = {"F": "#4e79a7", "B": "#59a14f", "W": "#b07aa1", "BW": "#2e7d4f",
+          "allreduce": "#e15759", "reducescatter": "#f28e2b", "allgather": "#edc948",
+          "alltoall": "#ff9da7", "broadcast": "#9c755f", "send": "#8c8c8c",
+          "recv": "#bab0ac", "step": "#76b7b2", "opt": "#76b7b2"}
+_SPARE = ["#17becf", "#bcbd22", "#7f7f7f", "#8c564b", "#e377c2", "#1f77b4", "#ff7f0e"]
+
+
+class Timeline:
+    """Records the spans of one rank. Pass it explicitly; `events` are picklable dicts."""
+
+    def __init__(self, rank: int | None = None, emulate: dict[str, float] | None = None):
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank, self.emulate, self._events = rank, dict(emulate or {}), []
+
+    @contextmanager
+    def span(self, name: str, lane: str = "compute", cost: float | None = None, **meta):
+        """Time the body as event `name`. With a cost (argument, else `emulate[name]`) the
+        span sleeps until start + cost. Yields the event dict; the body may add to its meta."""
+        if cost is None:
+            cost = self.emulate.get(name)
+        ev = {"rank": self.rank, "name": name, "lane": lane, "start": time.perf_counter(),
+              "end": None, "emulated": cost is not None, "meta": dict(meta)}
+        try:
+            yield ev
+            if cost is not None:
+                _sleep_until(ev["start"] + cost)
+        finally:
+            ev["end"] = time.perf_counter()
+            self._events.append(ev)
+
+    def add(self, name: str, start: float, end: float, lane: str = "compute", **meta):
+        """Record an interval measured elsewhere (e.g. an async all-reduce: issue → wait)."""
+        if end < start:
+            raise ValueError(f"span {name!r} ends ({end}) before it starts ({start})")
+        ev = {"rank": self.rank, "name": name, "lane": lane, "start": float(start),
+              "end": float(end), "emulated": False, "meta": dict(meta)}
+        self._events.append(ev)
+        return ev
+
+    @property
+    def events(self) -> list[dict]:
+        return [dict(e, meta=dict(e["meta"])) for e in self._events]
+
+
+def _sleep_until(t: float):
+    while (left := t - time.perf_counter()) > 0:
+        time.sleep(left)
+
+
+def merge(per_rank_events) -> list[dict]:
+    """One list sorted by (start, rank), shifted so the earliest start is 0.
+    Takes the list of lists that `launch.run` returns (or one flat list)."""
+    flat = [e for item in per_rank_events
+            for e in ([item] if isinstance(item, dict) else item)]
+    if not flat:
+        return []
+    t0 = min(e["start"] for e in flat)
+    out = [dict(e, start=e["start"] - t0, end=e["end"] - t0, meta=dict(e.get("meta", {})))
+           for e in flat]
+    return sorted(out, key=lambda e: (e["start"], e["rank"], e["end"]))
+
+
+def gather(tl: Timeline, group=None, dst: int = 0) -> list[dict] | None:
+    """For torchrun scripts: every rank of `group` sends its events to global rank `dst`,
+    which gets the merged list; the others get None."""
+    mine = dist.get_rank() == dst
+    bucket = [None] * dist.get_world_size(group) if mine else None
+    dist.gather_object(tl.events, bucket, dst=dst, group=group)
+    return merge(bucket) if mine else None
+
+
+# --------------------------------------------------------------------------- measures
+
+def _names(names):
+    return None if names is None else ({names} if isinstance(names, str) else set(names))
+
+
+def _pick(events, rank=None, names=None):
+    names = _names(names)
+    return [e for e in events if (rank is None or e["rank"] == rank)
+            and (names is None or e["name"] in names)]
+
+
+def _union(events) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for s, e in sorted((ev["start"], ev["end"]) for ev in events):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+def busy_time(events, rank: int, names=None) -> float:
+    """Seconds rank `rank` spends inside at least one span named in `names` (None: any):
+    the length of the union of those intervals, so overlapping spans count once."""
+    return sum(e - s for s, e in _union(_pick(events, rank, names)))
+
+
+def makespan(events, names=None) -> float:
+    """Latest end minus earliest start over all ranks' spans named in `names` (None: any)."""
+    evs = _pick(events, None, names)
+    return max(e["end"] for e in evs) - min(e["start"] for e in evs) if evs else 0.0
+
+
+def _idle_busy(events, names):
+    total = makespan(events, names)
+    ranks = sorted({e["rank"] for e in events})
+    busy = [busy_time(events, r, names) for r in ranks]
+    return total, [total - b for b in busy], busy
+
+
+def bubble_fraction(events, names=COMPUTE) -> float:
+    """Mean over ranks of idle_r / T: the fraction of the run each device sits idle.
+    T = makespan(events, names); busy_r = busy_time(events, r, names); idle_r = T - busy_r.
+    Ranks are all those that appear in `events`. AFAB, p stages, m equal micro-batches:
+    (p-1)/(m+p-1)."""
+    total, idle, _ = _idle_busy(events, names)
+    return sum(idle) / (len(idle) * total) if total > 0 else 0.0
+
+
+def bubble_ratio(events, names=COMPUTE) -> float:
+    """Total idle / total busy over ranks, sum_r idle_r / sum_r busy_r (definitions as in
+    `bubble_fraction`): the bubble as a fraction of the ideal, bubble-free time. AFAB,
+    p stages, m equal micro-batches: exactly (p-1)/m."""
+    _, idle, busy = _idle_busy(events, names)
+    return sum(idle) / sum(busy) if sum(busy) > 0 else 0.0
+
+
+def overlap_time(events, rank: int, a_names, b_names) -> float:
+    """Seconds on rank `rank` during which some span named in `a_names` and some span
+    named in `b_names` both run: |union(a) ∩ union(b)| (e.g. all-reduce hidden by backward)."""
+    a, b = _union(_pick(events, rank, a_names)), _union(_pick(events, rank, b_names))
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+# --------------------------------------------------------------------------- export
+
+def _lanes(events) -> list[str]:
+    lanes = list(dict.fromkeys(e["lane"] for e in events))
+    return sorted(lanes, key=lambda lane: lane != "compute")  # compute first, others in order
+
+
+def to_chrome_trace(events, path=None) -> dict:
+    """Chrome Trace Event format (open in ui.perfetto.dev or chrome://tracing): one "X"
+    event per span, ts/dur in µs from the earliest start. Lanes are processes (pid 0 =
+    "compute", 1 = the next lane, ...), ranks are threads (tid = rank, named "rank r"),
+    so each lane reads as a Gantt chart of all ranks. Writes JSON to `path` if given."""
+    t0 = min((e["start"] for e in events), default=0.0)
+    lanes = _lanes(events)
+    out = []
+    for pid, lane in enumerate(lanes):
+        out.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                    "args": {"name": lane}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
+                    "args": {"sort_index": pid}})
+        for r in sorted({e["rank"] for e in events if e["lane"] == lane}):
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": r,
+                        "args": {"name": f"rank {r}"}})
+            out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": r,
+                        "args": {"sort_index": r}})
+    for e in events:
+        out.append({"ph": "X", "name": _label(e), "cat": e["name"], "pid": lanes.index(e["lane"]),
+                    "tid": e["rank"], "ts": (e["start"] - t0) * 1e6,
+                    "dur": (e["end"] - e["start"]) * 1e6,
+                    "args": {**{k: _jsonable(v) for k, v in e["meta"].items()},
+                             "emulated": e["emulated"]}})
+    trace = {"traceEvents": out, "displayTimeUnit": "ms"}
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(trace, f)
+    return trace
+
+
+def _jsonable(v):
+    return v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
+
+
+# --------------------------------------------------------------------------- plot
+
+def _label(e) -> str:
+    meta, name = e["meta"], e["name"]
+    if "label" in meta:
+        return str(meta["label"])
+    if "mb" in meta:
+        return f"{name}{meta['mb']}" if len(name) <= 2 else f"{name} {meta['mb']}"
+    return name
+
+
+def _key(name: str) -> str:
+    return name if name in COLORS else name.lower().replace("_", "").replace("-", "")
+
+
+def plot_gantt(events, ax=None, title=None, colors=None):
+    """Gantt chart: one row per rank (rank 0 on top), a sub-row per lane (compute, comm),
+    one box per span labelled like "F3" (name + meta `mb`, or meta `label`), coloured by
+    name (`COLORS`, overridden by `colors`); virtual-stage `chunk` > 0 is drawn lighter.
+    Returns the Axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch, Rectangle
+
+    lanes, ranks = _lanes(events), sorted({e["rank"] for e in events})
+    rows = [(r, lane) for r in ranks for lane in lanes
+            if any(e["rank"] == r and e["lane"] == lane for e in events)]
+    heights = [1.0 if lane == "compute" else 0.6 for _, lane in rows]  # sub-lanes thinner
+    tops = [sum(heights[:i]) for i in range(len(rows))]
+    centre = {row: top + h / 2 for row, top, h in zip(rows, tops, heights)}
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 0.45 * sum(heights) + 1.4), layout="constrained")
+    total = makespan(events) or 1.0
+    scale, unit = (1.0, "s") if total >= 2 else (1e3, "ms")
+    t0 = min((e["start"] for e in events), default=0.0)
+    palette, spare = {**COLORS, **{_key(k): v for k, v in (colors or {}).items()}}, iter(_SPARE * 9)
+    for n in sorted({_key(e["name"]) for e in events} - set(palette)):
+        palette[n] = next(spare)
+    px_per_unit = ax.get_window_extent().width / (total * scale)
+    for e in events:
+        y = centre[(e["rank"], e["lane"])]
+        x, w = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
+        rgb = to_rgb(palette[_key(e["name"])])
+        lift = min(0.5, 0.3 * e["meta"].get("chunk", 0))
+        rgb = tuple(c + (1 - c) * lift for c in rgb)
+        height = 0.8 if e["lane"] == "compute" else 0.45
+        ax.add_patch(Rectangle((x, y - height / 2), w, height, facecolor=rgb,
+                               edgecolor="white", linewidth=0.8))
+        text = _label(e)
+        if w * px_per_unit > 7 * len(text) + 4:
+            dark = 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2] < 0.6
+            ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=8,
+                    color="white" if dark else "black", clip_on=True)
+    ax.set_xlim(0, total * scale)
+    ax.set_ylim(sum(heights), 0)
+    ax.set_yticks([centre[row] for row in rows])
+    ax.set_yticklabels([f"rank {r}" if lane == "compute" else f"rank {r} · {lane}"
+                        for r, lane in rows])
+    for i in range(1, len(rows)):  # a thin rule between ranks
+        if rows[i][0] != rows[i - 1][0]:
+            ax.axhline(tops[i], color="#dddddd", linewidth=0.8)
+    emulated = any(e["emulated"] for e in events)
+    ax.set_xlabel(f"time ({unit})" + (" — emulated costs" if emulated else " — wall clock"))
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.grid(axis="x", color="#eeeeee", linewidth=0.8)
+    ax.set_axisbelow(True)
+    names = list(dict.fromkeys(e["name"] for e in events))
+    ax.legend(handles=[Patch(color=palette[_key(n)], label=n) for n in names],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+    if title:
+        ax.set_title(title)
+    return ax
