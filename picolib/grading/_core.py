@@ -1,0 +1,64 @@
+"""What every check shares: calling the student's code safely, comparing, reporting."""
+from __future__ import annotations
+
+import torch
+
+from ..launch import WorkerError, run
+
+
+class ExerciseFailed(AssertionError):
+    """The student's answer differs from the reference (the message says how)."""
+
+
+def call_student(fn, *args, **kwargs):
+    """Call the student's function; an unfinished exercise becomes a clear failure."""
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError:
+        raise ExerciseFailed(f"{getattr(fn, '__name__', 'your function')} is not written yet "
+                             "(it raises NotImplementedError)") from None
+
+
+def run_student(worker, world_size: int, *args, timeout: float = 60.0, **kwargs) -> list:
+    """Run `worker` on ranks through launch.run; a rank's failure becomes ExerciseFailed."""
+    try:
+        return run(worker, world_size, *args, timeout=timeout, **kwargs)
+    except WorkerError as e:
+        if "NotImplementedError" in str(e).split("\n")[0]:
+            raise ExerciseFailed(f"rank {e.rank}: the exercise is not written yet "
+                                 "(NotImplementedError)") from None
+        raise ExerciseFailed(str(e)) from None
+
+
+def compare(what: str, got, expected, atol: float = 1e-6, rtol: float = 1e-5) -> list[str]:
+    """Describe how `got` differs from `expected` (numbers, tensors, sequences); [] if equal."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return [f"{what}: expected a tensor, got {type(got).__name__}"]
+        if tuple(got.shape) != tuple(expected.shape):
+            return [f"{what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"]
+        if not torch.allclose(got.double(), expected.double(), atol=atol, rtol=rtol):
+            err = (got.double() - expected.double()).abs().max().item()
+            return [f"{what}: values differ (max abs error {err:.3g}, tolerance {atol:g})"]
+        return []
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(expected):
+            return [f"{what}: expected {len(expected)} items, got {got!r}"]
+        return [p for i, (g, e) in enumerate(zip(got, expected))
+                for p in compare(f"{what}[{i}]", g, e, atol, rtol)]
+    if isinstance(expected, float):
+        try:
+            ok = abs(float(got) - expected) <= atol + rtol * abs(expected)
+        except (TypeError, ValueError):
+            ok = False
+        return [] if ok else [f"{what}: got {got!r}, expected {expected!r}"]
+    return [] if got == expected else [f"{what}: got {got!r}, expected {expected!r}"]
+
+
+def report(title: str, problems: list[str], passed: int | None = None) -> None:
+    """Print the verdict; raise ExerciseFailed listing every difference."""
+    if problems:
+        lines = "\n".join(f"  ✗ {p}" for p in problems)
+        print(f"{title}: {len(problems)} problem(s)\n{lines}")
+        raise ExerciseFailed(f"{title}:\n{lines}")
+    print(f"✓ {title}" + (f": all {passed} checks passed" if passed else ""))
