@@ -18,8 +18,8 @@ the OS scheduler more than the schedule. With `emulate={"F": 0.02}` (or `span(co
 a span runs its body and then sleeps until `start + cost`: its duration is
 max(cost, real time), and sleeping ranks leave the cores to the others. Pick costs well
 above the real compute time and the figure shows the schedule as it would be on
-dedicated devices; each event records `emulated`, and a lesson says which mode a figure
-used. On a GPU, spans time the host: synchronise inside the span to time the kernels.
+dedicated devices; each event records `emulated` and `cost` (so a lesson can check that
+no body overran its cost), and a lesson says which mode a figure used. On a GPU, spans time the host: synchronise inside the span to time the kernels.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class Timeline:
         if cost is None:
             cost = self.emulate.get(name)
         ev = {"rank": self.rank, "name": name, "lane": lane, "start": time.perf_counter(),
-              "end": None, "emulated": cost is not None, "meta": dict(meta)}
+              "end": None, "emulated": cost is not None, "cost": cost, "meta": dict(meta)}
         try:
             yield ev
             if cost is not None:
@@ -72,7 +72,7 @@ class Timeline:
         if end < start:
             raise ValueError(f"span {name!r} ends ({end}) before it starts ({start})")
         ev = {"rank": self.rank, "name": name, "lane": lane, "start": float(start),
-              "end": float(end), "emulated": False, "meta": dict(meta)}
+              "end": float(end), "emulated": False, "cost": None, "meta": dict(meta)}
         self._events.append(ev)
         return ev
 
