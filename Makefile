@@ -6,6 +6,8 @@ TORCH  ?= torch==2.13.0
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+NOTEBOOKS := $(wildcard notebooks/*.ipynb solutions/*.ipynb)
+NBVAL  := --nbval-lax --nbval-current-env
 
 .PHONY: lab test test-lib test-notebooks exercises bench clean
 
@@ -20,13 +22,13 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests notebooks solutions --nbval-lax --nbval-current-env -p no:cacheprovider
+	$(PY) -m pytest -q tests $(NOTEBOOKS) $(NBVAL) -p no:cacheprovider
 
 test-lib: $(STAMP)
 	$(PY) -m pytest -q tests
 
 test-notebooks: $(STAMP)
-	$(PY) -m pytest -q notebooks solutions --nbval-lax --nbval-current-env
+	$(PY) -m pytest -q $(NOTEBOOKS) $(NBVAL)
 
 exercises: $(STAMP)
 	$(PY) tools/make_exercises.py
