@@ -13,7 +13,6 @@ NBVAL  := --nbval-lax --nbval-current-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[notebooks,dev]"
 	touch $(STAMP)
