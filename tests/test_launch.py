@@ -172,3 +172,27 @@ def test_two_callers_at_once_do_not_collide():
              for _ in range(2)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0] and all("ok" in o for o in outs)
+
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import torch
+    from picolib.launch import init_from_env
+    from picolib.comm import Ledger, all_reduce
+    rank, world = init_from_env()
+    t = torch.tensor([float(rank + 1)])
+    with Ledger() as led:
+        all_reduce(t)
+    print(f"rank={rank} world={world} sum={t.item()} sent={led.total()}", flush=True)
+""")
+
+
+def test_the_same_code_runs_under_torchrun(tmp_path):
+    """The cluster path: torchrun starts the processes, init_from_env joins the group."""
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", str(script)],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for rank in range(2):
+        assert f"rank={rank} world=2 sum=3.0 sent=4" in r.stdout
