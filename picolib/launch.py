@@ -167,16 +167,18 @@ def _worker(rank, world_size, backend, listener, timeout, conn, stack_file, fn, 
         # rank 0 serves the rendezvous store on the socket the caller bound; the caller runs
         # no store thread of its own, so nothing holds a lock while it forks
         port = listener.getsockname()[1]
+        # the group's own timeouts outlast the caller's deadline: a hang must surface as
+        # WorkerTimeout with every rank's stack, not as one rank's gloo timeout error
+        grace = timedelta(seconds=timeout + 30)
         if rank == 0:
             store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
-                                  timeout=timedelta(seconds=timeout), wait_for_workers=False,
+                                  timeout=grace, wait_for_workers=False,
                                   master_listen_fd=listener.fileno(), use_libuv=False)
         else:
             listener.close()
-            store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                                  timeout=timedelta(seconds=timeout))
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=grace)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=grace)
         result = _to_cpu(fn(*args, **kwargs))
         try:
             payload = pickle.dumps(result)

@@ -1,0 +1,93 @@
+"""Start-up cost of a distributed job: picolib.launch.run (fork) vs torch.multiprocessing.spawn.
+
+The job: every rank joins a gloo group and all-reduces a 4-element float32 tensor; the
+caller gets the results back. Timed end to end (processes started, group formed, one
+all-reduce, processes gone), on 2, 4 and 8 ranks, median of REPEATS runs each.
+
+    .venv/bin/python bench/launch.py            # writes bench/results/launch.json
+
+The peer is the stock PyTorch way: `torch.multiprocessing.spawn` of a module-level
+worker that calls `init_process_group("gloo", init_method="tcp://127.0.0.1:<free port>")`.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from picolib.launch import run  # noqa: E402
+
+WORLD_SIZES = (2, 4, 8)
+REPEATS = 5
+NUMEL = 4
+OUT = Path(__file__).resolve().parent / "results" / "launch.json"
+
+
+def job() -> float:
+    """What each rank does (both launchers): one all-reduce of a small tensor."""
+    t = torch.full((NUMEL,), float(dist.get_rank()))
+    dist.all_reduce(t)
+    return t[0].item()
+
+
+def spawn_worker(rank: int, world_size: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    value = job()
+    expected = world_size * (world_size - 1) / 2
+    if value != expected:
+        raise RuntimeError(f"rank {rank}: all-reduce gave {value}, expected {expected}")
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_picolib(world_size: int) -> float:
+    t0 = time.perf_counter()
+    values = run(job, world_size, timeout=60)
+    dt = time.perf_counter() - t0
+    assert values == [world_size * (world_size - 1) / 2] * world_size, values
+    return dt
+
+
+def time_spawn(world_size: int) -> float:
+    t0 = time.perf_counter()
+    tmp.spawn(spawn_worker, args=(world_size, free_port()), nprocs=world_size, join=True)
+    return time.perf_counter() - t0
+
+
+def main() -> list[dict]:
+    rows = []
+    for n in WORLD_SIZES:
+        ours = [time_picolib(n) for _ in range(REPEATS)]
+        peer = [time_spawn(n) for _ in range(REPEATS)]
+        p, q = statistics.median(ours), statistics.median(peer)
+        rows.append({"name": f"allreduce_{n}ranks", "picolib_s": round(p, 4),
+                     "peer_s": round(q, 4), "ratio": round(p / q, 4), "world_size": n,
+                     "repeats": REPEATS, "numel": NUMEL,
+                     "peer": "torch.multiprocessing.spawn + init_method=tcp://",
+                     "torch": torch.__version__})
+        print(f"{n} ranks: picolib {p:.3f} s, spawn {q:.3f} s", file=sys.stderr, flush=True)
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps(rows, indent=1) + "\n")
+    print("| job | picolib (s) | spawn (s) | ratio |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} | {r['picolib_s']:.3f} | {r['peer_s']:.2f} | {r['ratio']:.3f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
