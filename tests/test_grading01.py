@@ -1,0 +1,63 @@
+"""Lesson 01 checks: each passes the reference answer and fails wrong ones."""
+import pytest
+
+from picolib.grading import (ExerciseFailed, check_activation_bytes, check_bytes_per_param,
+                             check_grad_accumulation, check_param_count)
+
+
+def llama_params(cfg):
+    h, d, f = cfg.hidden, cfg.head_dim, cfg.ffn_hidden
+    attn = h * cfg.n_heads * d * 2 + 2 * h * cfg.n_kv_heads * d
+    return 2 * cfg.vocab_size * h + cfg.n_layers * (attn + 3 * h * f + 2 * h) + h
+
+
+def test_param_count():
+    check_param_count(llama_params)
+    with pytest.raises(ExerciseFailed):   # forgets grouped-query attention (kv heads = heads)
+        check_param_count(lambda c: 2 * c.vocab_size * c.hidden + c.hidden + c.n_layers
+                          * (4 * c.hidden ** 2 + 3 * c.hidden * c.ffn_hidden + 2 * c.hidden))
+    with pytest.raises(ExerciseFailed):
+        check_param_count(lambda c: (_ for _ in ()).throw(NotImplementedError()))
+
+
+def test_bytes_per_param():
+    def state_bytes(n, precision, fp32_grad_accum):
+        per = 4 + 4 + 8 if precision == "fp32" else 2 + 2 + 4 + 8
+        return n * (per + (4 if fp32_grad_accum else 0))
+    check_bytes_per_param(state_bytes)
+    with pytest.raises(ExerciseFailed):   # forgets the fp32 master weights
+        check_bytes_per_param(lambda n, p, acc: n * ((16 if p == "fp32" else 12) + 4 * acc))
+    with pytest.raises(ExerciseFailed):
+        check_bytes_per_param(lambda n, p, acc: "16 GB")
+
+
+def test_activation_bytes():
+    def act(L, s, b, h, a, flash=False):
+        return L * s * b * h * (34 + (0 if flash else 5 * a * s / h))
+    check_activation_bytes(act)
+    with pytest.raises(ExerciseFailed):   # the seed note's garbled 3/4
+        check_activation_bytes(lambda L, s, b, h, a, flash=False:
+                               L * s * b * h * (0.75 + (0 if flash else 5 * a * s / h)))
+    with pytest.raises(ExerciseFailed):   # ignores flash attention
+        check_activation_bytes(lambda L, s, b, h, a, flash=False: L * s * b * h * (34 + 5 * a * s / h))
+
+
+def test_grad_accumulation():
+    def accumulate(model, x, y, k):
+        m = len(x) // k
+        for i in range(k):
+            (model.loss(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) / k).backward()
+    check_grad_accumulation(accumulate)
+
+    def unscaled(model, x, y, k):          # sums the micro-batch means: k times too large
+        m = len(x) // k
+        for i in range(k):
+            model.loss(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]).backward()
+    with pytest.raises(ExerciseFailed):
+        check_grad_accumulation(unscaled)
+
+    def all_forwards_first(model, x, y, k):   # right gradient, but holds every micro-batch
+        m = len(x) // k
+        sum(model.loss(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) / k for i in range(k)).backward()
+    with pytest.raises(ExerciseFailed, match="peak saved activations"):
+        check_grad_accumulation(all_forwards_first)
