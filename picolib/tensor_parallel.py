@@ -1,0 +1,408 @@
+"""Tensor parallelism (Megatron-LM): split the matmuls inside each block across a group (lesson 04).
+
+Data parallelism copies the model; tensor parallelism (TP) cuts every weight matrix into
+`tp` slices, so each rank stores and multiplies 1/tp of it. Two ways to cut y = x Wᵀ
+(W is the nn.Linear weight, shape (out, in)):
+
+- ColumnParallelLinear: rank r keeps rows r of W (= columns of the math's A in y = xA):
+  every rank needs the whole input x and produces a slice of the output features;
+- RowParallelLinear: rank r keeps columns r of W: it takes a slice of the input features
+  and produces a *partial sum* of the whole output, which an all-reduce completes.
+
+Column then row needs no communication in between (the slice the first produces is the
+slice the second consumes), so a block's attention (q, k, v column; o row) and MLP
+(gate, up column; down row) each cost one pair of conjugate operators:
+    f: identity forward, all-reduce backward    (where the replicated input enters)
+    g: all-reduce forward, identity backward    (where the partial sums leave)
+One all-reduce per f/g pair forward, one backward. The vocabulary is split too: a
+VocabParallelEmbedding and a cross-entropy that reduces max / sum-exp / target logit
+instead of gathering the (b, s, vocab) logits.
+
+Grouped-query attention rule (n_heads = a query heads, kv key/value heads, tp ranks):
+    a % tp == 0 always; if tp <= kv: kv % tp == 0 and each rank holds kv/tp KV heads;
+    if tp > kv: tp % kv == 0 and each KV head is replicated on tp/kv ranks (the ranks
+    whose query heads read it); the replicas' weight gradients are summed in backward.
+`check_tensor_parallel` raises a ValueError naming the numbers when the rule is broken.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from . import comm
+from .model import LlamaConfig, RMSNorm, apply_rope, attention_core, repeat_kv
+
+__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "column_matmuls", "shard",
+           "kv_heads_per_rank", "check_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear",
+           "ParallelAttention", "ParallelSwiGLU", "ParallelBlock", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "TPLlama", "tensor_parallel_llama"]
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group)
+
+
+# ------------------------------------------------------------------ the conjugate pair
+
+class _CopyToTP(torch.autograd.Function):
+    """f: forward identity (every rank already has x), backward all-reduce (sum the grads)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: forward all-reduce (sum the partial outputs), backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        comm.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Forward all-gather along the last dim, backward keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, n = group, _size(group)
+        x = x.contiguous()
+        out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+        comm.all_gather(out, x, group=group)
+        return out.view(n, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(_size(ctx.group), -1)[_rank(ctx.group)].contiguous(), None
+
+
+def copy_to_tp(x, group=None):
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x, group=None):
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x, group=None):
+    return _GatherFromTP.apply(x, group)
+
+
+def column_matmuls(x, weights, group=None):
+    """Entering a TP region: f once, then every column-parallel matmul (q, k, v share one f)."""
+    x = copy_to_tp(x, group)
+    return [F.linear(x, w) for w in weights]
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    """A weight slice held by several ranks (a replicated KV head): identity forward;
+    backward sums the replicas' gradients (slot = which replica set this rank is in)."""
+
+    @staticmethod
+    def forward(ctx, w, slot, n_slots, group):
+        ctx.slot, ctx.n_slots, ctx.group = slot, n_slots, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        buf = grad.new_zeros((ctx.n_slots,) + tuple(grad.shape))
+        buf[ctx.slot] = grad
+        comm.all_reduce(buf, group=ctx.group)
+        return buf[ctx.slot].clone(), None, None, None
+
+
+# ------------------------------------------------------------------ sharding and rules
+
+def shard(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """Slice `rank` of `world` equal slices of `t` along `dim` (an exact copy of the slice)."""
+    if t.shape[dim] % world:
+        raise ValueError(f"cannot split size {t.shape[dim]} (dim {dim}) into {world} equal shards")
+    return t.chunk(world, dim)[rank].detach().clone()
+
+
+def kv_heads_per_rank(n_heads: int, n_kv_heads: int, tp: int) -> tuple[int, int]:
+    """(KV heads each rank holds, ranks sharing each KV head) under the module's GQA rule."""
+    if n_heads % tp:
+        raise ValueError(f"tp={tp} must divide n_heads={n_heads} (each rank takes whole query heads)")
+    if tp <= n_kv_heads:
+        if n_kv_heads % tp:
+            raise ValueError(f"tp={tp} must divide n_kv_heads={n_kv_heads} (tp <= kv heads: KV heads are split)")
+        return n_kv_heads // tp, 1
+    if tp % n_kv_heads:
+        raise ValueError(f"n_kv_heads={n_kv_heads} must divide tp={tp} (tp > kv heads: each KV head "
+                         f"is replicated on tp/kv ranks)")
+    return 1, tp // n_kv_heads
+
+
+def check_tensor_parallel(cfg: LlamaConfig, tp: int, seq_len: int | None = None) -> None:
+    """Raise a ValueError naming both numbers if `tp` cannot split this model (or sequence)."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    kv_heads_per_rank(cfg.n_heads, cfg.n_kv_heads, tp)
+    for name, value in (("ffn_hidden", cfg.ffn_hidden), ("vocab_size", cfg.vocab_size)):
+        if value % tp:
+            raise ValueError(f"tp={tp} must divide {name}={value}")
+    if seq_len is not None and seq_len % tp:
+        raise ValueError(f"tp={tp} must divide the sequence length {seq_len} (sequence parallel "
+                         "gives each rank s/tp tokens)")
+
+
+# ------------------------------------------------------------------ the two linears
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x W_rᵀ with W_r = rows r of W: the input is whole, the output is sliced.
+
+    `copy_input` applies f to the input (off when the caller already did);
+    `gather_output` all-gathers the slices into the whole output."""
+
+    def __init__(self, in_features, out_features, group=None, bias=False,
+                 copy_input=True, gather_output=False):
+        super().__init__()
+        tp = _size(group)
+        if out_features % tp:
+            raise ValueError(f"tp={tp} must divide out_features={out_features}")
+        self.group, self.copy_input, self.gather_output = group, copy_input, gather_output
+        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features // tp)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kw):
+        tp, r = _size(group), _rank(group)
+        out_f, in_f = linear.weight.shape
+        m = cls(in_f, out_f, group, bias=linear.bias is not None, **kw)
+        with torch.no_grad():
+            m.weight.copy_(shard(linear.weight, 0, r, tp))
+            if m.bias is not None:
+                m.bias.copy_(shard(linear.bias, 0, r, tp))
+        return m
+
+    def forward(self, x):
+        if self.copy_input:
+            x = copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_r x_r W_rᵀ with W_r = columns r of W: the input is sliced, the output a partial
+    sum that `reduce_output` (g) completes. The bias is added once, after the sum."""
+
+    def __init__(self, in_features, out_features, group=None, bias=False, reduce_output=True):
+        super().__init__()
+        tp = _size(group)
+        if in_features % tp:
+            raise ValueError(f"tp={tp} must divide in_features={in_features}")
+        self.group, self.reduce_output = group, reduce_output
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kw):
+        tp, r = _size(group), _rank(group)
+        out_f, in_f = linear.weight.shape
+        m = cls(in_f, out_f, group, bias=linear.bias is not None, **kw)
+        with torch.no_grad():
+            m.weight.copy_(shard(linear.weight, 1, r, tp))
+            if m.bias is not None:
+                m.bias.copy_(linear.bias)
+        return m
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.reduce_output:
+            y = reduce_from_tp(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+# ------------------------------------------------------------------ blocks
+
+class ParallelAttention(nn.Module):
+    """Heads split over the group: wq, wk, wv column-parallel, wo row-parallel.
+
+    `enter(x, weights, group)` does the column matmuls behind the region's entry operator
+    (f for TP; an all-gather along the sequence for TP+SP), so q, k and v share one;
+    `leave(y, group)` is the exit (g for TP; a reduce-scatter along the sequence)."""
+
+    def __init__(self, attn, group=None, enter=column_matmuls, leave=reduce_from_tp):
+        super().__init__()
+        tp, r = _size(group), _rank(group)
+        a, kv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        _, self.replicas = kv_heads_per_rank(a, kv, tp)
+        self.group, self.enter, self.leave = group, enter, leave
+        self.head_dim, self.impl, self.selective = d, attn.impl, attn.selective
+        self.wq = ColumnParallelLinear.from_linear(attn.wq, group, copy_input=False)
+        if self.replicas == 1:
+            self.wk = ColumnParallelLinear.from_linear(attn.wk, group, copy_input=False)
+            self.wv = ColumnParallelLinear.from_linear(attn.wv, group, copy_input=False)
+        else:  # tp > kv: this rank's query heads all read KV head r // replicas
+            self.slot, self.n_slots = r // self.replicas, kv
+            self.wk = ColumnParallelLinear(attn.wk.in_features, d * tp, group, copy_input=False)
+            self.wv = ColumnParallelLinear(attn.wv.in_features, d * tp, group, copy_input=False)
+            with torch.no_grad():
+                self.wk.weight.copy_(shard(attn.wk.weight, 0, self.slot, kv))
+                self.wv.weight.copy_(shard(attn.wv.weight, 0, self.slot, kv))
+        self.wo = RowParallelLinear.from_linear(attn.wo, group, reduce_output=False)
+
+    def _kv(self, lin):
+        if self.replicas == 1:
+            return lin.weight
+        return _SumOverReplicas.apply(lin.weight, self.slot, self.n_slots, self.group)
+
+    def forward(self, x, cos, sin):
+        q, k, v = self.enter(x, [self.wq.weight, self._kv(self.wk), self._kv(self.wv)], self.group)
+        b, s, _ = q.shape
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        if self.selective and torch.is_grad_enabled():
+            out = checkpoint(attention_core, q, k, v, self.impl, use_reentrant=False)
+        else:
+            out = attention_core(q, k, v, self.impl)
+        return self.leave(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.group)
+
+
+class ParallelSwiGLU(nn.Module):
+    """gate and up column-parallel (each rank a slice of ffn_hidden), down row-parallel."""
+
+    def __init__(self, mlp, group=None, enter=column_matmuls, leave=reduce_from_tp):
+        super().__init__()
+        self.group, self.enter, self.leave = group, enter, leave
+        self.w_gate = ColumnParallelLinear.from_linear(mlp.w_gate, group, copy_input=False)
+        self.w_up = ColumnParallelLinear.from_linear(mlp.w_up, group, copy_input=False)
+        self.w_down = RowParallelLinear.from_linear(mlp.w_down, group, reduce_output=False)
+
+    def forward(self, x):
+        gate, up = self.enter(x, [self.w_gate.weight, self.w_up.weight], self.group)
+        return self.leave(self.w_down(F.silu(gate) * up), self.group)
+
+
+def _copy_norm(norm: RMSNorm) -> RMSNorm:
+    out = RMSNorm(norm.weight.numel(), norm.eps)
+    with torch.no_grad():
+        out.weight.copy_(norm.weight)
+    return out
+
+
+class ParallelBlock(nn.Module):
+    """The reference Block with parallel attention and MLP; norms and residuals unchanged."""
+
+    def __init__(self, block, group=None, enter=column_matmuls, leave=reduce_from_tp):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = _copy_norm(block.attn_norm), _copy_norm(block.mlp_norm)
+        self.attn = ParallelAttention(block.attn, group, enter, leave)
+        self.mlp = ParallelSwiGLU(block.mlp, group, enter, leave)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ------------------------------------------------------------------ the vocabulary
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [r·v/tp, (r+1)·v/tp) of the table; a token outside gives zeros,
+    so summing over ranks (`reduce`: all-reduce, or reduce-scatter under SP) is the lookup."""
+
+    def __init__(self, embedding: nn.Embedding, group=None, reduce=reduce_from_tp):
+        super().__init__()
+        tp, r = _size(group), _rank(group)
+        v = embedding.num_embeddings
+        if v % tp:
+            raise ValueError(f"tp={tp} must divide vocab_size={v}")
+        self.group, self.reduce = group, reduce
+        self.start, self.end = r * v // tp, (r + 1) * v // tp
+        self.weight = nn.Parameter(shard(embedding.weight, 0, r, tp))
+
+    def forward(self, tokens):
+        outside = (tokens < self.start) | (tokens >= self.end)
+        local = (tokens - self.start).masked_fill(outside, 0)
+        partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.reduce(partial, self.group)
+
+
+def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, group=None):
+    """Mean cross-entropy from vocab-sharded logits (..., v/tp), never gathering them.
+
+    loss = log Σ_v exp(z_v − m) + m − z_target, with three all-reduces: the max m (no
+    gradient needed: it cancels), the sum of exponentials and the target logit (each g)."""
+    logits = logits.float()
+    m = logits.detach().amax(-1)
+    comm.all_reduce(m, op="max", group=group)
+    shifted = logits - m.unsqueeze(-1)
+    sum_exp = reduce_from_tp(shifted.exp().sum(-1), group)
+    local = targets - vocab_start
+    inside = (local >= 0) & (local < logits.shape[-1])
+    picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce_from_tp(picked * inside, group)
+    return (sum_exp.log() - target_logit).mean()
+
+
+# ------------------------------------------------------------------ the whole model
+
+class TPLlama(nn.Module):
+    """TinyLlama, tensor-parallel over `group`. forward → this rank's vocab slice of the
+    logits (b, s, v/tp); `loss` is the vocab-parallel cross-entropy (same value on every rank)."""
+
+    def __init__(self, model, group=None, enter=column_matmuls, leave=reduce_from_tp,
+                 embed_reduce=reduce_from_tp):
+        super().__init__()
+        self.cfg, self.group, self.tp = model.cfg, group, _size(group)
+        check_tensor_parallel(self.cfg, self.tp)
+        self.embed = VocabParallelEmbedding(model.embed, group, embed_reduce)
+        self.blocks = nn.ModuleList(ParallelBlock(b, group, enter, leave) for b in model.blocks)
+        self.norm = _copy_norm(model.norm)
+        self.enter = enter
+        self.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, copy_input=False)
+        self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
+
+    def rope(self, seq_len: int):
+        if seq_len > self.cfg.max_seq:
+            raise ValueError(f"positions up to {seq_len} exceed max_seq={self.cfg.max_seq}")
+        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        cos, sin = self.rope(tokens.shape[1])
+        for block in self.blocks:
+            if self.cfg.recompute == "full" and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        return self.enter(self.norm(x), [self.lm_head.weight], self.group)[0]
+
+    def loss(self, tokens, targets):
+        return vocab_parallel_cross_entropy(self(tokens), targets, self.embed.start, self.group)
+
+    def full_logits(self, tokens):
+        """All-gather the vocab slices (for tests and lessons; training never needs it)."""
+        return gather_from_tp(self(tokens), self.group)
+
+
+def tensor_parallel_llama(model, group=None) -> TPLlama:
+    """The tensor-parallel form of a TinyLlama on `group` (checks the sizes first)."""
+    check_tensor_parallel(model.cfg, _size(group))
+    return TPLlama(model, group)

@@ -1,0 +1,140 @@
+"""Lesson 04 and 05 checks: each passes a right answer and fails wrong ones."""
+import pytest
+import torch
+
+from picolib import comm
+from picolib.grading import (ExerciseFailed, check_conjugate_pair, check_shards,
+                             check_vocab_parallel_loss)
+from picolib.tensor_parallel import _CopyToTP, _ReduceFromTP, vocab_parallel_cross_entropy
+
+
+def column_shard(w, rank, world):
+    if w.shape[0] % world:
+        raise ValueError(f"{w.shape[0]} rows do not divide by {world}")
+    return w.chunk(world, 0)[rank]
+
+
+def row_shard(w, rank, world):
+    if w.shape[1] % world:
+        raise ValueError(f"{w.shape[1]} columns do not divide by {world}")
+    return w.chunk(world, 1)[rank]
+
+
+def test_check_shards():
+    check_shards(column_shard, row_shard)
+    with pytest.raises(ExerciseFailed):   # roles swapped: slices the input features
+        check_shards(row_shard, column_shard)
+    with pytest.raises(ExerciseFailed):   # strided instead of contiguous slices
+        check_shards(lambda w, r, n: column_shard(w, r, n) if w.shape[0] % n else w[r::n], row_shard)
+
+
+class IdentityBoth(torch.autograd.Function):
+    """Wrong: forgets the all-reduce."""
+    @staticmethod
+    def forward(ctx, x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ReduceBoth(torch.autograd.Function):
+    """Wrong: all-reduces in both directions (double counts the gradient)."""
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        comm.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        comm.all_reduce(grad)
+        return grad, None
+
+
+def test_check_conjugate_pair():
+    check_conjugate_pair(_CopyToTP, _ReduceFromTP)
+    with pytest.raises(ExerciseFailed):
+        check_conjugate_pair(IdentityBoth, _ReduceFromTP)
+    with pytest.raises(ExerciseFailed):
+        check_conjugate_pair(_CopyToTP, ReduceBoth)
+    with pytest.raises(ExerciseFailed):   # f and g swapped
+        check_conjugate_pair(_ReduceFromTP, _CopyToTP)
+
+
+def gathering_loss(local, targets, vocab_start, group=None):
+    """Right value, but gathers every logit: the check must refuse it."""
+    full = comm_gather_last(local)
+    return torch.nn.functional.cross_entropy(full.flatten(0, 1), targets.flatten())
+
+
+def comm_gather_last(x):
+    from picolib.tensor_parallel import gather_from_tp
+    return gather_from_tp(x)
+
+
+def local_only_loss(local, targets, vocab_start, group=None):
+    """Wrong: softmax over this rank's slice only."""
+    idx = (targets - vocab_start).clamp(0, local.shape[-1] - 1)
+    return torch.nn.functional.cross_entropy(local.flatten(0, 1), idx.flatten())
+
+
+def test_check_vocab_parallel_loss():
+    check_vocab_parallel_loss(vocab_parallel_cross_entropy)
+    with pytest.raises(ExerciseFailed):
+        check_vocab_parallel_loss(gathering_loss)
+    with pytest.raises(ExerciseFailed):
+        check_vocab_parallel_loss(local_only_loss)
+
+
+# ---------------------------------------------------------------- lesson 05
+
+from picolib.grading import (check_gather_sequence, check_reduce_scatter_sequence,  # noqa: E402
+                             check_sp_activation_bytes, check_tokens_per_day)
+from picolib.sequence_parallel import (activation_bytes_per_layer, all_gather_sequence,  # noqa: E402
+                                       reduce_scatter_sequence_nograd)
+
+
+def gather_along_batch(x, group=None):
+    """Wrong: keeps comm.all_gather's dim-0 layout (rank blocks along the batch)."""
+    import torch.distributed as dist
+    n = dist.get_world_size(group)
+    buf = x.new_empty(n * x.shape[0], *x.shape[1:])
+    comm.all_gather(buf, x.contiguous(), group=group)
+    return buf.view(x.shape[0], n * x.shape[1], x.shape[2])
+
+
+def reduce_scatter_by_all_reduce(x, group=None):
+    """Right values, wrong collective: an all-reduce then a slice (twice the bytes)."""
+    import torch.distributed as dist
+    x = x.clone()
+    comm.all_reduce(x, group=group)
+    return x.chunk(dist.get_world_size(group), 1)[dist.get_rank(group)]
+
+
+def test_check_sequence_collectives():
+    check_gather_sequence(all_gather_sequence)
+    check_reduce_scatter_sequence(reduce_scatter_sequence_nograd)
+    with pytest.raises(ExerciseFailed):
+        check_gather_sequence(gather_along_batch)
+    with pytest.raises(ExerciseFailed):
+        check_reduce_scatter_sequence(reduce_scatter_by_all_reduce)
+
+
+def test_check_sp_activation_bytes():
+    check_sp_activation_bytes(lambda s, b, h, f, a, tp, sp:
+                              activation_bytes_per_layer(s, b, h, f, a, tp, "tp+sp" if sp else "tp"))
+    with pytest.raises(ExerciseFailed):   # Korthikanti's 16-bit GPT constants, not our model
+        check_sp_activation_bytes(lambda s, b, h, f, a, tp, sp:
+                                  s * b * h * (34 / tp if sp else 10 + 24 / tp) + 5 * a * s * s * b / tp)
+    with pytest.raises(ExerciseFailed):   # splits the norms under plain TP too
+        check_sp_activation_bytes(lambda s, b, h, f, a, tp, sp:
+                                  activation_bytes_per_layer(s, b, h, f, a, tp, "tp+sp"))
+
+
+def test_check_tokens_per_day():
+    check_tokens_per_day(lambda n, fl, p: n * fl / (6 * p) * 86400)
+    with pytest.raises(ExerciseFailed):   # 2N (forward only) instead of 6N
+        check_tokens_per_day(lambda n, fl, p: n * fl / (2 * p) * 86400)

@@ -1,0 +1,208 @@
+"""Tensor parallelism against one process: shards, the f/g pair, the vocab-parallel loss,
+and the whole TinyLlama at tp = 1, 2, 4 (loss, logits, every gradient).
+
+Tolerance: fp32, atol=1e-5 on values and gradients — a sharded matmul sums the same
+products in another order, so results agree to rounding, not bitwise."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from picolib import comm
+from picolib.launch import run
+from picolib.model import LlamaConfig, TinyLlama, random_tokens
+from picolib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPLlama,
+                                     check_tensor_parallel, copy_to_tp, kv_heads_per_rank,
+                                     reduce_from_tp, shard, tensor_parallel_llama,
+                                     vocab_parallel_cross_entropy)
+
+ATOL = 1e-5
+CFG = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+
+
+def grad_model(model):
+    """A copy of `model` whose weights are its gradients: sharding it shards the gradients."""
+    g = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, q in zip(g.parameters(), model.parameters()):
+            p.copy_(q.grad)
+    return g
+
+
+def _compare_model(cfg, tokens, targets, tp_cls=TPLlama, **kw):
+    import torch.distributed as dist
+    ref = TinyLlama(cfg)
+    ref_logits = ref(tokens)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+    expected = tp_cls(grad_model(ref), **kw)
+    model = tp_cls(TinyLlama(cfg), **kw)
+    with comm.Ledger() as led:
+        loss = model.loss(tokens, targets)
+        loss.backward()
+    errors = {"loss": (loss - ref_loss).abs().item()}
+    with torch.no_grad():
+        errors["logits"] = (model.full_logits(tokens) - ref_logits).abs().max().item()
+    for (name, p), e in zip(model.named_parameters(), expected.parameters()):
+        assert p.shape == e.shape, name
+        errors[name] = (p.grad - e).abs().max().item()
+    return errors, led.summary(), dist.get_rank()
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tinyllama_matches_one_process(tp):
+    tokens, targets = random_tokens(2, 8, CFG.vocab_size, seed=1)
+    for errors, _, rank in run(_compare_model, tp, CFG, tokens, targets, timeout=120):
+        bad = {k: v for k, v in errors.items() if v > ATOL}
+        assert not bad, (rank, bad)
+
+
+def test_full_recompute_and_sdpa_match_too():
+    cfg = CFG.replace(attn_impl="sdpa", recompute="full", n_kv_heads=4)
+    tokens, targets = random_tokens(2, 8, cfg.vocab_size, seed=2)
+    for errors, _, rank in run(_compare_model, 2, cfg, tokens, targets, timeout=120):
+        assert max(errors.values()) < ATOL, (rank, errors)
+
+
+def test_one_all_reduce_per_f_g_pair():
+    """Forward: 2 all-reduces per block (attention, MLP) + 1 for the embedding, plus the
+    loss's three (max, sum-exp, target). Backward: one per f (2 per block + lm_head's)."""
+    tokens, targets = random_tokens(2, 8, CFG.vocab_size, seed=1)
+    _, summary, _ = run(_compare_model, 2, CFG, tokens, targets, timeout=120)[0]
+    L = CFG.n_layers
+    assert summary["all_reduce"]["calls"] == (2 * L + 1 + 3) + (2 * L + 1)
+
+
+def _shards():
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    r, n = dist.get_rank(), dist.get_world_size()
+    dense = nn.Linear(8, 12, bias=True)
+    col = ColumnParallelLinear.from_linear(dense, gather_output=True)
+    row = RowParallelLinear.from_linear(nn.Linear(12, 8, bias=True))
+    x = torch.randn(3, 8)
+    return (r, n, dense.weight, col.weight, dense.bias, col.bias, col(x), dense(x))
+
+
+def test_weight_shards_are_exact_slices():
+    for r, n, w, col_w, b, col_b, y, ref in run(_shards, 2, timeout=120):
+        step = w.shape[0] // n
+        assert torch.equal(col_w, w[r * step:(r + 1) * step])   # rows of W = output features
+        assert torch.equal(col_b, b[r * step:(r + 1) * step])
+        assert torch.allclose(y, ref, atol=ATOL)
+    m = TinyLlama(CFG)
+    assert torch.equal(shard(m.blocks[0].mlp.w_down.weight, 1, 1, 2),
+                       m.blocks[0].mlp.w_down.weight[:, 32:])
+
+
+def _linear_pair():
+    """Column (f on input) then row (g on output) equals the dense pair, values and grads."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    a, b = nn.Linear(6, 8, bias=False), nn.Linear(8, 6, bias=True)
+    x = torch.randn(4, 6, requires_grad=True)
+    (b(torch.relu(a(x))) ** 2).sum().backward()
+    col, row = ColumnParallelLinear.from_linear(a), RowParallelLinear.from_linear(b)
+    xp = x.detach().clone().requires_grad_()
+    with comm.Ledger() as led:
+        y = row(torch.relu(col(xp)))
+        fwd = led.count("all_reduce")
+        (y ** 2).sum().backward()
+    r, n = dist.get_rank(), dist.get_world_size()
+    return ((xp.grad - x.grad).abs().max().item(),
+            (col.weight.grad - a.weight.grad.chunk(n, 0)[r]).abs().max().item(),
+            (row.weight.grad - b.weight.grad.chunk(n, 1)[r]).abs().max().item(),
+            (row.bias.grad - b.bias.grad).abs().max().item(), fwd, led.count("all_reduce"))
+
+
+def test_column_then_row_needs_one_all_reduce_each_way():
+    for *errs, fwd, total in run(_linear_pair, 2, timeout=120):
+        assert max(errs) < ATOL, errs
+        assert (fwd, total) == (1, 2)
+
+
+def _f_and_g():
+    import torch.distributed as dist
+    r = dist.get_rank()
+    x = torch.full((3,), float(r + 1), requires_grad=True)
+    copy_to_tp(x).backward(torch.ones(3) * (r + 1))
+    y = torch.full((3,), float(r + 1), requires_grad=True)
+    out = reduce_from_tp(y)
+    out.backward(torch.ones(3) * (r + 1))
+    return x.grad, out.detach(), y.grad
+
+
+def test_f_and_g_are_conjugate():
+    for r, (fx, gy, gyg) in enumerate(run(_f_and_g, 2, timeout=120)):
+        assert torch.equal(fx, torch.full((3,), 3.0))       # f backward: sum of 1 + 2
+        assert torch.equal(gy, torch.full((3,), 3.0))       # g forward: sum of 1 + 2
+        assert torch.equal(gyg, torch.full((3,), r + 1.0))  # g backward: identity
+
+
+def _vocab_loss(logits, targets):
+    import torch.distributed as dist
+    r, n = dist.get_rank(), dist.get_world_size()
+    v = logits.shape[-1]
+    local = logits.chunk(n, -1)[r].clone().requires_grad_()
+    with comm.Ledger() as led:
+        loss = vocab_parallel_cross_entropy(local, targets, r * v // n)
+    loss.backward()
+    return loss.detach(), local.grad, led.summary()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_vocab_parallel_loss_equals_cross_entropy(n):
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 5, 16) * 4).requires_grad_()
+    targets = torch.randint(0, 16, (3, 5))
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    ref.backward()
+    for r, (loss, grad, summary) in enumerate(run(_vocab_loss, n, logits.detach(), targets, timeout=120)):
+        assert abs(loss.item() - ref.item()) < ATOL
+        assert torch.allclose(grad, logits.grad.chunk(n, -1)[r], atol=ATOL)
+        # never gathers the logits: three all-reduces of (b, s) numbers only
+        assert summary == {"all_reduce": {"calls": 3, "nbytes": 3 * 15 * 4,
+                                          "sent_bytes": summary["all_reduce"]["sent_bytes"],
+                                          "seconds": summary["all_reduce"]["seconds"]}}
+
+
+def test_gqa_rule():
+    assert kv_heads_per_rank(8, 4, 2) == (2, 1)   # split the KV heads
+    assert kv_heads_per_rank(8, 2, 8) == (1, 4)   # each KV head on 4 ranks
+    with pytest.raises(ValueError, match="tp=3.*n_heads=8"):
+        kv_heads_per_rank(8, 2, 3)
+    with pytest.raises(ValueError, match="n_kv_heads=4 must divide tp=6"):
+        kv_heads_per_rank(12, 4, 6)
+
+
+@pytest.mark.parametrize("cfg, tp, message", [
+    (CFG, 8, "tp=8 must divide n_heads=4"),
+    (CFG.replace(ffn_hidden=66), 4, "tp=4 must divide ffn_hidden=66"),
+    (CFG.replace(vocab_size=66), 4, "tp=4 must divide vocab_size=66"),
+    (CFG.replace(hidden=36, n_heads=6, n_kv_heads=3), 2, "tp=2 must divide n_kv_heads=3"),
+    (CFG.replace(hidden=48, n_heads=12, n_kv_heads=4), 6, "n_kv_heads=4 must divide tp=6"),
+    (CFG, 4, None)])
+def test_bad_tp_is_a_clear_value_error_before_any_rank_starts(cfg, tp, message):
+    if message is None:           # tp=4 > 2 KV heads is fine: each is replicated on 2 ranks
+        check_tensor_parallel(cfg, tp)
+        with pytest.raises(ValueError, match="tp=4 must divide the sequence length 10"):
+            check_tensor_parallel(cfg, tp, seq_len=10)
+    else:
+        with pytest.raises(ValueError, match=message):
+            check_tensor_parallel(cfg, tp)
+
+
+def _bad_in_rank(cfg):
+    with comm.Ledger() as led:
+        try:
+            tensor_parallel_llama(TinyLlama(cfg))
+        except ValueError as e:
+            return str(e), led.count()
+    return "", led.count()
+
+
+def test_bad_tp_in_a_rank_raises_before_any_collective():
+    for msg, calls in run(_bad_in_rank, 4, CFG.replace(n_heads=2, n_kv_heads=2), timeout=120):
+        assert "tp=4" in msg and "n_heads=2" in msg and calls == 0
