@@ -1,0 +1,253 @@
+"""Data parallelism (picolib.data_parallel) against one process that sees the whole batch.
+
+Tolerance: weights after 3 SGD steps agree to atol=1e-5 (fp32). The parallel run sums
+per-rank means in a different order than the single process sums the batch, so the
+results differ by rounding (measured ~1e-8); SGD's update is linear in the gradient
+and does not amplify that.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from picolib.comm import Ledger
+from picolib.data_parallel import DDP, all_reduce_gradients, assign_buckets
+from picolib.launch import WorkerError, run
+from picolib.model import LlamaConfig, TinyLlama, random_tokens
+from picolib.timeline import Timeline
+
+CFG = LlamaConfig(n_layers=2)
+GBS, SEQ, STEPS, LR, ATOL = 8, 16, 3, 0.1, 1e-5
+
+
+def batch(step):
+    return random_tokens(GBS, SEQ, CFG.vocab_size, seed=100 + step)
+
+
+def single_process_weights(steps=STEPS):
+    model = TinyLlama(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        model.loss(*batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def my_rows(tokens, targets, pieces, piece):
+    k = tokens.shape[0] // pieces
+    return tokens[piece * k:(piece + 1) * k], targets[piece * k:(piece + 1) * k]
+
+
+def assert_weights_close(results, expected):
+    for weights in results:
+        for got, want in zip(weights, expected):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def naive_worker():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = TinyLlama(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        model.loss(*my_rows(*batch(step), n, rank)).backward()
+        all_reduce_gradients(model)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def ddp_worker(bucket_cap_bytes, grad_acc=1, set_to_none=True, overlap=True):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = TinyLlama(CFG.replace(seed=rank))  # different weights: the broadcast must fix them
+    ddp = DDP(model, bucket_cap_bytes=bucket_cap_bytes, overlap=overlap)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    calls = []
+    for step in range(STEPS):
+        tokens, targets = my_rows(*batch(step), n, rank)
+        for micro in range(grad_acc):
+            x, y = my_rows(tokens, targets, grad_acc, micro)
+            with Ledger() as ledger:
+                if micro < grad_acc - 1:
+                    with ddp.no_sync():
+                        (ddp.module.loss(x, y) / grad_acc).backward()
+                else:
+                    (ddp.module.loss(x, y) / grad_acc).backward()
+            calls.append(ledger.count("all_reduce"))
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return [p.detach().clone() for p in model.parameters()], calls, len(ddp.buckets)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_naive_dp_matches_single_process(n):
+    assert_weights_close(run(naive_worker, n, timeout=180), single_process_weights())
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ddp_matches_single_process(n):
+    out = run(ddp_worker, n, 2**15, timeout=180)
+    assert_weights_close([w for w, _, _ in out], single_process_weights())
+    assert out[0][2] > 1  # several buckets were exercised
+
+
+def test_ddp_without_overlap_matches_single_process():
+    out = run(ddp_worker, 2, 2**15, overlap=False, timeout=180)
+    assert_weights_close([w for w, _, _ in out], single_process_weights())
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_ddp_grad_accumulation_with_no_sync_equals_big_batch(set_to_none):
+    out = run(ddp_worker, 2, 2**14, grad_acc=2, set_to_none=set_to_none, timeout=180)
+    assert_weights_close([w for w, _, _ in out], single_process_weights())
+    _, calls, buckets = out[0]
+    assert calls == [0, buckets] * STEPS  # accumulation steps: no all-reduce at all
+
+
+def bucket_count_worker(cap):
+    model = TinyLlama(CFG)
+    ddp = DDP(model, bucket_cap_bytes=cap)
+    sizes = [p.numel() * p.element_size() for p in model.parameters()][::-1]
+    x, y = random_tokens(2, SEQ, CFG.vocab_size, seed=dist.get_rank())
+    with Ledger() as ledger:
+        ddp.module.loss(x, y).backward()
+    with Ledger() as second:
+        ddp(x).sum().backward()
+    return (ledger.count("all_reduce"), second.count("all_reduce"), len(ddp.buckets),
+            len(assign_buckets(sizes, cap)), ddp.bucket_bytes(), ledger.total("nbytes"))
+
+
+@pytest.mark.parametrize("cap", [1, 2**12, 2**15, 10**9])
+def test_one_all_reduce_per_bucket_per_step(cap):
+    calls, calls_again, buckets, expected, bucket_bytes, nbytes = run(
+        bucket_count_worker, 2, cap, timeout=180)[0]
+    n_params = sum(1 for _ in TinyLlama(CFG).parameters())
+    assert calls == calls_again == buckets == expected
+    assert sum(bucket_bytes) == nbytes == 4 * sum(p.numel() for p in TinyLlama(CFG).parameters())
+    if cap == 1:
+        assert buckets == n_params
+    if cap == 10**9:
+        assert buckets == 1
+
+
+def test_assign_buckets_fills_in_order_up_to_the_cap():
+    assert assign_buckets([4, 4, 4, 10, 2], cap=8) == [[0, 1], [2], [3], [4]]
+    assert assign_buckets([3, 3, 3], cap=100) == [[0, 1, 2]]
+    assert assign_buckets([5, 5], cap=1) == [[0], [1]]
+    assert assign_buckets([], cap=8) == []
+    with pytest.raises(ValueError, match="positive"):
+        assign_buckets([1], cap=0)
+
+
+def overlap_worker(overlap):
+    model = TinyLlama(CFG)
+    ddp = DDP(model, bucket_cap_bytes=2**14, overlap=overlap, timeline=Timeline())
+    seen = []  # all-reduces already issued when the last gradient (the embedding's) is ready
+    model.embed.weight.register_post_accumulate_grad_hook(lambda p: seen.append(ledger.count()))
+    x, y = random_tokens(2, SEQ, CFG.vocab_size, seed=dist.get_rank())
+    with Ledger() as ledger:
+        ddp.module.loss(x, y).backward()
+    return seen, len(ddp.buckets), ddp.timeline.events
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_buckets_are_issued_during_backward_only_with_overlap(overlap):
+    seen, buckets, events = run(overlap_worker, 2, overlap, timeout=180)[0]
+    assert buckets > 2
+    assert seen == ([buckets] if overlap else [0])
+    comm_spans = [e for e in events if e["name"] == "all_reduce"]
+    assert [e["meta"]["bucket"] for e in comm_spans] == list(range(buckets))
+    assert all(e["lane"] == "comm" and e["end"] >= e["start"] for e in comm_spans)
+
+
+def emulated_link_worker(cost):
+    tl = Timeline(emulate={"all_reduce": cost})
+    ddp = DDP(TinyLlama(CFG), bucket_cap_bytes=2**15, timeline=tl)
+    x, y = random_tokens(2, SEQ, CFG.vocab_size, seed=0)
+    ddp.module.loss(x, y).backward()
+    return tl.events, len(ddp.buckets)
+
+
+def test_emulated_link_serialises_the_all_reduces():
+    events, buckets = run(emulated_link_worker, 2, 0.02, timeout=180)[0]
+    assert len(events) == buckets and all(e["emulated"] for e in events)
+    for before, after in zip(events, events[1:]):
+        assert after["end"] >= before["end"] + 0.02 - 1e-9
+    assert all(e["end"] - e["start"] >= 0.02 - 1e-9 for e in events)
+
+
+def unused_parameter_worker():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ddp = DDP(model, bucket_cap_bytes=64)
+    x = torch.full((2, 4), float(dist.get_rank() + 1))
+    with Ledger() as ledger:
+        model[0](x).sum().backward()  # model[1] gets no gradient
+    grads = model[0].weight.grad.clone(), model[1].weight.grad.clone()
+    return (*grads, ledger.count(), len(ddp.buckets))
+
+
+def test_parameters_without_gradient_still_take_part():
+    g0, g1, calls, buckets = run(unused_parameter_worker, 2, timeout=180)[0]
+    assert calls == buckets
+    torch.testing.assert_close(g0, torch.full((4, 4), 3.0))  # mean over ranks of 2·(r+1)
+    torch.testing.assert_close(g1, torch.zeros(4, 4))
+
+
+# --------------------------------------------------------------------------- bad input
+
+def test_bad_bucket_cap_is_a_clear_error_before_any_work():
+    model = TinyLlama(CFG)
+    with pytest.raises(ValueError, match="bucket_cap_bytes must be > 0, not 0"):
+        DDP(model, bucket_cap_bytes=0)
+    with pytest.raises(ValueError, match="> 0, not -5"):
+        DDP(model, bucket_cap_bytes=-5)
+    with pytest.raises(TypeError, match="bucket_cap_bytes must be an int"):
+        DDP(model, bucket_cap_bytes=1.5)
+    assert all(p.grad is None for p in model.parameters())  # nothing was attached
+
+
+def test_no_process_group_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="initialised process group"):
+        DDP(TinyLlama(CFG))
+    with pytest.raises(RuntimeError, match="initialised process group"):
+        all_reduce_gradients(TinyLlama(CFG))
+
+
+def not_member_worker():
+    group = dist.new_group([0])
+    with Ledger() as ledger:
+        try:
+            DDP(TinyLlama(CFG), group=group)
+        except ValueError as e:
+            return str(e), ledger.count()
+    return "no error", ledger.count()
+
+
+def test_rank_outside_the_group_is_a_clear_error():
+    out = run(not_member_worker, 2, timeout=180)
+    assert out[0] == ("no error", 1)  # rank 0 forms a group of one: one broadcast
+    assert "rank 1 is not a member" in out[1][0] and out[1][1] == 0
+
+
+def several_devices_worker():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with Ledger() as ledger:
+        try:
+            DDP(model)
+        except ValueError as e:
+            return str(e), ledger.count()
+    return "no error", ledger.count()
+
+
+def test_parameters_on_several_devices_are_a_clear_error():
+    for message, calls in run(several_devices_worker, 2, timeout=180):
+        assert "one device" in message and "cpu" in message and "meta" in message
+        assert calls == 0
+
+
+def test_module_must_have_trainable_parameters():
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameters"):
+        DDP(frozen)
+    with pytest.raises(TypeError, match="nn.Module"):
+        DDP(lambda x: x)
