@@ -14,9 +14,8 @@ slice the second consumes), so a block's attention (q, k, v column; o row) and M
 (gate, up column; down row) each cost one pair of conjugate operators:
     f: identity forward, all-reduce backward    (where the replicated input enters)
     g: all-reduce forward, identity backward    (where the partial sums leave)
-One all-reduce per f/g pair forward, one backward. The vocabulary is split too: a
-VocabParallelEmbedding and a cross-entropy that reduces max / sum-exp / target logit
-instead of gathering the (b, s, vocab) logits.
+One all-reduce per f/g pair forward, one backward. The vocabulary is split too:
+`picolib.vocab_parallel` (embedding and loss), which `TPLlama` uses.
 
 Grouped-query attention rule (n_heads = a query heads, kv key/value heads, tp ranks):
     a % tp == 0 always; if tp <= kv: kv % tp == 0 and each rank holds kv/tp KV heads;
@@ -33,20 +32,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from . import comm
-from .model import LlamaConfig, RMSNorm, apply_rope, attention_core, repeat_kv
+from .model import LlamaConfig, RMSNorm, TinyLlama, apply_rope, attention_core, repeat_kv
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "column_matmuls", "shard",
            "kv_heads_per_rank", "check_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear",
-           "ParallelAttention", "ParallelSwiGLU", "ParallelBlock", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "TPLlama", "tensor_parallel_llama"]
-
-
-def _size(group) -> int:
-    return dist.get_world_size(group)
-
-
-def _rank(group) -> int:
-    return dist.get_rank(group)
+           "ParallelAttention", "ParallelSwiGLU", "ParallelBlock", "TPLlama", "tensor_parallel_llama"]
 
 
 # ------------------------------------------------------------------ the conjugate pair
@@ -85,7 +75,7 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group, n = group, _size(group)
+        ctx.group, n = group, dist.get_world_size(group)
         x = x.contiguous()
         out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
         comm.all_gather(out, x, group=group)
@@ -93,7 +83,8 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(_size(ctx.group), -1)[_rank(ctx.group)].contiguous(), None
+        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(n, -1)[r].contiguous(), None
 
 
 def copy_to_tp(x, group=None):
@@ -169,32 +160,38 @@ def check_tensor_parallel(cfg: LlamaConfig, tp: int, seq_len: int | None = None)
 
 # ------------------------------------------------------------------ the two linears
 
-class ColumnParallelLinear(nn.Module):
-    """y_r = x W_rᵀ with W_r = rows r of W: the input is whole, the output is sliced.
+class _ShardedLinear(nn.Module):
+    """What the two linears share: `from_linear` cuts a dense nn.Linear along `split_dim`."""
+    split_dim: int
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kw):
+        """This rank's shard of `linear`; a bias follows the output (sliced by column, whole by row)."""
+        tp, r = dist.get_world_size(group), dist.get_rank(group)
+        out_f, in_f = linear.weight.shape
+        m = cls(in_f, out_f, group, bias=linear.bias is not None, **kw)
+        with torch.no_grad():
+            m.weight.copy_(shard(linear.weight, cls.split_dim, r, tp))
+            if m.bias is not None:
+                m.bias.copy_(shard(linear.bias, 0, r, tp) if cls.split_dim == 0 else linear.bias)
+        return m
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """y_r = x W_rᵀ with W_r = rows r of W: the input is whole, the output is sliced.
     `copy_input` applies f to the input (off when the caller already did);
     `gather_output` all-gathers the slices into the whole output."""
+    split_dim = 0
 
     def __init__(self, in_features, out_features, group=None, bias=False,
                  copy_input=True, gather_output=False):
         super().__init__()
-        tp = _size(group)
+        tp = dist.get_world_size(group)
         if out_features % tp:
             raise ValueError(f"tp={tp} must divide out_features={out_features}")
         self.group, self.copy_input, self.gather_output = group, copy_input, gather_output
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features // tp)) if bias else None
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **kw):
-        tp, r = _size(group), _rank(group)
-        out_f, in_f = linear.weight.shape
-        m = cls(in_f, out_f, group, bias=linear.bias is not None, **kw)
-        with torch.no_grad():
-            m.weight.copy_(shard(linear.weight, 0, r, tp))
-            if m.bias is not None:
-                m.bias.copy_(shard(linear.bias, 0, r, tp))
-        return m
 
     def forward(self, x):
         if self.copy_input:
@@ -203,29 +200,19 @@ class ColumnParallelLinear(nn.Module):
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """y = Σ_r x_r W_rᵀ with W_r = columns r of W: the input is sliced, the output a partial
     sum that `reduce_output` (g) completes. The bias is added once, after the sum."""
+    split_dim = 1
 
     def __init__(self, in_features, out_features, group=None, bias=False, reduce_output=True):
         super().__init__()
-        tp = _size(group)
+        tp = dist.get_world_size(group)
         if in_features % tp:
             raise ValueError(f"tp={tp} must divide in_features={in_features}")
         self.group, self.reduce_output = group, reduce_output
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **kw):
-        tp, r = _size(group), _rank(group)
-        out_f, in_f = linear.weight.shape
-        m = cls(in_f, out_f, group, bias=linear.bias is not None, **kw)
-        with torch.no_grad():
-            m.weight.copy_(shard(linear.weight, 1, r, tp))
-            if m.bias is not None:
-                m.bias.copy_(linear.bias)
-        return m
 
     def forward(self, x):
         y = F.linear(x, self.weight)
@@ -245,22 +232,20 @@ class ParallelAttention(nn.Module):
 
     def __init__(self, attn, group=None, enter=column_matmuls, leave=reduce_from_tp):
         super().__init__()
-        tp, r = _size(group), _rank(group)
-        a, kv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        _, self.replicas = kv_heads_per_rank(a, kv, tp)
+        tp, r = dist.get_world_size(group), dist.get_rank(group)
+        kv_local, self.replicas = kv_heads_per_rank(attn.n_heads, attn.n_kv_heads, tp)
         self.group, self.enter, self.leave = group, enter, leave
-        self.head_dim, self.impl, self.selective = d, attn.impl, attn.selective
+        self.head_dim, self.impl, self.selective = attn.head_dim, attn.impl, attn.selective
         self.wq = ColumnParallelLinear.from_linear(attn.wq, group, copy_input=False)
-        if self.replicas == 1:
-            self.wk = ColumnParallelLinear.from_linear(attn.wk, group, copy_input=False)
-            self.wv = ColumnParallelLinear.from_linear(attn.wv, group, copy_input=False)
-        else:  # tp > kv: this rank's query heads all read KV head r // replicas
-            self.slot, self.n_slots = r // self.replicas, kv
-            self.wk = ColumnParallelLinear(attn.wk.in_features, d * tp, group, copy_input=False)
-            self.wv = ColumnParallelLinear(attn.wv.in_features, d * tp, group, copy_input=False)
-            with torch.no_grad():
-                self.wk.weight.copy_(shard(attn.wk.weight, 0, self.slot, kv))
-                self.wv.weight.copy_(shard(attn.wv.weight, 0, self.slot, kv))
+        # K, V: this rank holds KV slice r // replicas of tp // replicas (when tp > kv, each
+        # KV head is held by the `replicas` ranks whose query heads read it)
+        self.slot, self.n_slots = r // self.replicas, tp // self.replicas
+        h, rows = attn.wk.in_features, kv_local * attn.head_dim
+        self.wk = ColumnParallelLinear(h, rows * tp, group, copy_input=False)
+        self.wv = ColumnParallelLinear(h, rows * tp, group, copy_input=False)
+        with torch.no_grad():
+            self.wk.weight.copy_(shard(attn.wk.weight, 0, self.slot, self.n_slots))
+            self.wv.weight.copy_(shard(attn.wv.weight, 0, self.slot, self.n_slots))
         self.wo = RowParallelLinear.from_linear(attn.wo, group, reduce_output=False)
 
     def _kv(self, lin):
@@ -271,9 +256,7 @@ class ParallelAttention(nn.Module):
     def forward(self, x, cos, sin):
         q, k, v = self.enter(x, [self.wq.weight, self._kv(self.wk), self._kv(self.wv)], self.group)
         b, s, _ = q.shape
-        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
@@ -320,47 +303,12 @@ class ParallelBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-# ------------------------------------------------------------------ the vocabulary
-
-class VocabParallelEmbedding(nn.Module):
-    """Rank r holds rows [r·v/tp, (r+1)·v/tp) of the table; a token outside gives zeros,
-    so summing over ranks (`reduce`: all-reduce, or reduce-scatter under SP) is the lookup."""
-
-    def __init__(self, embedding: nn.Embedding, group=None, reduce=reduce_from_tp):
-        super().__init__()
-        tp, r = _size(group), _rank(group)
-        v = embedding.num_embeddings
-        if v % tp:
-            raise ValueError(f"tp={tp} must divide vocab_size={v}")
-        self.group, self.reduce = group, reduce
-        self.start, self.end = r * v // tp, (r + 1) * v // tp
-        self.weight = nn.Parameter(shard(embedding.weight, 0, r, tp))
-
-    def forward(self, tokens):
-        outside = (tokens < self.start) | (tokens >= self.end)
-        local = (tokens - self.start).masked_fill(outside, 0)
-        partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return self.reduce(partial, self.group)
-
-
-def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, group=None):
-    """Mean cross-entropy from vocab-sharded logits (..., v/tp), never gathering them.
-
-    loss = log Σ_v exp(z_v − m) + m − z_target, with three all-reduces: the max m (no
-    gradient needed: it cancels), the sum of exponentials and the target logit (each g)."""
-    logits = logits.float()
-    m = logits.detach().amax(-1)
-    comm.all_reduce(m, op="max", group=group)
-    shifted = logits - m.unsqueeze(-1)
-    sum_exp = reduce_from_tp(shifted.exp().sum(-1), group)
-    local = targets - vocab_start
-    inside = (local >= 0) & (local < logits.shape[-1])
-    picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = reduce_from_tp(picked * inside, group)
-    return (sum_exp.log() - target_logit).mean()
-
-
 # ------------------------------------------------------------------ the whole model
+
+# The vocabulary's embedding and loss build on g above, so vocab_parallel.py is imported
+# here, once g exists, and as a module (then either file may be imported first).
+from . import vocab_parallel  # noqa: E402
+
 
 class TPLlama(nn.Module):
     """TinyLlama, tensor-parallel over `group`. forward → this rank's vocab slice of the
@@ -369,9 +317,9 @@ class TPLlama(nn.Module):
     def __init__(self, model, group=None, enter=column_matmuls, leave=reduce_from_tp,
                  embed_reduce=reduce_from_tp):
         super().__init__()
-        self.cfg, self.group, self.tp = model.cfg, group, _size(group)
+        self.cfg, self.group, self.tp = model.cfg, group, dist.get_world_size(group)
         check_tensor_parallel(self.cfg, self.tp)
-        self.embed = VocabParallelEmbedding(model.embed, group, embed_reduce)
+        self.embed = vocab_parallel.VocabParallelEmbedding(model.embed, group, embed_reduce)
         self.blocks = nn.ModuleList(ParallelBlock(b, group, enter, leave) for b in model.blocks)
         self.norm = _copy_norm(model.norm)
         self.enter = enter
@@ -379,10 +327,7 @@ class TPLlama(nn.Module):
         self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
         self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
 
-    def rope(self, seq_len: int):
-        if seq_len > self.cfg.max_seq:
-            raise ValueError(f"positions up to {seq_len} exceed max_seq={self.cfg.max_seq}")
-        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+    rope = TinyLlama.rope   # the same (cos, sin) tables and max_seq check
 
     def forward(self, tokens):
         x = self.embed(tokens)
@@ -395,7 +340,8 @@ class TPLlama(nn.Module):
         return self.enter(self.norm(x), [self.lm_head.weight], self.group)[0]
 
     def loss(self, tokens, targets):
-        return vocab_parallel_cross_entropy(self(tokens), targets, self.embed.start, self.group)
+        return vocab_parallel.vocab_parallel_cross_entropy(self(tokens), targets, self.embed.start,
+                                                           self.group)
 
     def full_logits(self, tokens):
         """All-gather the vocab slices (for tests and lessons; training never needs it)."""
@@ -403,6 +349,5 @@ class TPLlama(nn.Module):
 
 
 def tensor_parallel_llama(model, group=None) -> TPLlama:
-    """The tensor-parallel form of a TinyLlama on `group` (checks the sizes first)."""
-    check_tensor_parallel(model.cfg, _size(group))
+    """The tensor-parallel form of a TinyLlama on `group` (TPLlama checks the sizes first)."""
     return TPLlama(model, group)

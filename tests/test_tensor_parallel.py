@@ -15,8 +15,8 @@ from picolib.launch import run
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPLlama,
                                      check_tensor_parallel, copy_to_tp, kv_heads_per_rank,
-                                     reduce_from_tp, shard, tensor_parallel_llama,
-                                     vocab_parallel_cross_entropy)
+                                     reduce_from_tp, shard, tensor_parallel_llama)
+from picolib.vocab_parallel import vocab_parallel_cross_entropy
 
 ATOL = 1e-5
 CFG = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)
