@@ -1,0 +1,88 @@
+"""Lesson 03's checks accept right answers and reject wrong ones (each with a reason)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from picolib import comm
+from picolib.grading import (ExerciseFailed, check_shard_bounds, check_zero1_step,
+                             check_zero_memory)
+from picolib.zero import shard_bounds, zero_memory_bytes
+
+
+def test_shard_bounds_right_and_wrong():
+    check_shard_bounds(shard_bounds)
+
+    def floor_division(numel, n, rank):        # forgets the padding: loses the tail
+        size = numel // n
+        return rank * size, (rank + 1) * size
+
+    with pytest.raises(ExerciseFailed, match="numel=10, n=4"):
+        check_shard_bounds(floor_division)
+
+    def unwritten(numel, n, rank):
+        raise NotImplementedError
+
+    with pytest.raises(ExerciseFailed, match="not written yet"):
+        check_shard_bounds(unwritten)
+
+
+def test_zero_memory_right_and_wrong():
+    check_zero_memory(lambda stage, psi, n, k: zero_memory_bytes(stage, psi, n, k, param_bytes=2))
+
+    def stage2_keeps_full_grads(stage, psi, n, k):
+        return zero_memory_bytes(min(stage, 1) if stage == 2 else stage, psi, n, k, param_bytes=2)
+
+    with pytest.raises(ExerciseFailed, match="stage=2"):
+        check_zero_memory(stage2_keeps_full_grads)
+
+    def no_padding(stage, psi, n, k):
+        shard = psi / n
+        return {"params": 2 * (shard if stage == 3 else psi), "grads": 2 * (psi if stage <= 1 else shard),
+                "optimizer": k * (psi if stage == 0 else shard)}
+
+    with pytest.raises(ExerciseFailed, match="Ψ=10, N=4"):
+        check_zero_memory(no_padding)
+
+
+def zero1_right(param, grad, lr, group=None):
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = -(-param.numel() // n)
+    g = torch.zeros(size * n)
+    g[:grad.numel()] = grad
+    mine = torch.empty(size)
+    comm.reduce_scatter(mine, g, op="avg", group=group)
+    w = torch.zeros(size * n)
+    w[:param.numel()] = param
+    shard = w[rank * size:(rank + 1) * size] - lr * mine
+    out = torch.empty(size * n)
+    comm.all_gather(out, shard, group=group)
+    return out[:param.numel()]
+
+
+def zero1_with_all_reduce(param, grad, lr, group=None):
+    """Right values, plain DP's traffic: the check must notice."""
+    g = grad.clone()
+    comm.all_reduce(g, op="avg", group=group)
+    return param - lr * g
+
+
+def zero1_sum_not_mean(param, grad, lr, group=None):
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = -(-param.numel() // n)
+    g = torch.zeros(size * n)
+    g[:grad.numel()] = grad
+    mine = torch.empty(size)
+    comm.reduce_scatter(mine, g, op="sum", group=group)
+    w = torch.zeros(size * n)
+    w[:param.numel()] = param
+    out = torch.empty(size * n)
+    comm.all_gather(out, w[rank * size:(rank + 1) * size] - lr * mine, group=group)
+    return out[:param.numel()]
+
+
+def test_zero1_step_right_and_wrong():
+    check_zero1_step(zero1_right)
+    with pytest.raises(ExerciseFailed, match="used all_reduce"):
+        check_zero1_step(zero1_with_all_reduce)
+    with pytest.raises(ExerciseFailed, match="new parameters"):
+        check_zero1_step(zero1_sum_not_mean)
