@@ -18,11 +18,10 @@ are views into that buffer, so one collective moves a whole unit. Stage 3 frees 
 unit by resizing the buffer's storage to 0 bytes and gathers it back into the same
 storage, so the views (and the tensors autograd saved) see the gathered values.
 
-Optimizers. SGD (momentum, weight decay), Adam and AdamW are written here, on the flat
-fp32 shard, in torch.optim's order of operations: they are elementwise, so updating a
-slice equals slicing the update, and the state is exactly k bytes per owned element
-(SGD 0 or 4 with momentum, Adam 8). `param_dtype=torch.bfloat16` computes in bf16 and
-keeps an fp32 master shard (k + 4). All communication goes through picolib.comm.
+Optimizers. Each rank steps SGD, Adam or AdamW on its flat fp32 shard alone
+(picolib/sharded_optim.py): they are elementwise, so the state is k bytes per owned
+element. `param_dtype=torch.bfloat16` computes in bf16 and keeps an fp32 master shard
+(k + 4). All communication goes through picolib.comm.
 """
 from __future__ import annotations
 
@@ -33,13 +32,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from .sharded_optim import (OPTIMIZERS, init_state, optimizer_hyperparameters,
+                            optimizer_state_factor, update_shard)
 
 __all__ = ["ZeRO", "shard_bounds", "padded_numel", "unit_numels", "zero_memory_bytes",
            "zero_traffic_bytes", "optimizer_state_factor", "OPTIMIZERS"]
-
-OPTIMIZERS = {"sgd": {"momentum", "weight_decay"},
-              "adam": {"betas", "eps", "weight_decay"}, "adamw": {"betas", "eps", "weight_decay"}}
-_STATE = {"sgd": ["momentum"], "adam": ["exp_avg", "exp_avg_sq"], "adamw": ["exp_avg", "exp_avg_sq"]}
 
 
 # --------------------------------------------------------------------------- formulas
@@ -55,11 +52,6 @@ def shard_bounds(numel: int, n: int, rank: int) -> tuple[int, int]:
         raise ValueError(f"need n ≥ 1 and 0 ≤ rank < n; got n={n}, rank={rank}")
     size = padded_numel(numel, n) // n
     return rank * size, (rank + 1) * size
-
-
-def optimizer_state_factor(optimizer: str, momentum: float = 0.0, master: bool = False) -> int:
-    """k, optimizer bytes per parameter: Adam 8, SGD 0 (4 with momentum); +4 for an fp32 master."""
-    return {"sgd": 4 if momentum else 0, "adam": 8, "adamw": 8}[optimizer] + (4 if master else 0)
 
 
 def zero_memory_bytes(stage: int, numels, n: int, k: int, param_bytes: int = 4,
@@ -147,8 +139,7 @@ class _Unit:
             self.grad = self.grad_full[lo:hi]
         else:
             self.grad = torch.zeros(hi - lo, dtype=z.dtype, device=dev)
-        self.state = {k: torch.zeros_like(self.master) for k in _STATE[z.opt]
-                      if k != "momentum" or z.hp["momentum"]}
+        self.state = init_state(z.opt, self.master, z.hp["momentum"])
         self.ready = 0          # gradients accumulated in this backward; -1 once reduced
         self.in_backward = False
         self.work = None        # (handle, issue time) of an all-gather in flight
@@ -190,12 +181,7 @@ class ZeRO:
                  prefetch: bool = True, timeline=None, **hyperparameters):
         if isinstance(stage, bool) or stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage!r}")
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer {optimizer!r} is not supported; choose one of "
-                             f"{sorted(OPTIMIZERS)} (elementwise, so a shard can step alone)")
-        if set(hyperparameters) - OPTIMIZERS[optimizer]:
-            raise TypeError(f"{optimizer} takes lr and {sorted(OPTIMIZERS[optimizer])}, "
-                            f"not {sorted(set(hyperparameters) - OPTIMIZERS[optimizer])}")
+        hp = optimizer_hyperparameters(optimizer, lr, hyperparameters)
         if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be float32, bfloat16 or float16, not {param_dtype}")
         devices = sorted({str(p.device) for p in model.parameters() if p.requires_grad})
@@ -207,9 +193,7 @@ class ZeRO:
         self.stage, self.group, self.module, self.opt = stage, group, model, optimizer
         self.rank, self.dtype = dist.get_rank(group), param_dtype
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
-        self.prefetch, self.timeline = prefetch, timeline
-        self.hp = {"lr": lr, "momentum": 0.0, "betas": (0.9, 0.999), "eps": 1e-8,
-                   "weight_decay": 0.01 if optimizer == "adamw" else 0.0, **hyperparameters}
+        self.prefetch, self.timeline, self.hp = prefetch, timeline, hp
         self.steps, self._pending, self._t = 0, [], 0.0
         with torch.no_grad():
             self.units = [_Unit(m, named, self) for m, named in _split(model, units)]
@@ -336,7 +320,7 @@ class ZeRO:
 
     def _update_unit(self, i):
         u = self.units[i]
-        _update(self.opt, u.master, u.grad.float(), u.state, self.steps, **self.hp)
+        update_shard(self.opt, u.master, u.grad.float(), u.state, self.steps, **self.hp)
         if u.shard is not u.master:
             u.shard.copy_(u.master)
         u.ready, u.in_backward = 0, False
@@ -401,26 +385,6 @@ class ZeRO:
                 end = time.perf_counter()
         lane = {"all_gather": "gather", "reduce_scatter": "reduce"}.get(name, "compute")
         tl.add(name, t0, end, lane=lane, **meta)["emulated"] = cost is not None
-
-
-def _update(opt, p, g, state, step, lr, momentum, weight_decay, betas, eps):
-    """One optimizer step on a flat fp32 shard, in torch.optim's order of operations."""
-    if opt == "sgd":
-        if weight_decay:
-            g = g.add(p, alpha=weight_decay)
-        if momentum:
-            g = state["momentum"].mul_(momentum).add_(g)   # starts at 0: first step = g
-        p.add_(g, alpha=-lr)
-        return
-    if weight_decay and opt == "adamw":
-        p.mul_(1 - lr * weight_decay)
-    elif weight_decay:
-        g = g.add(p, alpha=weight_decay)
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    m.lerp_(g, 1 - betas[0])
-    v.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
-    denom = v.sqrt().div_((1 - betas[1] ** step) ** 0.5).add_(eps)
-    p.addcdiv_(m, denom, value=-lr / (1 - betas[0] ** step))
 
 
 def _group_size(group) -> int:
