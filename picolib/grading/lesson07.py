@@ -1,0 +1,98 @@
+"""Checks for lesson 07 (pipeline parallel).
+
+- `check_one_f_one_b(fn)`: `fn(rank, p, m)` → rank's 1F1B op list as [("F"|"BW", mb), ...].
+- `check_bubble(fn)`: `fn(p, m, v=1)` → bubble time / ideal time of (interleaved) 1F1B.
+- `check_broken_schedules(fn)`: `fn(reason)` → a 2-rank, 2-micro-batch `Schedule` that the
+  validator must reject for exactly that reason: "missing", "B before F", "W before B",
+  "deadlock" (every rank's own list is fine, the ranks wait for each other).
+"""
+from __future__ import annotations
+
+from ..pipeline_schedules import (Op, Schedule, ScheduleError, _check_ops, bubble_formula,
+                                  make_schedule, one_f_one_b, simulate, validate)
+from ..timeline import bubble_ratio
+from ._core import call_student, compare, report
+
+__all__ = ["check_one_f_one_b", "check_bubble", "check_broken_schedules", "REASONS"]
+
+REASONS = {"missing": "missing", "B before F": "before its F", "W before B": "before its B",
+           "deadlock": "deadlock"}
+
+
+def check_one_f_one_b(fn) -> None:
+    """Compare with picolib's 1F1B for p in 1..4, m in 1..6, every rank; then validate the
+    schedule made of the student's lists (it must not deadlock)."""
+    problems, checks = [], 0
+    for p in range(1, 5):
+        for m in range(1, 7):
+            ref = one_f_one_b(p, m)
+            rows = []
+            for r in range(p):
+                got = call_student(fn, r, p, m)
+                want = [(op.kind, op.mb) for op in ref.ops[r]]
+                checks += 1
+                try:
+                    got = [(str(k), int(mb)) for k, mb in got]
+                except (TypeError, ValueError):
+                    problems.append(f"rank {r}, p={p}, m={m}: expected a list of (kind, mb) "
+                                    f"pairs, got {got!r}")
+                    continue
+                if got != want:
+                    fmt = lambda ops: " ".join(f"{k}{mb}" for k, mb in ops)
+                    problems.append(f"rank {r}, p={p}, m={m}: got {fmt(got)}, expected {fmt(want)}")
+                rows.append(got)
+            if len(rows) == p and not problems:
+                ops = [[Op(k, r, mb) for k, mb in row] for r, row in enumerate(rows)]
+                try:
+                    validate(Schedule("student", m, ref.stage_ranks, ops))
+                except ScheduleError as e:
+                    problems.append(f"p={p}, m={m}: the validator rejects your schedule: {e}")
+        if len(problems) > 5:
+            break
+    report("1F1B op lists", problems[:8], checks)
+
+
+def check_bubble(fn) -> None:
+    """(p−1)/(v·m) on a grid, and the simulator's number where the schedule exists."""
+    problems, checks = [], 0
+    for p in (1, 2, 4, 8):
+        for m in (1, 2, 4, 8, 32):
+            for v in (1, 2, 4):
+                got = call_student(fn, p, m, v)
+                checks += 1
+                problems += compare(f"bubble(p={p}, m={m}, v={v})", got, bubble_formula(p, m, v))
+    for p, m, v in ((4, 8, 1), (4, 8, 2), (2, 6, 1)):
+        name = "1f1b" if v == 1 else "interleaved"
+        sim = bubble_ratio(simulate(make_schedule(name, p, m, v), {"F": 1 / v, "B": 2 / v, "W": 0}))
+        checks += 1
+        problems += compare(f"bubble(p={p}, m={m}, v={v}) vs the simulated {name}",
+                            call_student(fn, p, m, v), sim)
+    report("bubble formula", problems[:8], checks)
+
+
+def check_broken_schedules(fn) -> None:
+    """Each schedule must be rejected by `validate` for the asked reason and no other."""
+    problems = []
+    for reason, phrase in REASONS.items():
+        sched = call_student(fn, reason)
+        if not isinstance(sched, Schedule):
+            problems.append(f"{reason!r}: expected a Schedule, got {type(sched).__name__}")
+            continue
+        if sched.n_ranks != 2 or sched.n_micro != 2 or tuple(sched.stage_ranks) != (0, 1):
+            problems.append(f"{reason!r}: use 2 ranks, 2 micro-batches, stage r on rank r")
+            continue
+        try:
+            validate(sched)
+            problems.append(f"{reason!r}: the validator accepts this schedule — it runs fine")
+            continue
+        except ScheduleError as e:
+            message = str(e)
+        if phrase not in message:
+            problems.append(f"{reason!r}: rejected for another reason: {message}")
+        if reason == "deadlock":
+            try:
+                _check_ops(sched)
+            except ScheduleError as e:
+                problems.append(f"'deadlock': every op must be present and in a valid order on "
+                                f"its rank, but: {e}")
+    report("broken schedules", problems, len(REASONS))

@@ -1,0 +1,311 @@
+"""Pipeline parallelism: cut the tiny Llama into stages and run any schedule on real ranks
+(lesson 07).
+
+    stages = build_stages(model, n_stages=p * v)           # embed on the first, head on the last
+    sched = make_schedule("1f1b", p, m)                       # pipeline_schedules.py: plain data
+    out = run_schedule(sched, my_stages, tokens_mb, targets_mb, timeline=tl)   # on every rank
+
+The executor walks this rank's op list. F receives the input activation (or takes the
+tokens), runs the stage, keeps what backward needs and sends the output on; BW runs the
+full backward and sends ∂L/∂x back. The split backward is the zero-bubble one:
+B = torch.autograd.grad w.r.t. the input (and the cheap norm weights) only — autograd then
+skips every ∂L/∂W matmul — while hooks keep each Linear's input x and output gradient g;
+W = the skipped matmuls, ∂L/∂W = gᵀx, later. (The first stage has no input gradient: its B
+is empty and its W the whole backward.) Figures use cost emulation (picolib.timeline).
+
+Messages: sends are eager — one background thread per peer posts them through
+`picolib.comm` in program order, so a rank never waits for its receiver (gloo's send itself
+waits for the matching receive); a receive waits. Activations and their gradients have the
+same shape, so the messages between two ranks form one FIFO: the receiver knows the
+sender's op list and takes messages in the sender's order, keeping any that arrive before
+they are needed. With this model `pipeline_schedules.validate` predicts exactly which
+schedules deadlock (one thread per peer, not one for all: a message must never wait behind
+one to another rank — torch's interleaved zero-bubble schedule hangs otherwise).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm
+from .model import TinyLlama
+from .pipeline_schedules import Schedule, validate
+
+__all__ = ["partition", "PipelineStage", "build_stages", "run_schedule", "stage_grads"]
+
+
+def partition(n_layers: int, n_stages: int, layer_costs=None) -> list[range]:
+    """Contiguous layer ranges, one per stage. Without costs: equal counts (n_stages must
+    divide n_layers). With `layer_costs`: the split that minimises the largest stage cost."""
+    if n_stages < 1 or n_stages > n_layers:
+        raise ValueError(f"{n_stages} stages for {n_layers} layers: need 1 ≤ stages ≤ layers")
+    if layer_costs is None:
+        if n_layers % n_stages:
+            raise ValueError(f"{n_layers} layers do not split evenly into {n_stages} stages "
+                             f"(with v chunks per rank, v must divide the layers per rank); "
+                             "pass layer_costs for an uneven split")
+        k = n_layers // n_stages
+        return [range(i * k, (i + 1) * k) for i in range(n_stages)]
+    costs = [float(c) for c in layer_costs]
+    if len(costs) != n_layers:
+        raise ValueError(f"layer_costs has {len(costs)} entries for {n_layers} layers")
+    # best[j][s]: the smallest max-stage-cost that splits the first j layers into s stages
+    INF = float("inf")
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    best = [[INF] * (n_stages + 1) for _ in range(n_layers + 1)]
+    cut = [[0] * (n_stages + 1) for _ in range(n_layers + 1)]
+    best[0][0] = 0.0
+    for j in range(1, n_layers + 1):
+        for s in range(1, min(j, n_stages) + 1):
+            for i in range(s - 1, j):
+                val = max(best[i][s - 1], pre[j] - pre[i])
+                if val < best[j][s]:
+                    best[j][s], cut[j][s] = val, i
+    bounds, j = [], n_layers
+    for s in range(n_stages, 0, -1):
+        bounds.append(range(cut[j][s], j))
+        j = cut[j][s]
+    return bounds[::-1]
+
+
+class PipelineStage(nn.Module):
+    """Blocks `layers` of a TinyLlama; the first stage also embeds, the last also applies
+    the final norm and the head. `forward` maps tokens or hidden states to hidden states
+    or logits."""
+
+    def __init__(self, model: TinyLlama, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.layers, self.hidden = layers, model.cfg.hidden
+        self.embed = model.embed if first else None
+        self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.capture = None  # a list while a forward records [Linear, input, output grad]
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                mod.register_forward_hook(self._record)
+
+    def _record(self, mod, args, out):
+        if self.capture is not None and out.requires_grad:
+            entry = [mod, args[0], None]
+            self.capture.append(entry)
+            out.register_hook(lambda g: entry.__setitem__(2, g))
+
+    def backward_weights(self, captured):
+        """W: accumulate ∂L/∂W = gᵀx of every Linear recorded during a forward (after B)."""
+        for mod, x, g in captured:
+            dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            mod.weight.grad = dw if mod.weight.grad is None else mod.weight.grad + dw
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        s = x.shape[1]
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+def build_stages(model: TinyLlama, n_stages: int, layer_costs=None) -> list[PipelineStage]:
+    """All stages of `model` (sharing its parameters); a rank keeps the ones it holds."""
+    parts = partition(model.cfg.n_layers, n_stages, layer_costs)
+    return [PipelineStage(model, rg, i == 0, i == n_stages - 1) for i, rg in enumerate(parts)]
+
+
+def stage_grads(stage: PipelineStage, model: TinyLlama) -> dict[str, torch.Tensor]:
+    """{model parameter name: grad} for the parameters this stage holds."""
+    ids = {id(p) for p in stage.parameters()}
+    return {n: p.grad.clone() for n, p in model.named_parameters()
+            if id(p) in ids and p.grad is not None}
+
+
+class _Channel:
+    """Posts the sends to one peer in order on a background thread, so compute never waits
+    for a receiver. If the thread is idle, `send` waits until it has taken the message (else
+    the hand-over waits for Python's thread switch interval, 5 ms)."""
+
+    def __init__(self, dst, group):
+        self.dst, self.q, self.group, self.error, self.idle = dst, queue.Queue(), group, None, True
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            self.idle = True
+            item = self.q.get()
+            self.idle = False
+            if item is None:
+                return
+            tensor, taken = item
+            taken.set()
+            try:
+                if self.error is None:
+                    comm.exchange(sends=[(tensor, self.dst)], group=self.group)
+            except Exception as e:  # reported by close()
+                self.error = e
+
+    def send(self, tensor):
+        taken, idle = threading.Event(), self.idle and self.q.empty()
+        self.q.put((tensor, taken))
+        if idle:
+            taken.wait()
+
+    def close(self, wait: bool = True):
+        """Wait until every send is delivered (not after a failure: a peer may be gone)."""
+        self.q.put(None)
+        if wait:
+            self.thread.join()
+            if self.error is not None:
+                raise self.error
+
+
+class _Sender:
+    """One channel per peer: a message never waits behind one to another rank."""
+
+    def __init__(self, group):
+        self.group, self.channels = group, {}
+
+    def send(self, tensor, dst):
+        if dst not in self.channels:
+            self.channels[dst] = _Channel(dst, self.group)
+        self.channels[dst].send(tensor)
+
+    def close(self, wait: bool = True):
+        for ch in self.channels.values():
+            ch.close(wait)
+
+
+def _channels(sched: Schedule, rank: int) -> dict[int, list]:
+    """For each sender, the messages it sends to `rank`, in its order: ("act"|"grad", stage, mb)
+    where stage is the stage that consumes the message."""
+    last, sr = sched.n_stages - 1, sched.stage_ranks
+    out: dict[int, list] = {}
+    for src, seq in enumerate(sched.ops):
+        if src == rank:
+            continue
+        for op in seq:
+            if op.kind == "F" and op.stage < last and sr[op.stage + 1] == rank:
+                out.setdefault(src, []).append(("act", op.stage + 1, op.mb))
+            if op.kind in ("B", "BW") and op.stage > 0 and sr[op.stage - 1] == rank:
+                out.setdefault(src, []).append(("grad", op.stage - 1, op.mb))
+    return out
+
+
+def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
+                 group_ranks=None, group=None, measure=None) -> dict:
+    """Run this rank's ops of `sched`. `stages` = {stage index: PipelineStage} for the stages
+    this rank holds; `tokens`/`targets` = lists of m micro-batches (used on the stages that
+    embed / compute the loss). The loss is the mean over micro-batches of each one's mean
+    cross-entropy, so gradients equal one process on the whole batch. Gradients accumulate
+    in the stages' `.grad`. `group_ranks[r]` is the global rank of pipeline rank r (default:
+    r). `measure`: a memory.SavedActivations to open around the step (for its peak).
+    Returns {"loss": summed loss on the last stage's rank (else None)}."""
+    validate(sched)
+    me = torch.distributed.get_rank()
+    me = group_ranks.index(me) if group_ranks else me
+    glob = (lambda r: group_ranks[r]) if group_ranks else (lambda r: r)
+    mine = set(sched.stages_of(me))
+    if set(stages) != mine:
+        raise ValueError(f"rank {me} holds stages {sorted(mine)} in this schedule, "
+                         f"got {sorted(stages)}")
+    m, last, sr = sched.n_micro, sched.n_stages - 1, sched.stage_ranks
+    channels = {src: iter(msgs) for src, msgs in _channels(sched, me).items()}
+    inbox: dict = {}                  # (kind, stage, mb) -> tensor that arrived early or locally
+    shape = tuple(tokens[0].shape) + (stages[min(stages)].hidden,)
+    saved: dict = {}                  # (stage, mb) -> (input, output[, captured Linears])
+    split = {(op.stage, op.mb) for op in sched.ops[me] if op.kind == "W"}
+    sender, loss_total = _Sender(group), None
+
+    def take(kind, stage, mb):
+        key = (kind, stage, mb)
+        src = sr[stage - 1] if kind == "act" else sr[stage + 1]
+        while key not in inbox:
+            nxt = next(channels[src])
+            buf = torch.empty(shape)
+            comm.recv(buf, glob(src), group=group)
+            inbox[nxt] = buf
+        return inbox.pop(key)
+
+    outbox = []                       # filled inside a span, posted when it ends (emulated cost)
+
+    def deliver(kind, stage, mb, tensor):
+        outbox.append((kind, stage, mb, tensor))
+
+    def post():
+        for kind, stage, mb, tensor in outbox:
+            if sr[stage] == me:
+                inbox[(kind, stage, mb)] = tensor
+            else:
+                sender.send(tensor, glob(sr[stage]))
+        outbox.clear()
+
+    def span(op):
+        if timeline is None:
+            return _nullspan()
+        return timeline.span(op.kind, mb=op.mb, stage=op.stage, chunk=sched.chunk(op.stage))
+
+    ctx = measure if measure is not None else _nullspan()
+    ok = False
+    try:
+        with ctx:
+            for op in sched.ops[me]:
+                s, mb = op.stage, op.mb
+                if op.kind == "F":
+                    x = tokens[mb] if s == 0 else take("act", s, mb).requires_grad_()
+                    captured = stages[s].capture = [] if (s, mb) in split and s > 0 else None
+                    with span(op):
+                        y = stages[s](x)
+                        stages[s].capture = None
+                        if s == last:
+                            y = F.cross_entropy(y.flatten(0, 1).float(), targets[mb].flatten()) / m
+                            loss_total = y.detach() + (0 if loss_total is None else loss_total)
+                        else:
+                            deliver("act", s + 1, mb, y.detach())
+                    post()
+                    saved[(s, mb)] = (x, y, captured)
+                    continue
+                x, y, captured = saved[(s, mb)]
+                dy = None if s == last or op.kind == "W" else take("grad", s, mb)
+                with span(op):
+                    if op.kind == "BW":
+                        torch.autograd.backward(y, dy)
+                    elif op.kind == "B" and s > 0:   # input (and norm) grads; hooks keep g
+                        linear = {id(e[0].weight) for e in captured}
+                        rest = [p for p in stages[s].parameters() if id(p) not in linear]
+                        x.grad, *gs = torch.autograd.grad(y, [x] + rest, dy)
+                        for p, g in zip(rest, gs):
+                            p.grad = g if p.grad is None else p.grad + g
+                    elif op.kind == "B":              # first stage: no input gradient
+                        saved[(s, mb)] = (x, y, dy)
+                    elif s > 0:                       # W: the weight matmuls B skipped
+                        stages[s].backward_weights(captured)
+                    else:
+                        torch.autograd.backward(y, saved[(s, mb)][2])
+                    if op.kind in ("B", "BW") and s > 0:
+                        deliver("grad", s - 1, mb, x.grad)
+                post()
+                if op.kind != "B":
+                    del saved[(s, mb)]
+        ok = True
+    finally:
+        sender.close(wait=ok)
+    return {"loss": loss_total}
+
+
+class _nullspan:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,65 @@
+"""Lesson 07 checks: each accepts a correct answer and rejects wrong ones."""
+import pytest
+
+from picolib.grading import (ExerciseFailed, check_broken_schedules, check_bubble,
+                             check_one_f_one_b)
+from picolib.pipeline_schedules import Op, Schedule
+
+
+def one_f_one_b_ops(rank, p, m, warm_extra=0):
+    warm = min(p - 1 - rank + warm_extra, m)
+    ops = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        ops += [("F", warm + i), ("BW", i)]
+    return ops + [("BW", i) for i in range(m - warm, m)]
+
+
+def afab_ops(rank, p, m):
+    return [("F", i) for i in range(m)] + [("BW", i) for i in range(m)]
+
+
+def test_one_f_one_b_check():
+    check_one_f_one_b(one_f_one_b_ops)
+    with pytest.raises(ExerciseFailed, match="rank 0, p=1, m=2: got F0 F1 BW0 BW1, expected F0 BW0 F1 BW1"):
+        check_one_f_one_b(lambda r, p, m: one_f_one_b_ops(r, p, m, warm_extra=1))  # p−r warm-up
+    with pytest.raises(ExerciseFailed):
+        check_one_f_one_b(afab_ops)                       # valid, but not 1F1B
+    with pytest.raises(ExerciseFailed, match="not written yet"):
+        check_one_f_one_b(lambda r, p, m: (_ for _ in ()).throw(NotImplementedError()))
+
+
+def test_bubble_check():
+    check_bubble(lambda p, m, v=1: (p - 1) / (v * m))
+    with pytest.raises(ExerciseFailed, match="bubble"):
+        check_bubble(lambda p, m, v=1: (p - 1) / (m + p - 1))   # fraction of the total, not of ideal
+    with pytest.raises(ExerciseFailed, match="v=2"):
+        check_bubble(lambda p, m, v=1: (p - 1) / m)            # forgets interleaving
+
+
+GOOD0 = [Op("F", 0, 0), Op("F", 0, 1), Op("BW", 0, 0), Op("BW", 0, 1)]
+GOOD1 = [Op("F", 1, 0), Op("BW", 1, 0), Op("F", 1, 1), Op("BW", 1, 1)]
+
+
+def broken(reason):
+    r0, r1 = list(GOOD0), list(GOOD1)
+    if reason == "missing":
+        r0 = r0[:-1]
+    elif reason == "B before F":
+        r1 = [Op("BW", 1, 0), Op("F", 1, 0), Op("F", 1, 1), Op("BW", 1, 1)]
+    elif reason == "W before B":
+        r0 = [Op("F", 0, 0), Op("F", 0, 1), Op("W", 0, 0), Op("B", 0, 0), Op("BW", 0, 1)]
+    elif reason == "deadlock":
+        r0 = [Op("F", 0, 0), Op("BW", 0, 0), Op("F", 0, 1), Op("BW", 0, 1)]
+        r1 = [Op("F", 1, 0), Op("F", 1, 1), Op("BW", 1, 1), Op("BW", 1, 0)]
+    return Schedule(reason, 2, (0, 1), [r0, r1])
+
+
+def test_broken_schedules_check():
+    check_broken_schedules(broken)
+    with pytest.raises(ExerciseFailed, match="accepts"):
+        check_broken_schedules(lambda reason: Schedule("fine", 2, (0, 1), [GOOD0, GOOD1]))
+    with pytest.raises(ExerciseFailed, match="'deadlock'"):
+        # a missing op is rejected, but not as a deadlock
+        check_broken_schedules(lambda reason: broken("missing" if reason == "deadlock" else reason))
+    with pytest.raises(ExerciseFailed, match="expected a Schedule"):
+        check_broken_schedules(lambda reason: [GOOD0, GOOD1])
