@@ -50,8 +50,9 @@ from picolib.timeline import Timeline, bubble_ratio, merge  # noqa: E402
 CFG = LlamaConfig(vocab_size=256, hidden=128, n_layers=8, n_heads=4, n_kv_heads=2,
                   ffn_hidden=256, max_seq=64, attn_impl="sdpa")
 M, MB, SEQ = 8, 4, 64
-WARMUP, ROUND, ROUNDS = 2, 2, 4          # 2 + 8 timed steps per side
-COST = 0.2                               # seconds per emulated op (bubble part)
+WARMUP, ROUND, ROUNDS = 2, 2, 8          # 2 + 16 timed steps per side
+COST = 0.4                               # seconds per emulated op (bubble part): long enough that
+                                         # the hand-over between ranks (a few ms here) stays small
 OUT = ROOT / "bench" / "results" / "pipeline.json"
 ROWS = [("1f1b", "Schedule1F1B", 1), ("interleaved", "ScheduleInterleaved1F1B", 2),
         ("zero_bubble", "ScheduleInterleavedZeroBubble", 2), ("dualpipev", "ScheduleDualPipeV", 2)]

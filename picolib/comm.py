@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Record", "Ledger", "ring_sent_bytes", "all_reduce", "reduce_scatter", "all_gather",
-           "broadcast", "all_to_all", "send", "recv", "exchange", "barrier",
+           "broadcast", "all_to_all", "send", "recv", "isend", "exchange", "barrier",
            "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
@@ -195,6 +195,16 @@ def all_to_all(output, input, group=None, output_split_sizes=None, input_split_s
 def send(tensor, dst: int, group=None):
     """Blocking point-to-point send to global rank `dst`."""
     return _native("send", lambda a: dist.send(tensor, dst, group), _bytes(tensor), group, False)
+
+
+def isend(tensor, dst: int, group=None):
+    """Non-blocking send to global rank `dst`: returns at once; `.wait()` returns when the
+    receiver has it. Messages to one peer arrive in the order they were posted. Keep
+    `tensor` unchanged until then."""
+    rec = Record("send", dist.get_world_size(group), _bytes(tensor), _bytes(tensor), None,
+                 meta={"peer": dst})
+    Ledger._add(rec)
+    return _Timed(dist.isend(tensor, dst, group), rec, time.perf_counter())
 
 
 def recv(tensor, src: int, group=None):

@@ -13,19 +13,15 @@ skips every ∂L/∂W matmul — while hooks keep each Linear's input x and outp
 W = the skipped matmuls, ∂L/∂W = gᵀx, later. (The first stage has no input gradient: its B
 is empty and its W the whole backward.) Figures use cost emulation (picolib.timeline).
 
-Messages: sends are eager — one background thread per peer posts them through
-`picolib.comm` in program order, so a rank never waits for its receiver (gloo's send itself
-waits for the matching receive); a receive waits. Activations and their gradients have the
-same shape, so the messages between two ranks form one FIFO: the receiver knows the
+Messages: sends are eager — each is posted with a non-blocking `comm.isend` in program
+order, so a rank never waits for its receiver; a receive waits. Activations and their
+gradients have the same shape, so the messages between two ranks form one FIFO: the receiver knows the
 sender's op list and takes messages in the sender's order, keeping any that arrive before
 they are needed. With this model `pipeline_schedules.validate` predicts exactly which
-schedules deadlock (one thread per peer, not one for all: a message must never wait behind
-one to another rank — torch's interleaved zero-bubble schedule hangs otherwise).
+schedules deadlock (a message must never wait behind one to another rank — with blocking
+sends torch's interleaved zero-bubble schedule hangs).
 """
 from __future__ import annotations
-
-import queue
-import threading
 
 import torch
 import torch.nn as nn
@@ -130,60 +126,21 @@ def stage_grads(stage: PipelineStage, model: TinyLlama) -> dict[str, torch.Tenso
             if id(p) in ids and p.grad is not None}
 
 
-class _Channel:
-    """Posts the sends to one peer in order on a background thread, so compute never waits
-    for a receiver. If the thread is idle, `send` waits until it has taken the message (else
-    the hand-over waits for Python's thread switch interval, 5 ms)."""
-
-    def __init__(self, dst, group):
-        self.dst, self.q, self.group, self.error, self.idle = dst, queue.Queue(), group, None, True
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self):
-        while True:
-            self.idle = True
-            item = self.q.get()
-            self.idle = False
-            if item is None:
-                return
-            tensor, taken = item
-            taken.set()
-            try:
-                if self.error is None:
-                    comm.exchange(sends=[(tensor, self.dst)], group=self.group)
-            except Exception as e:  # reported by close()
-                self.error = e
-
-    def send(self, tensor):
-        taken, idle = threading.Event(), self.idle and self.q.empty()
-        self.q.put((tensor, taken))
-        if idle:
-            taken.wait()
-
-    def close(self, wait: bool = True):
-        """Wait until every send is delivered (not after a failure: a peer may be gone)."""
-        self.q.put(None)
-        if wait:
-            self.thread.join()
-            if self.error is not None:
-                raise self.error
-
-
 class _Sender:
-    """One channel per peer: a message never waits behind one to another rank."""
+    """Posts every send at once (`comm.isend`), so compute never waits for a receiver;
+    `close` waits until all are delivered (not after a failure: a peer may be gone)."""
 
     def __init__(self, group):
-        self.group, self.channels = group, {}
+        self.group, self.pending = group, []
 
     def send(self, tensor, dst):
-        if dst not in self.channels:
-            self.channels[dst] = _Channel(dst, self.group)
-        self.channels[dst].send(tensor)
+        self.pending.append((comm.isend(tensor, dst, group=self.group), tensor))
 
     def close(self, wait: bool = True):
-        for ch in self.channels.values():
-            ch.close(wait)
+        if wait:
+            for work, _ in self.pending:
+                work.wait()
+        self.pending.clear()
 
 
 def _channels(sched: Schedule, rank: int) -> dict[int, list]:

@@ -116,3 +116,25 @@ def test_ledgers_nest_and_close():
         Ledger._add(Record("send", 2, 4, 4, 0.0))
     Ledger._add(Record("send", 2, 4, 4, 0.0))  # no ledger open: recorded nowhere
     assert inner.count() == 1 and outer.count() == 2 and outer.total() == 8
+
+
+def isend_in_order():
+    from picolib.comm import isend
+    r = dist.get_rank()
+    if r == 0:
+        with Ledger() as led:
+            works = [isend(torch.full((5,), float(i)), 1) for i in range(3)]
+            for w in works:
+                w.wait()
+        return led.count("send"), led.total()
+    got = []
+    for _ in range(3):
+        b = torch.empty(5)
+        dist.recv(b, 0)
+        got.append(b[0].item())
+    return got
+
+
+def test_isend_returns_at_once_and_keeps_order():
+    sent, received = run(isend_in_order, 2)
+    assert sent == (3, 3 * 5 * 4) and received == [0.0, 1.0, 2.0]
