@@ -1,6 +1,6 @@
 # Two commands are all a learner needs: `make lab` and `make test`.
 # Each creates .venv on first use. TORCH picks the torch build: the default is the
-# CPU wheel; on a GPU machine run e.g. `make TORCH=torch lab` to keep/install yours.
+# CPU wheel; on a GPU machine run e.g. `make TORCH=torch lab` for the CUDA build.
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
 VENV   := .venv
