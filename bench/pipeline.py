@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 from picolib.launch import run  # noqa: E402
 from picolib.model import LlamaConfig, TinyLlama, param_count, random_tokens  # noqa: E402
 from picolib.pipeline_parallel import build_stages, run_schedule  # noqa: E402
-from picolib.pipeline_schedules import comm_latency, from_torch, make_schedule, simulate, validate  # noqa: E402
+from picolib.pipeline_schedules import from_torch, make_schedule  # noqa: E402
+from picolib.pipeline_simulator import comm_latency, simulate, validate  # noqa: E402
 from picolib.timeline import Timeline, bubble_ratio, merge  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=256, hidden=128, n_layers=8, n_heads=4, n_kv_heads=2,

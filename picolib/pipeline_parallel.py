@@ -17,7 +17,7 @@ Messages: sends are eager — each is posted with a non-blocking `comm.isend` in
 order, so a rank never waits for its receiver; a receive waits. Activations and their
 gradients have the same shape, so the messages between two ranks form one FIFO: the receiver knows the
 sender's op list and takes messages in the sender's order, keeping any that arrive before
-they are needed. With this model `pipeline_schedules.validate` predicts exactly which
+they are needed. With this model `pipeline_simulator.validate` predicts exactly which
 schedules deadlock (a message must never wait behind one to another rank — with blocking
 sends torch's interleaved zero-bubble schedule hangs).
 """
@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from . import comm
 from .model import TinyLlama
-from .pipeline_schedules import Schedule, validate
+from .pipeline_schedules import Schedule
+from .pipeline_simulator import validate
 
 __all__ = ["partition", "PipelineStage", "build_stages", "run_schedule", "stage_grads"]
 

@@ -10,9 +10,9 @@ from picolib.launch import run
 from picolib.memory import SavedActivations
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.pipeline_parallel import build_stages, partition, run_schedule, stage_grads
-from picolib.pipeline_schedules import (Op, Schedule, ScheduleError, afab, bubble_formula, from_torch,
-                                        interleaved_1f1b, make_schedule, one_f_one_b, simulate,
-                                        validate, zb_h1)
+from picolib.pipeline_schedules import (Op, Schedule, afab, bubble_formula, from_torch,
+                                        interleaved_1f1b, make_schedule, one_f_one_b, zb_h1)
+from picolib.pipeline_simulator import ScheduleError, simulate, validate
 from picolib.timeline import bubble_ratio
 
 CFG = LlamaConfig(hidden=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq=16)

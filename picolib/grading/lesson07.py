@@ -8,8 +8,8 @@
 """
 from __future__ import annotations
 
-from ..pipeline_schedules import (Op, Schedule, ScheduleError, _check_ops, bubble_formula,
-                                  make_schedule, one_f_one_b, simulate, validate)
+from ..pipeline_schedules import Op, Schedule, bubble_formula, make_schedule, one_f_one_b
+from ..pipeline_simulator import ScheduleError, _check_ops, simulate, validate
 from ..timeline import bubble_ratio
 from ._core import call_student, compare, report
 
