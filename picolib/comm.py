@@ -282,13 +282,17 @@ def _all_gather_steps(chunks, n, me, right, left, group):
     return sent
 
 
+def _ring_chunks(tensor, n: int, op: str) -> list[torch.Tensor]:
+    if tensor.numel() % n:
+        raise ValueError(f"{op}: {tensor.numel()} elements do not divide by {n} ranks")
+    return list(tensor.view(-1).chunk(n))
+
+
 def ring_reduce_scatter(tensor, group=None) -> torch.Tensor:
     """Sum over ranks, rank r keeps chunk r (returned). `tensor.numel()` must divide by N; it
     is used as scratch space."""
     n, me, right, left = _ring_neighbours(group)
-    if tensor.numel() % n:
-        raise ValueError(f"ring_reduce_scatter: {tensor.numel()} elements do not divide by {n} ranks")
-    chunks = list(tensor.view(-1).chunk(n))
+    chunks = _ring_chunks(tensor, n, "ring_reduce_scatter")
     with _ring_record("reduce_scatter", _bytes(tensor), group) as rec:
         rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group)
     return chunks[me].clone()
@@ -308,9 +312,7 @@ def ring_all_gather(shard, group=None) -> torch.Tensor:
 def ring_all_reduce(tensor, group=None) -> torch.Tensor:
     """In place sum over ranks = ring reduce-scatter followed by ring all-gather."""
     n, me, right, left = _ring_neighbours(group)
-    if tensor.numel() % n:
-        raise ValueError(f"ring_all_reduce: {tensor.numel()} elements do not divide by {n} ranks")
-    chunks = list(tensor.view(-1).chunk(n))
+    chunks = _ring_chunks(tensor, n, "ring_all_reduce")
     with _ring_record("all_reduce", _bytes(tensor), group) as rec:
         rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group)
         rec.sent_bytes += _all_gather_steps(chunks, n, me, right, left, group)
