@@ -1,8 +1,13 @@
-"""Start-up cost of a distributed job: picolib.launch.run (fork) vs torch.multiprocessing.spawn.
+"""Start-up cost of a distributed job: picolib.launch.run vs torch.multiprocessing.spawn.
 
 The job: every rank joins a gloo group and all-reduces a 4-element float32 tensor; the
 caller gets the results back. Timed end to end (processes started, group formed, one
 all-reduce, processes gone), on 2, 4 and 8 ranks, median of REPEATS runs each.
+
+picolib forks its ranks from a fork server that `import picolib.launch` starts in the
+background. "warm" is a call once the server is up (every call but a session's first);
+"first" is a fresh Python process that has imported torch (as a notebook has) timing
+`import picolib.launch` plus its first `run` — it waits for the server to load.
 
     .venv/bin/python bench/launch.py            # writes bench/results/launch.json
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,6 +69,28 @@ def time_picolib(world_size: int) -> float:
     return dt
 
 
+FIRST = """
+import sys, time, torch
+sys.path.insert(0, {root!r})
+t0 = time.perf_counter()
+import torch.distributed as dist
+from picolib.launch import run
+def job():
+    t = torch.full(({numel},), float(dist.get_rank())); dist.all_reduce(t); return t[0].item()
+assert run(job, {n}) == [{n} * ({n} - 1) / 2] * {n}
+print(time.perf_counter() - t0)
+"""
+
+
+def time_first(world_size: int) -> float:
+    """A fresh caller: `import picolib.launch` and the first run (the server still loading)."""
+    code = FIRST.format(root=str(Path(__file__).resolve().parent.parent), numel=NUMEL,
+                        n=world_size)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def time_spawn(world_size: int) -> float:
     t0 = time.perf_counter()
     tmp.spawn(spawn_worker, args=(world_size, free_port()), nprocs=world_size, join=True)
@@ -73,19 +101,25 @@ def main() -> list[dict]:
     rows = []
     for n in WORLD_SIZES:
         ours = [time_picolib(n) for _ in range(REPEATS)]
+        first = [time_first(n) for _ in range(REPEATS)]
         peer = [time_spawn(n) for _ in range(REPEATS)]
-        p, q = statistics.median(ours), statistics.median(peer)
+        p, q, f = statistics.median(ours), statistics.median(peer), statistics.median(first)
         rows.append({"name": f"allreduce_{n}ranks", "picolib_s": round(p, 4),
-                     "peer_s": round(q, 4), "ratio": round(p / q, 4), "world_size": n,
+                     "peer_s": round(q, 4), "ratio": round(p / q, 4),
+                     "picolib_first_call_s": round(f, 4), "first_ratio": round(f / q, 4),
+                     "world_size": n,
                      "repeats": REPEATS, "numel": NUMEL,
                      "peer": "torch.multiprocessing.spawn + init_method=tcp://",
                      "torch": torch.__version__})
-        print(f"{n} ranks: picolib {p:.3f} s, spawn {q:.3f} s", file=sys.stderr, flush=True)
+        print(f"{n} ranks: picolib warm {p:.3f} s, first call {f:.2f} s, spawn {q:.3f} s",
+              file=sys.stderr, flush=True)
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps(rows, indent=1) + "\n")
-    print("| job | picolib (s) | spawn (s) | ratio |\n|---|---|---|---|")
+    print("| ranks | picolib warm (s) | picolib first call (s) | spawn (s) | warm ratio |"
+          " first ratio |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['name']} | {r['picolib_s']:.3f} | {r['peer_s']:.2f} | {r['ratio']:.3f} |")
+        print(f"| {r['world_size']} | {r['picolib_s']:.3f} | {r['picolib_first_call_s']:.2f} |"
+              f" {r['peer_s']:.2f} | {r['ratio']:.3f} | {r['first_ratio']:.2f} |")
     return rows
 
 

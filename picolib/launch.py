@@ -2,35 +2,42 @@
 
     results = run(fn, 4, x, lr=0.1)   # fn(x, lr=0.1) on ranks 0..3; their return values
 
-Why not `torch.multiprocessing.spawn`? It re-imports torch in every rank (seconds per
-rank) and cannot run a function defined in a notebook. `run` forks instead: the ranks
-start as copies of the caller, so `fn` can be anything the notebook defined.
+Why not `torch.multiprocessing.spawn`? It starts a fresh interpreter per rank (seconds
+each, every rank re-imports torch) and cannot run a function defined in a notebook.
+Why not plain `fork` of the notebook? On a CUDA build with a GPU, a process that has run
+one autograd backward or touched CUDA can never fork a rank that does either — and a
+notebook has always done both. So `run` forks the ranks from a clean *fork server*
+(`forkserver.py`): a fresh interpreter with torch and picolib loaded, started in the
+background when this module is imported, reused by every later call. `fn` and its
+arguments travel by value (cloudpickle), so notebook functions, closures, lambdas and
+classes work.
 
 The contract (lesson 00 shows each part):
-- every rank calls `torch.set_num_threads(1)` before any math: forking a process whose
-  OpenMP pool is live can deadlock, and N ranks on a few cores should not fight anyway;
-- the group meets through a TCP store that rank 0 serves on a socket the caller bound
-  to a free port of 127.0.0.1, so two notebooks running at once never collide (and the
-  caller starts no thread of its own: forking while a thread holds a lock can hang);
-- a rank that raises becomes a `WorkerError` in the caller, naming the rank and
-  carrying its traceback; a run that does not finish in `timeout` seconds becomes a
-  `WorkerTimeout`; an interrupt (the notebook's stop button) ends every rank;
-- no rank outlives `run`: every exit path kills what is left;
+- every rank calls `torch.set_num_threads(1)` before any math (N ranks on a few cores
+  should not fight over threads);
+- the group meets through a store in a file of the caller's private temporary folder
+  (no port to pick, no name lookup), so two notebooks running at once never collide;
+- a rank that raises becomes a `WorkerError` in the caller, naming the rank and carrying
+  its traceback; a rank that dies without a word (killed, crashed) is named with the
+  signal that ended it, even when its peers' errors arrive first;
+- a run that does not finish in `timeout` seconds becomes a `WorkerTimeout` that shows
+  where each stuck rank was; an interrupt (the notebook's stop button) ends every rank;
+- no rank, nothing a rank started, and not the server outlives the caller;
 - what a rank prints reaches the caller prefixed with `[rank r]`.
 
 On a cluster the same worker code runs under `torchrun`; call `init_from_env()` first.
 """
 from __future__ import annotations
 
-import ctypes
+import atexit
 import faulthandler
 import io
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
+import pkgutil
 import signal
-import socket
+import site
 import sys
 import tempfile
 import threading
@@ -39,13 +46,21 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
-__all__ = ["run", "init_from_env", "WorkerError", "WorkerTimeout", "resolve_backend",
-           "device", "in_worker"]
+from . import forkserver
 
-_IN_WORKER = False  # set in a forked rank, so a nested `run` is caught early
+__all__ = ["run", "init_from_env", "WorkerError", "WorkerTimeout", "resolve_backend",
+           "device", "in_worker", "MAX_WORLD_SIZE", "MAX_TIMEOUT"]
+
+MAX_WORLD_SIZE = 128  # local ranks; beyond that use torchrun on several machines
+MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds; a week is already "never"
+_GRACE = 1.0  # after a first failure, seconds to wait for the rank that caused it
+
+_IN_WORKER = False  # set in a rank, so a nested `run` is caught early
+_DEVICE = torch.device("cpu")  # this rank's device, set when the rank joins its group
 
 
 class WorkerError(RuntimeError):
@@ -69,11 +84,15 @@ def in_worker() -> bool:
     return _IN_WORKER
 
 
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def resolve_backend(backend: str, world_size: int) -> str:
-    """'auto' → NCCL when there is one GPU per rank, otherwise gloo (CPU)."""
+    """'auto' → NCCL when there is one GPU per rank, otherwise gloo on the CPU."""
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = _gpu_count()
     if backend == "auto":
         return "nccl" if gpus >= world_size else "gloo"
     if backend == "nccl" and gpus < world_size:
@@ -83,27 +102,44 @@ def resolve_backend(backend: str, world_size: int) -> str:
 
 def device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device this rank computes on: its GPU under NCCL, the CPU under gloo."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return _DEVICE
+
+
+def _join_group(backend: str, **init_kwargs) -> None:
+    """Under NCCL, CUDA tensors go over NCCL and CPU tensors over gloo (one group, two
+    backends), so code that all-reduces a CPU scalar works on GPUs too."""
+    global _DEVICE
+    if backend == "nccl":
+        _DEVICE = torch.device("cuda", torch.cuda.current_device())
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, **init_kwargs)
 
 
 def init_from_env(backend: str = "auto") -> tuple[int, int]:
     """Join the group that `torchrun` describes (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
-    Returns (rank, world_size). Under NCCL each process takes GPU LOCAL_RANK.
+    Returns (rank, world_size). Under NCCL each process takes GPU LOCAL_RANK. The group is
+    destroyed when the script exits (a group left to the interpreter's shutdown can abort
+    the process: "terminate called without an active exception", 2 runs in 8 here).
     """
+    _SERVER.close()  # torchrun started this process: no notebook ranks to fork here
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     backend = resolve_backend(backend, local_world)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend, init_method="env://")
+    _join_group(backend, init_method="env://")
+    atexit.register(_leave_group)
     return dist.get_rank(), dist.get_world_size()
 
 
-# --------------------------------------------------------------------------- worker
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the rank
 
 class _RankStream(io.TextIOBase):
     """Stands in for sys.stdout/sys.stderr in a rank: sends whole lines to the caller."""
@@ -131,15 +167,6 @@ class _RankStream(io.TextIOBase):
             self._conn.send((self._kind, text))
 
 
-def _die_with_parent():
-    """Ask Linux to kill this rank if the caller dies (a crashed kernel leaves no orphans)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def _to_cpu(value):
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
@@ -150,38 +177,61 @@ def _to_cpu(value):
     return value
 
 
-def _worker(rank, world_size, backend, listener, timeout, conn, stack_file, fn, args, kwargs):
+def _describe(e: BaseException) -> tuple[str, str]:
+    """(one line, traceback) for an exception, even one whose __str__ raises."""
+    try:
+        line = f"{type(e).__name__}: {e}"
+    except Exception as inner:  # noqa: BLE001
+        line = f"{type(e).__name__} (its str() raised {type(inner).__name__})"
+    try:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except Exception:  # noqa: BLE001
+        tb = "".join(traceback.format_tb(e.__traceback__)) + line
+    return line, tb
+
+
+def _rank_main(rank: int, conn_fd: int, stack_fd: int, payload_fd: int) -> int:
+    """A rank's life, in the process the fork server just forked. Returns the exit code."""
     global _IN_WORKER
     _IN_WORKER = True
     torch.set_num_threads(1)
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides; it kills us
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    conn = mpc.Connection(conn_fd)
+    faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=False)
+    data = os.pread(payload_fd, os.fstat(payload_fd).st_size, 0)
+    os.close(payload_fd)
+    n = int.from_bytes(data[:8], "big")
+    settings, body = pickle.loads(data[8:8 + n]), data[8 + n:]
+    sys.path[:] = settings["sys_path"]
+    try:
+        os.chdir(settings["cwd"])
+    except OSError:
+        pass
+    if settings["hide_gpu"]:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before any CUDA call: gloo ranks use the CPU
     lock = threading.Lock()
     sys.stdout = _RankStream(conn, lock, "out")
     sys.stderr = _RankStream(conn, lock, "err")
-    code = 0
+    world_size, backend = settings["world_size"], settings["backend"]
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        # rank 0 serves the rendezvous store on the socket the caller bound; the caller runs
-        # no store thread of its own, so nothing holds a lock while it forks
-        port = listener.getsockname()[1]
+        try:
+            fn, args, kwargs = cloudpickle.loads(body)
+        except Exception as e:
+            raise RuntimeError(f"the function or its arguments could not be rebuilt in the "
+                               f"rank ({type(e).__name__}: {e})") from e
         # the group's own timeouts outlast the caller's deadline: a hang must surface as
         # WorkerTimeout with every rank's stack, not as one rank's gloo timeout error
-        grace = timedelta(seconds=timeout + 30)
-        if rank == 0:
-            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
-                                  timeout=grace, wait_for_workers=False,
-                                  master_listen_fd=listener.fileno(), use_libuv=False)
-        else:
-            listener.close()
-            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=grace)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=grace)
+        grace = timedelta(seconds=settings["timeout"] + 30)
+        # the group meets in a file of the caller's private temporary folder: no port to
+        # pick, nothing two callers could share, and no name lookup (a TCP store looks up
+        # 127.0.0.1 in DNS, which stalled 8 runs in 300 by 5 s here)
+        store = dist.FileStore(settings["store"], world_size)
+        store.set_timeout(grace)
+        _join_group(backend, store=store, rank=rank, world_size=world_size, timeout=grace)
         result = _to_cpu(fn(*args, **kwargs))
         try:
-            payload = pickle.dumps(result)
+            payload = cloudpickle.dumps(result)
         except Exception as e:
             raise TypeError(f"the return value of type {type(result).__name__} cannot be "
                             f"sent back to the caller (pickle: {e})") from None
@@ -189,145 +239,306 @@ def _worker(rank, world_size, backend, listener, timeout, conn, stack_file, fn, 
         with lock:
             conn.send(("result", payload))
         conn.recv()  # stay in the group until every rank is done: peers never see us vanish
+        return 0
     except BaseException as e:  # noqa: BLE001 - everything must reach the caller
-        code = 1
         try:
             sys.stdout.flush(), sys.stderr.flush()
             with lock:
-                conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
-        except Exception:
+                conn.send(("error", *_describe(e)))
+        except Exception:  # noqa: BLE001
             pass
-    finally:
-        os._exit(code)  # skip the caller's atexit hooks, which this fork inherited
+        return 1
 
 
-# --------------------------------------------------------------------------- caller
+# --------------------------------------------------------------------------- the caller
+
+def _preload() -> list[str]:
+    """What the fork server imports: torch, PyTorch's own parallel APIs (the lessons set
+    them beside picolib's; a function that names `torch.tensor` also makes cloudpickle
+    import `torch.distributed.tensor` in the rank) and every picolib module."""
+    import picolib
+    names = [f"picolib.{m.name}" for m in pkgutil.iter_modules(picolib.__path__)
+             if m.name != "forkserver"]
+    torch_parts = ["torch.distributed." + n for n in
+                   ("tensor", "device_mesh", "fsdp", "pipelining", "checkpoint")]
+    return ["torch", "torch.distributed", *torch_parts, "cloudpickle", *sorted(names)]
+
+
+_SERVER = forkserver.ForkServer(_preload())
+if not forkserver.in_server() and "TORCHELASTIC_RUN_ID" not in os.environ:
+    _SERVER.start()  # returns at once; torch loads in the server while the notebook goes on
+    # (a process that torchrun started joins its group with init_from_env and forks nothing)
+
+
+def _check_arguments(fn, world_size, timeout):
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, not {world_size!r}")
+    if world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"world_size={world_size} is more than the {MAX_WORLD_SIZE} ranks "
+                         "launch.run starts on one machine; use torchrun across machines")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not 0 < timeout <= MAX_TIMEOUT):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, at most "
+                         f"{MAX_TIMEOUT:g} (a week), not {timeout!r}")
+    if _IN_WORKER or forkserver.in_server() or dist.is_initialized():
+        raise RuntimeError("launch.run was called inside a rank (or a process already in a "
+                           "process group); start ranks from the notebook or script only")
+    if not hasattr(os, "fork"):
+        raise RuntimeError("launch.run needs fork (Linux, macOS, WSL); on this system use "
+                           "torchrun and init_from_env()")
+
+
+def _user_modules(loaded: frozenset[str]) -> list:
+    """Modules of the caller's own code (not installed, not loaded in the fork server).
+
+    Their functions and classes travel by value, like the notebook's: a rank then never
+    imports, say, a test module (and pytest with it) just to find one function."""
+    installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix,
+                       *site.getsitepackages(), site.getusersitepackages()})
+    out = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if (name not in loaded and name != "__main__" and "." not in name and path
+                and not os.path.abspath(path).startswith(installed)):
+            out.append(module)
+    return out
+
+
+_PICKLE_LOCK = threading.Lock()  # cloudpickle's by-value registry is process-wide
+
+
+def _serialise(fn, args, kwargs) -> bytes:
+    """cloudpickle (fn, args, kwargs); if that fails, say which one cannot travel and why."""
+    _SERVER.wait_ready()
+    with _PICKLE_LOCK:
+        by_value = [m for m in _user_modules(_SERVER.modules)
+                    if not _registered_by_value(m)]
+        for m in by_value:
+            cloudpickle.register_pickle_by_value(m)
+        try:
+            return _dumps_or_explain(fn, args, kwargs)
+        finally:
+            for m in by_value:
+                cloudpickle.unregister_pickle_by_value(m)
+
+
+def _registered_by_value(module) -> bool:
+    """Registered already (by the user, say): then leave it so afterwards."""
+    return module.__name__ in getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", ())
+
+
+def _dumps_or_explain(fn, args, kwargs) -> bytes:
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as e:  # noqa: BLE001
+        parts = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)]
+        parts += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+        for name, value in parts:
+            try:
+                cloudpickle.dumps(value)
+            except Exception as e2:  # noqa: BLE001
+                raise TypeError(f"{name} (a {type(value).__name__}) cannot be sent to the "
+                                f"ranks: {type(e2).__name__}: {e2}") from None
+        raise TypeError(f"fn and its arguments cannot be sent to the ranks: {e}") from None
+
 
 def run(fn: Callable, world_size: int, *args, backend: str = "auto",
         timeout: float = 120.0, **kwargs) -> list[Any]:
     """Call `fn(*args, **kwargs)` on ranks 0..world_size-1 and return their results in rank order.
 
-    Inside `fn` the default process group is ready (`dist.get_rank()`, collectives).
-    Raises WorkerError if a rank fails, WorkerTimeout after `timeout` seconds.
+    Inside `fn` the default process group is ready (`dist.get_rank()`, collectives) and
+    `device()` is the rank's device. Raises WorkerError if a rank fails, WorkerTimeout
+    after `timeout` seconds. backend: "auto" (NCCL with one GPU per rank if there are
+    enough, else gloo with the GPUs hidden from the ranks), "nccl", or "gloo" (the ranks
+    still see the GPUs: gloo can move CUDA tensors too).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, not {world_size!r}")
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
-    if _IN_WORKER or dist.is_initialized():
-        raise RuntimeError("launch.run was called inside a rank (or a process already in a "
-                           "process group); start ranks from the notebook or script only")
-    if "fork" not in mp.get_all_start_methods():
-        raise RuntimeError("launch.run needs the 'fork' start method (Linux, macOS, WSL); "
-                           "on this system use torchrun and init_from_env()")
-    backend = resolve_backend(backend, world_size)
-    if backend == "nccl" and torch.cuda.is_initialized():
-        raise RuntimeError("CUDA is already initialised in this process, and a forked rank "
-                           "cannot use it: call run(...) before touching the GPU, or use torchrun")
-
-    ctx = mp.get_context("fork")  # explicit: Python 3.14 changes the default
-    listener = socket.create_server(("127.0.0.1", 0), backlog=max(world_size, 8))
-    procs, conns = [], []
-    stacks = [tempfile.TemporaryFile("w+") for _ in range(world_size)]
+    _check_arguments(fn, world_size, timeout)
+    resolved = resolve_backend(backend, world_size)
+    _SERVER.start()  # a no-op unless it is not running (first call, or it was killed)
+    body = _serialise(fn, args, kwargs)
     sys.stdout.flush(), sys.stderr.flush()
-    try:
-        for rank in range(world_size):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_worker, daemon=True, name=f"picolib-rank{rank}",
-                            args=(rank, world_size, backend, listener, timeout, child_end,
-                                  stacks[rank], fn, args, kwargs))
-            p.start()
-            child_end.close()
-            procs.append(p)
-            conns.append(parent_end)
-        listener.close()
-        results = _collect(procs, conns, stacks, timeout)
-        for c in conns:  # all done: let every rank leave the group
-            try:
-                c.send("exit")
-            except OSError:
-                pass
-        for p in procs:
-            p.join(timeout=5)
-        return results
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join()
-        for c in conns:
-            c.close()
-        for f in stacks:
-            f.close()
-        listener.close()
-        sys.stdout.flush()
+    ranks: list[_Rank] = []
+    with tempfile.TemporaryDirectory(prefix="picolib-run-") as workdir:
+        settings = pickle.dumps({"world_size": world_size, "backend": resolved,
+                                 "timeout": float(timeout), "sys_path": list(sys.path),
+                                 "cwd": os.getcwd(), "store": os.path.join(workdir, "store"),
+                                 "hide_gpu": backend == "auto" and resolved == "gloo"})
+        try:
+            with tempfile.TemporaryFile(dir=workdir) as payload:
+                payload.write(len(settings).to_bytes(8, "big") + settings + body)
+                payload.flush()
+                for rank in range(world_size):
+                    ranks.append(_Rank.start(rank, payload))
+            results = _collect(ranks, timeout)
+            for r in ranks:  # all done: let every rank leave the group
+                r.send_exit()
+            _wait_exits(ranks, 10.0)
+            return results
+        finally:
+            _end(ranks)
+            sys.stdout.flush()
 
 
-def _stuck_stacks(procs, ranks, stacks) -> str:
-    """Ask each stuck rank for its Python stack (faulthandler on SIGUSR1) and collect them."""
-    for r in ranks:
-        if procs[r].is_alive():
-            os.kill(procs[r].pid, signal.SIGUSR1)
-    time.sleep(0.3)
-    text = []
-    for r in ranks:
-        stacks[r].seek(0)
-        lines = [ln for ln in stacks[r].read().splitlines() if ln.strip()]
-        text.append(f"--- rank {r} was here ---\n" + "\n".join(lines[:12]))
-    return "\n".join(text)
+class _Rank:
+    """The caller's view of one rank: its pipe, its status pipe, its stack file."""
+
+    def __init__(self, rank, conn, status, stack):
+        self.rank, self.conn, self.status, self.stack = rank, conn, status, stack
+        self.pid: int | None = None
+        self.exit_code: int | None = None  # set once the server reports it
+        self.exited = False
+
+    @classmethod
+    def start(cls, rank, payload) -> "_Rank":
+        ours, theirs = mpc.Pipe(duplex=True)
+        status_r, status_w = os.pipe()
+        r = cls(rank, ours, status_r, tempfile.TemporaryFile("w+b"))
+        try:
+            r.pid = _SERVER.spawn(rank, status_w,
+                                  [theirs.fileno(), r.stack.fileno(), payload.fileno()])
+        except BaseException:
+            r.close()
+            raise
+        finally:
+            theirs.close()
+            os.close(status_w)
+        return r
+
+    def read_exit(self) -> None:
+        text = os.read(self.status, 64)
+        self.exited = True
+        self.exit_code = int(text) if text else None  # nothing: the server itself died
+
+    def send_exit(self) -> None:
+        try:
+            self.conn.send("exit")
+        except OSError:
+            pass
+
+    def stack_text(self) -> str:
+        self.stack.seek(0)
+        lines = [ln for ln in self.stack.read().decode(errors="replace").splitlines()
+                 if ln.strip()]
+        return f"--- rank {self.rank} was here ---\n" + "\n".join(lines[:12])
+
+    def close(self) -> None:
+        self.conn.close()
+        if self.status >= 0:
+            os.close(self.status)
+            self.status = -1
+        self.stack.close()
 
 
-def _collect(procs, conns, stacks, timeout):
+def _death(r: _Rank) -> str:
+    """Why a rank ended without a word, from its exit code."""
+    code = r.exit_code
+    if code is None:
+        return "the picolib fork server died, and took the rank with it"
+    if code < 0:
+        sig = signal.Signals(-code)
+        why = {signal.SIGKILL: " (out of memory? killed by someone?)",
+               signal.SIGSEGV: " (a crash in C or C++ code)",
+               signal.SIGABRT: " (a C/C++ assertion or abort())"}.get(sig, "")
+        return f"the process was killed by {sig.name}: {signal.strsignal(sig)}{why}"
+    return f"the process exited with code {code} without returning a result"
+
+
+def _collect(ranks: list[_Rank], timeout: float) -> list[Any]:
+    """Every rank's result, or the WorkerError / WorkerTimeout that explains why not."""
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
-    open_conns = dict(enumerate(conns))
-    by_conn = {id(c): r for r, c in open_conns.items()}
-    while len(results) < len(procs):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            waiting = [r for r in range(len(procs)) if r not in results]
+    errors: dict[int, tuple[str, str]] = {}  # in order of arrival
+    silent: list[int] = []  # ranks that ended without a result or an error, in order
+    first_failure = None
+
+    def handle(r: _Rank, msg) -> None:
+        nonlocal first_failure
+        kind = msg[0]
+        if kind in ("out", "err"):
+            print("\n".join(f"[rank {r.rank}] {line}" for line in msg[1].split("\n")),
+                  file=sys.stdout if kind == "out" else sys.stderr, flush=True)
+        elif kind == "result":
+            try:
+                results[r.rank] = cloudpickle.loads(msg[1])
+            except Exception as e:  # noqa: BLE001
+                errors[r.rank] = (f"its result could not be unpickled in the caller "
+                                  f"({type(e).__name__}: {e})", "")
+        elif kind == "error":
+            errors[r.rank] = (msg[1], msg[2])
+        if r.rank in errors and first_failure is None:
+            first_failure = time.monotonic()
+
+    def drain(r: _Rank) -> None:
+        while not r.conn.closed:
+            try:
+                if not r.conn.poll():
+                    return
+                handle(r, r.conn.recv())
+            except (EOFError, OSError):
+                r.conn.close()
+
+    while True:
+        pending = [r for r in ranks if r.rank not in results and r.rank not in errors
+                   and r.rank not in silent]
+        now = time.monotonic()
+        if not pending or (first_failure is not None and now > first_failure + _GRACE):
+            break
+        if first_failure is None and now >= deadline:
+            waiting = [r.rank for r in pending]
+            _SERVER.signal([r.pid for r in pending], signal.SIGUSR1)
+            time.sleep(0.3)
             raise WorkerTimeout(
                 f"ranks {waiting} did not finish within {timeout:g} s (a collective that "
                 f"some rank never called? a deadlock in send/recv?); all ranks were stopped\n"
-                + _stuck_stacks(procs, waiting, stacks))
-        ready = mpc.wait(list(open_conns.values()) +
-                         [p.sentinel for r, p in enumerate(procs) if r not in results],
-                         timeout=min(left, 1.0))
-        for obj in ready:
-            if isinstance(obj, int):
+                + "\n".join(r.stack_text() for r in pending))
+        wait_for = deadline - now if first_failure is None else first_failure + _GRACE - now
+        by_object = {}
+        for r in pending:
+            if not r.conn.closed:
+                by_object[r.conn] = r
+            if not r.exited:
+                by_object[r.status] = r
+        for obj in mpc.wait(list(by_object), timeout=max(0.0, min(wait_for, 1.0))):
+            r = by_object[obj]
+            if obj is r.conn:
+                drain(r)
                 continue
-            rank = by_conn[id(obj)]
-            try:
-                msg = obj.recv()
-            except (EOFError, OSError):
-                open_conns.pop(rank, None)
-                continue
-            _handle(rank, msg, results)
-        for rank, p in enumerate(procs):  # a rank that died without a word (killed, segfault)
-            if rank not in results and not p.is_alive():
-                c = open_conns.pop(rank, None)
-                while c is not None and c.poll():
-                    try:
-                        _handle(rank, c.recv(), results)
-                    except (EOFError, OSError):
-                        break
-                if rank not in results:
-                    raise WorkerError(rank, f"the process exited with code {p.exitcode} "
-                                            "without returning (killed? out of memory?)")
-    return [results[r] for r in range(len(procs))]
+            r.read_exit()
+            drain(r)  # what it said before it went
+            if r.rank not in results and r.rank not in errors:
+                silent.append(r.rank)
+                first_failure = first_failure or time.monotonic()
+    if silent or errors:
+        culprit = silent[0] if silent else next(iter(errors))
+        others = sorted((set(silent) | set(errors)) - {culprit})
+        also = f" (rank{'s' if len(others) > 1 else ''} {others} failed too)" if others else ""
+        if culprit in errors:
+            message, tb = errors[culprit]
+        else:
+            message, tb = _death(ranks[culprit]), ""
+        raise WorkerError(culprit, message + also, tb)
+    return [results[r.rank] for r in ranks]
 
 
-def _handle(rank, msg, results):
-    kind = msg[0]
-    if kind == "out":
-        print("\n".join(f"[rank {rank}] {line}" for line in msg[1].split("\n")), flush=True)
-    elif kind == "err":
-        print("\n".join(f"[rank {rank}] {line}" for line in msg[1].split("\n")),
-              file=sys.stderr, flush=True)
-    elif kind == "result":
-        results[rank] = pickle.loads(msg[1])
-    elif kind == "error":
-        raise WorkerError(rank, msg[1], msg[2])
+def _wait_exits(ranks: list[_Rank], seconds: float) -> None:
+    """Wait (bounded) until the server has reported every rank's exit."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = [r for r in ranks if not r.exited and r.status >= 0]
+        if not left or time.monotonic() >= deadline:
+            return
+        by_fd = {r.status: r for r in left}
+        for fd in mpc.wait(list(by_fd), timeout=max(0.0, deadline - time.monotonic())):
+            by_fd[fd].read_exit()
+
+
+def _end(ranks: list[_Rank]) -> None:
+    """Kill what is left of every rank (and all it started); wait for it; close the pipes."""
+    alive = [r.pid for r in ranks if not r.exited and r.pid is not None]
+    if alive:
+        _SERVER.signal(alive, signal.SIGKILL, whole_group=True)
+        _wait_exits(ranks, 30.0)
+    for r in ranks:
+        r.close()

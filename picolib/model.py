@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["LlamaConfig", "TinyLlama", "RMSNorm", "Attention", "SwiGLU", "Block",
-           "rope_tables", "apply_rope", "attention_core", "param_count", "random_tokens",
+           "rope_tables", "apply_rope", "upcast", "attention_core", "param_count", "random_tokens",
            "TextData", "repeat_kv"]
 
 
@@ -101,6 +101,11 @@ def apply_rope(x, cos, sin):
     x1, x2 = x[..., 0::2], x[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 → fp32 for a numerically touchy step (softmax, loss); fp32/fp64 unchanged."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def repeat_kv(x, n_rep: int):
@@ -216,7 +221,7 @@ class TinyLlama(nn.Module):
 
     def loss(self, tokens, targets):
         logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten())
 
 
 # --------------------------------------------------------------------------- data

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
-from .model import TinyLlama
+from .model import TinyLlama, upcast
 from .pipeline_schedules import Schedule
 from .pipeline_simulator import validate
 
@@ -181,6 +181,7 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
     channels = {src: iter(msgs) for src, msgs in _channels(sched, me).items()}
     inbox: dict = {}                  # (kind, stage, mb) -> tensor that arrived early or locally
     shape = tuple(tokens[0].shape) + (stages[min(stages)].hidden,)
+    like = next(stages[min(stages)].parameters())  # receive buffers: the stage's device, dtype
     saved: dict = {}                  # (stage, mb) -> (input, output[, captured Linears])
     split = {(op.stage, op.mb) for op in sched.ops[me] if op.kind == "W"}
     sender, loss_total = _Sender(group), None
@@ -190,7 +191,7 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
         src = sr[stage - 1] if kind == "act" else sr[stage + 1]
         while key not in inbox:
             nxt = next(channels[src])
-            buf = torch.empty(shape)
+            buf = torch.empty(shape, device=like.device, dtype=like.dtype)
             comm.recv(buf, glob(src), group=group)
             inbox[nxt] = buf
         return inbox.pop(key)
@@ -226,7 +227,7 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
                         y = stages[s](x)
                         stages[s].capture = None
                         if s == last:
-                            y = F.cross_entropy(y.flatten(0, 1).float(), targets[mb].flatten()) / m
+                            y = F.cross_entropy(upcast(y.flatten(0, 1)), targets[mb].flatten()) / m
                             loss_total = y.detach() + (0 if loss_total is None else loss_total)
                         else:
                             deliver("act", s + 1, mb, y.detach())

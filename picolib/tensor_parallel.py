@@ -169,7 +169,8 @@ class _ShardedLinear(nn.Module):
         """This rank's shard of `linear`; a bias follows the output (sliced by column, whole by row)."""
         tp, r = dist.get_world_size(group), dist.get_rank(group)
         out_f, in_f = linear.weight.shape
-        m = cls(in_f, out_f, group, bias=linear.bias is not None, **kw)
+        m = cls(in_f, out_f, group, bias=linear.bias is not None, **kw,
+                device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
             m.weight.copy_(shard(linear.weight, cls.split_dim, r, tp))
             if m.bias is not None:
@@ -184,14 +185,15 @@ class ColumnParallelLinear(_ShardedLinear):
     split_dim = 0
 
     def __init__(self, in_features, out_features, group=None, bias=False,
-                 copy_input=True, gather_output=False):
+                 copy_input=True, gather_output=False, device=None, dtype=None):
         super().__init__()
         tp = dist.get_world_size(group)
         if out_features % tp:
             raise ValueError(f"tp={tp} must divide out_features={out_features}")
         self.group, self.copy_input, self.gather_output = group, copy_input, gather_output
-        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
-        self.bias = nn.Parameter(torch.zeros(out_features // tp)) if bias else None
+        like = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, **like))
+        self.bias = nn.Parameter(torch.zeros(out_features // tp, **like)) if bias else None
 
     def forward(self, x):
         if self.copy_input:
@@ -205,14 +207,16 @@ class RowParallelLinear(_ShardedLinear):
     sum that `reduce_output` (g) completes. The bias is added once, after the sum."""
     split_dim = 1
 
-    def __init__(self, in_features, out_features, group=None, bias=False, reduce_output=True):
+    def __init__(self, in_features, out_features, group=None, bias=False, reduce_output=True,
+                 device=None, dtype=None):
         super().__init__()
         tp = dist.get_world_size(group)
         if in_features % tp:
             raise ValueError(f"tp={tp} must divide in_features={in_features}")
         self.group, self.reduce_output = group, reduce_output
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        like = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp, **like))
+        self.bias = nn.Parameter(torch.zeros(out_features, **like)) if bias else None
 
     def forward(self, x):
         y = F.linear(x, self.weight)
@@ -241,8 +245,9 @@ class ParallelAttention(nn.Module):
         # KV head is held by the `replicas` ranks whose query heads read it)
         self.slot, self.n_slots = r // self.replicas, tp // self.replicas
         h, rows = attn.wk.in_features, kv_local * attn.head_dim
-        self.wk = ColumnParallelLinear(h, rows * tp, group, copy_input=False)
-        self.wv = ColumnParallelLinear(h, rows * tp, group, copy_input=False)
+        like = {"device": attn.wk.weight.device, "dtype": attn.wk.weight.dtype}
+        self.wk = ColumnParallelLinear(h, rows * tp, group, copy_input=False, **like)
+        self.wv = ColumnParallelLinear(h, rows * tp, group, copy_input=False, **like)
         with torch.no_grad():
             self.wk.weight.copy_(shard(attn.wk.weight, 0, self.slot, self.n_slots))
             self.wv.weight.copy_(shard(attn.wv.weight, 0, self.slot, self.n_slots))
@@ -283,7 +288,7 @@ class ParallelSwiGLU(nn.Module):
 
 
 def _copy_norm(norm: RMSNorm) -> RMSNorm:
-    out = RMSNorm(norm.weight.numel(), norm.eps)
+    out = RMSNorm(norm.weight.numel(), norm.eps).to(norm.weight)
     with torch.no_grad():
         out.weight.copy_(norm.weight)
     return out

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
+from .model import upcast
 from .tensor_parallel import reduce_from_tp, shard
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
@@ -45,7 +46,7 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, group=None):
 
     loss = log Σ_v exp(z_v − m) + m − z_target, with three all-reduces: the max m (no
     gradient needed: it cancels), the sum of exponentials and the target logit (each g)."""
-    logits = logits.float()
+    logits = upcast(logits)
     m = logits.detach().amax(-1)
     comm.all_reduce(m, op="max", group=group)
     shifted = logits - m.unsqueeze(-1)

@@ -1,22 +1,8 @@
-import os
 import time
 
 import pytest
 
-
-def child_pids() -> set[int]:
-    """PIDs of this process's live (non-zombie) children, read from /proc."""
-    me, out = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                out.add(int(entry))
-    return out
+from helpers import child_pids
 
 
 @pytest.fixture
