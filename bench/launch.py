@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from picolib.launch import run  # noqa: E402
 
 WORLD_SIZES = (2, 4, 8)
-REPEATS = 5
+REPEATS = 7
 NUMEL = 4
 OUT = Path(__file__).resolve().parent / "results" / "launch.json"
 
@@ -97,24 +97,41 @@ def time_spawn(world_size: int) -> float:
     return time.perf_counter() - t0
 
 
+STALL_RUNS, STALL_S = 300, 1.0
+
+
+def count_stalls() -> dict:
+    """STALL_RUNS sequential 4-rank runs: how many took over STALL_S (a rendezvous waiting on
+    DNS took 5 s in 8 of 300 runs with the old TCP store)."""
+    times = [time_picolib(4) for _ in range(STALL_RUNS)]
+    return {"name": "sequential_4ranks", "runs": STALL_RUNS, "median_s": round(statistics.median(times), 4),
+            "max_s": round(max(times), 4), "over_1s": sum(t > STALL_S for t in times)}
+
+
 def main() -> list[dict]:
+    # one phase at a time (warm picolib, first calls, spawn), so that the processes a phase
+    # leaves exiting do not load the next one's measurements
+    time_picolib(2)
+    warm = {n: statistics.median(time_picolib(n) for _ in range(REPEATS)) for n in WORLD_SIZES}
+    stalls = count_stalls()
+    first = {n: statistics.median(time_first(n) for _ in range(REPEATS)) for n in WORLD_SIZES}
+    time.sleep(5)
+    peer = {n: statistics.median(time_spawn(n) for _ in range(REPEATS)) for n in WORLD_SIZES}
     rows = []
     for n in WORLD_SIZES:
-        ours = [time_picolib(n) for _ in range(REPEATS)]
-        first = [time_first(n) for _ in range(REPEATS)]
-        peer = [time_spawn(n) for _ in range(REPEATS)]
-        p, q, f = statistics.median(ours), statistics.median(peer), statistics.median(first)
+        p, q, f = warm[n], peer[n], first[n]
         rows.append({"name": f"allreduce_{n}ranks", "picolib_s": round(p, 4),
                      "peer_s": round(q, 4), "ratio": round(p / q, 4),
                      "picolib_first_call_s": round(f, 4), "first_ratio": round(f / q, 4),
-                     "world_size": n,
-                     "repeats": REPEATS, "numel": NUMEL,
+                     "world_size": n, "repeats": REPEATS, "numel": NUMEL,
                      "peer": "torch.multiprocessing.spawn + init_method=tcp://",
                      "torch": torch.__version__})
         print(f"{n} ranks: picolib warm {p:.3f} s, first call {f:.2f} s, spawn {q:.3f} s",
               file=sys.stderr, flush=True)
+    print(f"{STALL_RUNS} sequential runs: median {stalls['median_s']:.3f} s, max "
+          f"{stalls['max_s']:.3f} s, {stalls['over_1s']} over {STALL_S:g} s", file=sys.stderr)
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(rows, indent=1) + "\n")
+    OUT.write_text(json.dumps(rows + [stalls], indent=1) + "\n")
     print("| ranks | picolib warm (s) | picolib first call (s) | spawn (s) | warm ratio |"
           " first ratio |\n|---|---|---|---|---|---|")
     for r in rows:

@@ -218,13 +218,22 @@ class ForkServer:
         self._sock: socket.socket | None = None
         self._ready = False
         self.modules: frozenset[str] = frozenset()  # what the server has imported
+        self._owner = os.getpid()  # a process forked from the owner must start its own
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
     def alive(self) -> bool:
+        if self._owner != os.getpid():  # we are a fork of the caller: that server is not ours
+            self._disown()
         return self._proc is not None and self._proc.poll() is None
+
+    def _disown(self) -> None:
+        if self._sock is not None:
+            self._sock.close()  # our copy only; the caller keeps its connection
+        self._sock, self._proc, self._ready, self._owner = None, None, False, os.getpid()
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         """Start the server if it is not running; returns at once (it preloads meanwhile)."""

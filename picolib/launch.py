@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import io
+import multiprocessing
 import multiprocessing.connection as mpc
 import os
 import pickle
@@ -265,9 +266,18 @@ def _preload() -> list[str]:
 
 
 _SERVER = forkserver.ForkServer(_preload())
-if not forkserver.in_server() and "TORCHELASTIC_RUN_ID" not in os.environ:
+
+
+def _start_early() -> bool:
+    """Start the server on import only in a process that may call `run`: not in the server or
+    its ranks, not under torchrun, not in a child of `multiprocessing` (spawn re-imports
+    this module in every child: a server each would double what spawn costs)."""
+    return (not forkserver.in_server() and "TORCHELASTIC_RUN_ID" not in os.environ
+            and multiprocessing.parent_process() is None)
+
+
+if _start_early():
     _SERVER.start()  # returns at once; torch loads in the server while the notebook goes on
-    # (a process that torchrun started joins its group with init_from_env and forks nothing)
 
 
 def _check_arguments(fn, world_size, timeout):

@@ -386,3 +386,27 @@ def test_the_same_code_runs_under_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     for rank in range(2):
         assert f"rank={rank} world=2 sum=3.0 sent=4" in r.stdout
+
+
+def test_a_fork_of_the_caller_gets_its_own_server():
+    """A process forked from the caller (a DataLoader worker, say) must not talk over the
+    caller's connection: it starts a server of its own, and the caller's keeps working."""
+    run(rank_and_sum, 2, 0)
+    callers_server = launch._SERVER.pid
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            ok = run(rank_and_sum, 2, 5) == [(r, 2, 11.0) for r in range(2)]
+            ok = ok and launch._SERVER.pid not in (None, callers_server)
+            os.write(write_end, b"ok" if ok else b"wrong")
+            launch._SERVER.close()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read_end, 16) == b"ok" and os.waitstatus_to_exitcode(status) == 0
+    os.close(read_end)
+    assert run(rank_and_sum, 2, 1) == [(r, 2, 3.0) for r in range(2)]
