@@ -93,7 +93,11 @@ def serve(fd: int, preload: list[str]) -> None:
     try:
         try:
             for name in preload:
-                __import__(name)
+                try:
+                    __import__(name)
+                except Exception:  # noqa: BLE001 - a rank that needs it imports it (and says why)
+                    if name == "torch":
+                        raise
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
                 raise RuntimeError(f"importing {preload} initialised CUDA in the fork server")

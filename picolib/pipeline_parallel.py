@@ -23,6 +23,8 @@ sends torch's interleaved zero-bubble schedule hangs).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -32,7 +34,8 @@ from .model import TinyLlama, upcast
 from .pipeline_schedules import Schedule
 from .pipeline_simulator import validate
 
-__all__ = ["partition", "PipelineStage", "build_stages", "run_schedule", "stage_grads"]
+__all__ = ["partition", "PipelineStage", "build_stages", "run_schedule", "stage_grads",
+           "accumulate_grads", "cross_entropy_loss"]
 
 
 def partition(n_layers: int, n_stages: int, layer_costs=None) -> list[range]:
@@ -98,9 +101,10 @@ class PipelineStage(nn.Module):
 
     def backward_weights(self, captured):
         """W: accumulate ∂L/∂W = gᵀx of every Linear recorded during a forward (after B)."""
-        for mod, x, g in captured:
-            dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-            mod.weight.grad = dw if mod.weight.grad is None else mod.weight.grad + dw
+        with torch.no_grad():
+            grads = [g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+                     for _, x, g in captured]
+        accumulate_grads([mod.weight for mod, _, _ in captured], grads)
 
     def forward(self, x):
         if self.embed is not None:
@@ -125,6 +129,50 @@ def stage_grads(stage: PipelineStage, model: TinyLlama) -> dict[str, torch.Tenso
     ids = {id(p) for p in stage.parameters()}
     return {n: p.grad.clone() for n, p in model.named_parameters()
             if id(p) in ids and p.grad is not None}
+
+
+class _Into(torch.autograd.Function):
+    """A leaf's gradient, handed to autograd: its backward *is* the given gradient."""
+
+    @staticmethod
+    def forward(ctx, leaf, grad):
+        ctx.grad = grad
+        return leaf.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.grad, None
+
+
+def accumulate_grads(params, grads) -> None:
+    """params[i].grad += grads[i] — through autograd, never by assigning `.grad`, so every
+    hook that watches a gradient arrive (DDP's buckets, ZeRO's reduce-scatters) sees it."""
+    if params:
+        torch.autograd.backward([_Into.apply(p, g) for p, g in zip(params, grads, strict=True)])
+
+
+def cross_entropy_loss(logits, targets):
+    """The loss of one micro-batch: mean cross-entropy over its tokens (in fp32 at least)."""
+    return F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten())
+
+
+def _check_inputs(sched: Schedule, stages: dict, tokens, targets) -> None:
+    """Clear errors for stages that do not fit the schedule and for micro-batches that do not
+    fit each other (before any op runs)."""
+    m, last = sched.n_micro, sched.n_stages - 1
+    if len(tokens) != m or len(targets) != m:
+        raise ValueError(f"the schedule runs m={m} micro-batches; got {len(tokens)} token and "
+                         f"{len(targets)} target micro-batches")
+    shapes = {tuple(t.shape) for t in tokens} | {tuple(t.shape) for t in targets}
+    if len(shapes) != 1:
+        raise ValueError(f"micro-batches must all have one shape (b, s); got {sorted(shapes)}")
+    for s, st in stages.items():
+        if (st.embed is not None) != (s == 0) or (st.lm_head is not None) != (s == last):
+            raise ValueError(
+                f"stage {s} of this {sched.n_stages}-stage schedule "
+                f"{'must' if s == 0 else 'must not'} embed and "
+                f"{'must' if s == last else 'must not'} end in the head; were the stages "
+                f"built for {sched.n_stages} stages (build_stages(model, {sched.n_stages}))?")
 
 
 class _Sender:
@@ -161,13 +209,15 @@ def _channels(sched: Schedule, rank: int) -> dict[int, list]:
 
 
 def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
-                 group_ranks=None, group=None, measure=None) -> dict:
+                 group_ranks=None, group=None, measure=None,
+                 loss_fn=cross_entropy_loss) -> dict:
     """Run this rank's ops of `sched`. `stages` = {stage index: PipelineStage} for the stages
     this rank holds; `tokens`/`targets` = lists of m micro-batches (used on the stages that
     embed / compute the loss). The loss is the mean over micro-batches of each one's mean
     cross-entropy, so gradients equal one process on the whole batch. Gradients accumulate
     in the stages' `.grad`. `group_ranks[r]` is the global rank of pipeline rank r (default:
     r). `measure`: a memory.SavedActivations to open around the step (for its peak).
+    `loss_fn(logits, targets)` is one micro-batch's loss (the step's is their mean).
     Returns {"loss": summed loss on the last stage's rank (else None)}."""
     validate(sched)
     me = torch.distributed.get_rank()
@@ -177,6 +227,7 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
     if set(stages) != mine:
         raise ValueError(f"rank {me} holds stages {sorted(mine)} in this schedule, "
                          f"got {sorted(stages)}")
+    _check_inputs(sched, stages, tokens, targets)
     m, last, sr = sched.n_micro, sched.n_stages - 1, sched.stage_ranks
     channels = {src: iter(msgs) for src, msgs in _channels(sched, me).items()}
     inbox: dict = {}                  # (kind, stage, mb) -> tensor that arrived early or locally
@@ -211,10 +262,10 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
 
     def span(op):
         if timeline is None:
-            return _nullspan()
+            return contextlib.nullcontext()
         return timeline.span(op.kind, mb=op.mb, stage=op.stage, chunk=sched.chunk(op.stage))
 
-    ctx = measure if measure is not None else _nullspan()
+    ctx = measure if measure is not None else contextlib.nullcontext()
     ok = False
     try:
         with ctx:
@@ -227,7 +278,7 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
                         y = stages[s](x)
                         stages[s].capture = None
                         if s == last:
-                            y = F.cross_entropy(upcast(y.flatten(0, 1)), targets[mb].flatten()) / m
+                            y = loss_fn(y, targets[mb]) / m
                             loss_total = y.detach() + (0 if loss_total is None else loss_total)
                         else:
                             deliver("act", s + 1, mb, y.detach())
@@ -243,8 +294,7 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
                         linear = {id(e[0].weight) for e in captured}
                         rest = [p for p in stages[s].parameters() if id(p) not in linear]
                         x.grad, *gs = torch.autograd.grad(y, [x] + rest, dy)
-                        for p, g in zip(rest, gs):
-                            p.grad = g if p.grad is None else p.grad + g
+                        accumulate_grads(rest, gs)
                     elif op.kind == "B":              # first stage: no input gradient
                         saved[(s, mb)] = (x, y, dy)
                     elif s > 0:                       # W: the weight matmuls B skipped
@@ -261,10 +311,3 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
         sender.close(wait=ok)
     return {"loss": loss_total}
 
-
-class _nullspan:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -61,3 +61,19 @@ def test_unsolved_exercises_fail_every_check(solution):
         assert errors, f"check cell {i} of {solution.name} passed without a solution"
         assert errors[0].ename in ("ExerciseFailed", "NotImplementedError", "AssertionError"), \
             (errors[0].ename, errors[0].evalue)
+
+
+def test_every_check_of_every_lesson_is_exported():
+    """The export list of picolib.grading is explicit; a check added to a lesson module but
+    not to the list would be missing from notebooks."""
+    import importlib
+    import pkgutil
+
+    import picolib.grading as grading
+    defined = set()
+    for info in pkgutil.iter_modules(grading.__path__):
+        if info.name.startswith("lesson"):
+            module = importlib.import_module(f"picolib.grading.{info.name}")
+            defined |= {n for n in vars(module) if n.startswith("check_")}
+    assert defined and defined <= set(grading.__all__)
+    assert all(callable(getattr(grading, n)) for n in grading.__all__)

@@ -410,3 +410,15 @@ def test_a_fork_of_the_caller_gets_its_own_server():
     assert os.read(read_end, 16) == b"ok" and os.waitstatus_to_exitcode(status) == 0
     os.close(read_end)
     assert run(rank_and_sum, 2, 1) == [(r, 2, 3.0) for r in range(2)]
+
+
+def test_a_module_that_fails_to_preload_does_not_stop_the_server():
+    from picolib.forkserver import ForkServer
+    server = ForkServer(["torch", "picolib_no_such_module", "json"])
+    server.start()
+    try:
+        server.wait_ready()
+        assert "json" in server.modules and "picolib_no_such_module" not in server.modules
+    finally:
+        server.close()
+    assert not server.alive()

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ..launch import WorkerError, run
+from ..launch import WorkerError, WorkerTimeout, run
+
+TIMEOUT = 60.0  # seconds a distributed exercise may run before it counts as a deadlock
 
 
 class ExerciseFailed(AssertionError):
@@ -19,10 +21,18 @@ def call_student(fn, *args, **kwargs):
                              "(it raises NotImplementedError)") from None
 
 
-def run_student(worker, world_size: int, *args, timeout: float = 60.0, **kwargs) -> list:
-    """Run `worker` on ranks through launch.run; a rank's failure becomes ExerciseFailed."""
+def run_student(worker, world_size: int, *args, name: str = "your function",
+                timeout: float | None = None, **kwargs) -> list:
+    """Run `worker` on ranks through launch.run; a rank's failure, or ranks that never finish
+    (after `TIMEOUT` seconds, the one setting every lesson uses), become ExerciseFailed."""
+    timeout = TIMEOUT if timeout is None else timeout
     try:
         return run(worker, world_size, *args, timeout=timeout, **kwargs)
+    except WorkerTimeout as e:
+        raise ExerciseFailed(
+            f"{name} did not finish on {world_size} ranks within {timeout:g} s — a deadlock? "
+            "(a collective that some rank skips or calls in another order; two neighbours that "
+            "both block in send). Where the ranks were stuck:\n" + str(e)) from None
     except WorkerError as e:
         if "NotImplementedError" in str(e).split("\n")[0]:
             raise ExerciseFailed(f"rank {e.rank}: the exercise is not written yet "

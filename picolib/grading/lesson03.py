@@ -16,13 +16,11 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Ledger
-from ..launch import WorkerTimeout
 from ..zero import padded_numel, shard_bounds, zero_memory_bytes
-from ._core import ExerciseFailed, call_student, compare, report, run_student
+from ._core import call_student, compare, report, run_student
 
 __all__ = ["check_shard_bounds", "check_zero_memory", "check_zero1_step"]
 
-TIMEOUT = 30.0
 
 
 def check_shard_bounds(fn) -> None:
@@ -70,11 +68,7 @@ def check_zero1_step(fn) -> None:
     traffic of a reduce-scatter plus an all-gather of the padded buffer (no all-reduce)."""
     problems, count = [], 0
     for n, numel in [(2, 11), (3, 11), (3, 12)]:
-        try:
-            ranks = run_student(_zero1_worker, n, fn, numel, 0.1, timeout=TIMEOUT)
-        except WorkerTimeout as e:
-            raise ExerciseFailed(f"zero1_step did not finish on {n} ranks within {TIMEOUT:g} s — "
-                                 "does every rank call the same collectives?\n" + str(e)) from None
+        ranks = run_student(_zero1_worker, n, fn, numel, 0.1, name="zero1_step")
         for rank, (out, led, want) in enumerate(ranks):
             count += 1
             where = f"N={n}, {numel} elements, rank {rank}"

@@ -1,0 +1,102 @@
+"""The ranks as a named grid: which ranks share a pipeline stage, a data shard, a slice of
+the sequence, a slice of every weight (lesson 10 puts all of them together).
+
+With dp = 2 and tp = 2 on 4 ranks the grid is
+
+             tp=0  tp=1
+    dp=0  [  0,    1  ]      rank 1 holds tp slice 1 of data shard 0;
+    dp=1  [  2,    3  ]      ranks 0 and 2 hold the same slice of different data
+
+Each technique talks to the ranks along its own dimension — TP all-reduces over a row,
+DP over a column — so each needs a process group per row (or column). A `Mesh` makes
+them all once, named, and hands a technique the group of its dimension: it is passed
+explicitly, never global. The dimensions run outermost to innermost pp, dp, cp, tp, so
+the ranks of one TP group are neighbours (on a cluster: one node, the fastest links).
+
+Underneath is PyTorch's `DeviceMesh` (`init_device_mesh`), the API production code uses:
+it lays the ranks out in a tensor of that shape and calls `new_group` for every row of
+every dimension. A group over several dimensions (say dp and cp together, over which a
+loss is averaged) is a flattened view of the grid; the first request for one is a
+collective call that every rank makes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["DIMS", "Mesh", "check_mesh"]
+
+DIMS = ("pp", "dp", "cp", "tp")  # outermost → innermost
+
+
+def check_mesh(world_size: int, **sizes: int) -> dict[str, int]:
+    """Validate degrees before any process starts: known names, positive ints, product ==
+    world size. Returns every dimension's size (1 where not given)."""
+    unknown = set(sizes) - set(DIMS)
+    if unknown:
+        raise ValueError(f"unknown mesh dimension(s) {sorted(unknown)}; known: {list(DIMS)}")
+    for name, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, not {n!r}")
+    full = {name: sizes.get(name, 1) for name in DIMS}
+    if math.prod(full.values()) != world_size:
+        product = " × ".join(f"{k}={v}" for k, v in full.items() if v > 1) or "1"
+        raise ValueError(f"the mesh {product} has {math.prod(full.values())} ranks, but the "
+                         f"world has {world_size}")
+    return full
+
+
+class Mesh:
+    """Named dimensions over all ranks: `Mesh(dp=2, tp=2)` (unnamed dimensions have size 1).
+
+        mesh.size("tp")          # 2
+        mesh.coordinate("dp")    # this rank's index along dp
+        mesh.group("tp")         # the ProcessGroup of this rank's TP row
+        mesh.group("dp", "cp")   # the ranks that share everything but dp and cp
+        mesh.peers("pp")         # global ranks along pp through this rank, in order
+    """
+
+    def __init__(self, device_type: str = "cpu", **sizes: int):
+        if not dist.is_initialized():
+            raise RuntimeError("Mesh needs a process group: build it inside a rank")
+        self.sizes = check_mesh(dist.get_world_size(), **sizes)
+        self.device_mesh: DeviceMesh = init_device_mesh(
+            device_type, tuple(self.sizes.values()), mesh_dim_names=DIMS)
+        self._flat: dict[tuple[str, ...], DeviceMesh] = {}
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v}" for k, v in self.sizes.items() if v > 1) or "one rank"
+        return f"Mesh({shown})"
+
+    def _check(self, names) -> tuple[str, ...]:
+        if not names:
+            raise ValueError("name at least one dimension")
+        for n in names:
+            if n not in DIMS:
+                raise ValueError(f"unknown mesh dimension {n!r}; known: {list(DIMS)}")
+        return tuple(sorted(set(names), key=DIMS.index))  # the grid's order, once each
+
+    def size(self, *names: str) -> int:
+        """Ranks along these dimensions together (all of them when none is named)."""
+        return math.prod(self.sizes[n] for n in self._check(names)) if names else \
+            math.prod(self.sizes.values())
+
+    def coordinate(self, name: str) -> int:
+        """This rank's index along one dimension."""
+        (name,) = self._check((name,))
+        return self.device_mesh.get_local_rank(name)
+
+    def group(self, *names: str) -> dist.ProcessGroup:
+        """The group of the ranks that differ from this one only along `names`."""
+        names = self._check(names)
+        if len(names) == 1:
+            return self.device_mesh.get_group(names[0])
+        if names not in self._flat:  # collective: every rank asks for it, in the same order
+            self._flat[names] = self.device_mesh[names]._flatten("_".join(names))
+        return self._flat[names].get_group()
+
+    def peers(self, name: str) -> list[int]:
+        """Global ranks along `name` through this rank, ordered by their coordinate."""
+        return dist.get_process_group_ranks(self.group(name))
