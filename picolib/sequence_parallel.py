@@ -10,9 +10,9 @@ sequence instead. The two regions alternate:
 
 All-reduce = reduce-scatter + all-gather, so a forward moves the same bytes as TP in
 twice the calls. Backward runs the conjugates: an all-gather's gradient is a
-reduce-scatter, a reduce-scatter's an all-gather. The norm weights now see only s/tp
-tokens per rank, so their gradients are summed over the group once per step
-(`SPLlama.finalize_grads`).
+reduce-scatter, a reduce-scatter's an all-gather. The norm weights (and row-parallel biases,
+added after the reduce-scatter) now see only s/tp tokens per rank, so their gradients
+are summed over the group once per step (`SPLlama.finalize_grads`).
 
 `regather=True` (Megatron's choice, Korthikanti §4.2.2): the column matmuls entering a
 TP region save only this rank's s/tp slice of their input and all-gather it again in
@@ -30,75 +30,44 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import comm
-from .tensor_parallel import TPLlama, check_tensor_parallel
+from .mappings import (all_gather_to_region, gather_along, reduce_scatter_along,
+                       reduce_scatter_to_region, split_along)
+from .model import RMSNorm
+from .tensor_parallel import RowParallelLinear, TPLlama, check_tensor_parallel
 
 __all__ = ["all_gather_sequence", "reduce_scatter_sequence_nograd", "reduce_scatter_sequence",
-           "gather_sequence", "split_sequence", "gathered_matmuls", "regathered_matmuls", "SPLlama", "sequence_parallel_llama", "activation_bytes_per_layer",
-           "korthikanti_bytes_per_layer"]
+           "gather_sequence", "split_sequence", "gathered_matmuls", "regathered_matmuls", "SPLlama",
+           "sequence_parallel_llama", "activation_bytes_per_layer", "korthikanti_bytes_per_layer"]
 
 
 # ------------------------------------------------------------------ moving along the sequence
 
+SEQ = 1   # the sequence dimension of (b, s, h); picolib.mappings does the moving
+
+
 def all_gather_sequence(x, group=None, async_op=False):
     """(b, s/tp, h) on each rank → (b, s, h), no autograd. With async_op: (work, finish)."""
-    n, x = dist.get_world_size(group), x.contiguous()
-    buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))   # rank blocks along dim 0
-    work = comm.all_gather(buf, x, group=group, async_op=async_op)
-
-    def finish():
-        b, chunk = x.shape[0], x.shape[1]
-        return buf.view(n, b, chunk, *x.shape[2:]).transpose(0, 1).reshape(b, n * chunk, *x.shape[2:])
-    return (work, finish) if async_op else finish()
+    return gather_along(x, SEQ, group, async_op)
 
 
 def reduce_scatter_sequence_nograd(x, group=None):
     """(b, s, h) partial sums on each rank → this rank's (b, s/tp, h) of the total."""
-    n = dist.get_world_size(group)
-    b, s = x.shape[:2]
-    blocks = x.reshape(b, n, s // n, *x.shape[2:]).transpose(0, 1).contiguous()
-    out = x.new_empty((b, s // n) + tuple(x.shape[2:]))
-    comm.reduce_scatter(out, blocks.view(n * b, s // n, *x.shape[2:]), group=group)
-    return out
+    return reduce_scatter_along(x, SEQ, group)
 
 
 def split_sequence(x, group=None):
     """This rank's slice of a replicated (b, s, ...) tensor: no communication."""
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    return x.chunk(n, 1)[r].contiguous()
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Entering a TP region: all-gather forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_sequence_nograd(grad, ctx.group), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Leaving a TP region: reduce-scatter forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_sequence_nograd(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_sequence(grad, ctx.group), None
+    return split_along(x, SEQ, group)
 
 
 def gather_sequence(x, group=None):
-    return _GatherSequence.apply(x, group)
+    """Entering a TP region: all-gather forward, reduce-scatter backward."""
+    return all_gather_to_region(x, SEQ, group)
 
 
 def reduce_scatter_sequence(x, group=None):
-    return _ReduceScatterSequence.apply(x, group)
+    """Leaving a TP region: reduce-scatter forward, all-gather backward."""
+    return reduce_scatter_to_region(x, SEQ, group)
 
 
 # ------------------------------------------------------------------ entering a TP region
@@ -123,7 +92,7 @@ class _RegatheredMatmuls(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         work, finish = all_gather_sequence(x, ctx.group, async_op=True)
-        grad_full = sum(g @ w for g, w in zip(grads, weights))   # overlaps the all-gather
+        grad_full = sum(g @ w for g, w in zip(grads, weights, strict=True))   # overlaps the all-gather
         grad_x = reduce_scatter_sequence_nograd(grad_full, ctx.group)
         work.wait()
         full = finish().flatten(0, -2)
@@ -141,7 +110,7 @@ class SPLlama(TPLlama):
     """TinyLlama, tensor + sequence parallel over `group`. Takes the whole (b, s) tokens on
     every rank; blocks run on s/tp tokens between the TP regions; forward returns the
     vocab slice of the logits for all s tokens, so `loss` is TP's vocab-parallel loss.
-    Call `finalize_grads()` after backward (sums the norm-weight gradients)."""
+    Call `finalize_grads()` after backward (sums the norm-weight and row-bias gradients)."""
 
     def __init__(self, model, group=None, regather: bool = True):
         enter = regathered_matmuls if regather else gathered_matmuls
@@ -153,17 +122,21 @@ class SPLlama(TPLlama):
         check_tensor_parallel(self.cfg, self.tp, seq_len=tokens.shape[1])
         return super().forward(tokens)
 
-    def norms(self):
-        return [m for m in self.modules() if type(m).__name__ == "RMSNorm"]
+    def sequence_parallel_params(self):
+        """Replicated parameters used on this rank's s/tp tokens only: the norm weights and
+        the row-parallel biases (added after the reduce-scatter). Their gradients are partial."""
+        norms = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
+        return norms + [m.bias for m in self.modules()
+                        if isinstance(m, RowParallelLinear) and m.bias is not None]
 
     def finalize_grads(self):
-        """One all-reduce of every norm weight's gradient (each rank saw s/tp tokens)."""
-        grads = [n.weight.grad for n in self.norms() if n.weight.grad is not None]
+        """One all-reduce of the partial gradients above (each rank saw s/tp tokens)."""
+        grads = [p.grad for p in self.sequence_parallel_params() if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         comm.all_reduce(flat, group=self.group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))
 
 

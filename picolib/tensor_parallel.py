@@ -14,8 +14,10 @@ slice the second consumes), so a block's attention (q, k, v column; o row) and M
 (gate, up column; down row) each cost one pair of conjugate operators:
     f: identity forward, all-reduce backward    (where the replicated input enters)
     g: all-reduce forward, identity backward    (where the partial sums leave)
-One all-reduce per f/g pair forward, one backward. The vocabulary is split too:
-`picolib.vocab_parallel` (embedding and loss), which `TPLlama` uses.
+One all-reduce per f/g pair forward, one backward (the autograd functions are in
+`picolib.mappings`). The vocabulary is split too: `picolib.vocab_parallel` (embedding
+and loss), which `TPLlama` uses. Biases follow the output: a column-parallel bias is cut
+with the output features; a row-parallel bias is added once, after the sum.
 
 Grouped-query attention rule (n_heads = a query heads, kv key/value heads, tp ranks):
     a % tp == 0 always; if tp <= kv: kv % tp == 0 and each rank holds kv/tp KV heads;
@@ -31,72 +33,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import comm
+from .mappings import copy_to_region as copy_to_tp, copy_to_replicas, gather_from_region, shard
+from .mappings import reduce_from_region as reduce_from_tp   # lesson 04's f and g
 from .model import LlamaConfig, RMSNorm, TinyLlama, apply_rope, attention_core, repeat_kv
+from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "column_matmuls", "shard",
+__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "column_matmuls", "add_biases",
            "kv_heads_per_rank", "check_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear",
            "ParallelAttention", "ParallelSwiGLU", "ParallelBlock", "TPLlama", "tensor_parallel_llama"]
 
 
-# ------------------------------------------------------------------ the conjugate pair
-
-class _CopyToTP(torch.autograd.Function):
-    """f: forward identity (every rank already has x), backward all-reduce (sum the grads)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        comm.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: forward all-reduce (sum the partial outputs), backward identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        comm.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    """Forward all-gather along the last dim, backward keep this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, n = group, dist.get_world_size(group)
-        x = x.contiguous()
-        out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-        comm.all_gather(out, x, group=group)
-        return out.view(n, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(n, -1)[r].contiguous(), None
-
-
-def copy_to_tp(x, group=None):
-    return _CopyToTP.apply(x, group)
-
-
-def reduce_from_tp(x, group=None):
-    return _ReduceFromTP.apply(x, group)
-
+# ------------------------------------------------------------------ entering and leaving a TP region
 
 def gather_from_tp(x, group=None):
-    return _GatherFromTP.apply(x, group)
+    """All-gather the last dim (the vocabulary slices of the logits); backward keeps the slice."""
+    return gather_from_region(x, -1, group)
 
 
 def column_matmuls(x, weights, group=None):
@@ -105,31 +56,12 @@ def column_matmuls(x, weights, group=None):
     return [F.linear(x, w) for w in weights]
 
 
-class _SumOverReplicas(torch.autograd.Function):
-    """A weight slice held by several ranks (a replicated KV head): identity forward;
-    backward sums the replicas' gradients (slot = which replica set this rank is in)."""
-
-    @staticmethod
-    def forward(ctx, w, slot, n_slots, group):
-        ctx.slot, ctx.n_slots, ctx.group = slot, n_slots, group
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        buf = grad.new_zeros((ctx.n_slots,) + tuple(grad.shape))
-        buf[ctx.slot] = grad
-        comm.all_reduce(buf, group=ctx.group)
-        return buf[ctx.slot].clone(), None, None, None
+def add_biases(outputs, biases):
+    """The column-parallel biases (each rank's slice), added after the region's matmuls."""
+    return [y if b is None else y + b for y, b in zip(outputs, biases, strict=True)]
 
 
 # ------------------------------------------------------------------ sharding and rules
-
-def shard(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    """Slice `rank` of `world` equal slices of `t` along `dim` (an exact copy of the slice)."""
-    if t.shape[dim] % world:
-        raise ValueError(f"cannot split size {t.shape[dim]} (dim {dim}) into {world} equal shards")
-    return t.chunk(world, dim)[rank].detach().clone()
-
 
 def kv_heads_per_rank(n_heads: int, n_kv_heads: int, tp: int) -> tuple[int, int]:
     """(KV heads each rank holds, ranks sharing each KV head) under the module's GQA rule."""
@@ -171,11 +103,15 @@ class _ShardedLinear(nn.Module):
         out_f, in_f = linear.weight.shape
         m = cls(in_f, out_f, group, bias=linear.bias is not None, **kw,
                 device=linear.weight.device, dtype=linear.weight.dtype)
-        with torch.no_grad():
-            m.weight.copy_(shard(linear.weight, cls.split_dim, r, tp))
-            if m.bias is not None:
-                m.bias.copy_(shard(linear.bias, 0, r, tp) if cls.split_dim == 0 else linear.bias)
-        return m
+        return m.load_shard(linear, r, tp)
+
+    @torch.no_grad()
+    def load_shard(self, linear: nn.Linear, index: int, count: int):
+        """Copy slice `index` of `count` of `linear` (weight, and bias where it is split) here."""
+        self.weight.copy_(shard(linear.weight, self.split_dim, index, count))
+        if self.bias is not None:
+            self.bias.copy_(shard(linear.bias, 0, index, count) if self.split_dim == 0 else linear.bias)
+        return self
 
 
 class ColumnParallelLinear(_ShardedLinear):
@@ -204,7 +140,9 @@ class ColumnParallelLinear(_ShardedLinear):
 
 class RowParallelLinear(_ShardedLinear):
     """y = Σ_r x_r W_rᵀ with W_r = columns r of W: the input is sliced, the output a partial
-    sum that `reduce_output` (g) completes. The bias is added once, after the sum."""
+    sum that `reduce_output` (g) completes. The bias is added once, after the sum: with
+    `reduce_output=False` forward returns the partial sum *without* it, and the caller
+    adds it with `add_bias` after its own reduction (all-reduce or reduce-scatter)."""
     split_dim = 1
 
     def __init__(self, in_features, out_features, group=None, bias=False, reduce_output=True,
@@ -220,8 +158,10 @@ class RowParallelLinear(_ShardedLinear):
 
     def forward(self, x):
         y = F.linear(x, self.weight)
-        if self.reduce_output:
-            y = reduce_from_tp(y, self.group)
+        return self.add_bias(reduce_from_tp(y, self.group)) if self.reduce_output else y
+
+    def add_bias(self, y):
+        """The bias, added to an output that has been summed over the group."""
         return y if self.bias is None else y + self.bias
 
 
@@ -244,22 +184,22 @@ class ParallelAttention(nn.Module):
         # K, V: this rank holds KV slice r // replicas of tp // replicas (when tp > kv, each
         # KV head is held by the `replicas` ranks whose query heads read it)
         self.slot, self.n_slots = r // self.replicas, tp // self.replicas
-        h, rows = attn.wk.in_features, kv_local * attn.head_dim
-        like = {"device": attn.wk.weight.device, "dtype": attn.wk.weight.dtype}
-        self.wk = ColumnParallelLinear(h, rows * tp, group, copy_input=False, **like)
-        self.wv = ColumnParallelLinear(h, rows * tp, group, copy_input=False, **like)
-        with torch.no_grad():
-            self.wk.weight.copy_(shard(attn.wk.weight, 0, self.slot, self.n_slots))
-            self.wv.weight.copy_(shard(attn.wv.weight, 0, self.slot, self.n_slots))
+        rows = kv_local * attn.head_dim
+        self.wk, self.wv = (ColumnParallelLinear(
+            lin.in_features, rows * tp, group, bias=lin.bias is not None, copy_input=False,
+            device=lin.weight.device, dtype=lin.weight.dtype).load_shard(lin, self.slot, self.n_slots)
+            for lin in (attn.wk, attn.wv))
         self.wo = RowParallelLinear.from_linear(attn.wo, group, reduce_output=False)
 
-    def _kv(self, lin):
-        if self.replicas == 1:
-            return lin.weight
-        return _SumOverReplicas.apply(lin.weight, self.slot, self.n_slots, self.group)
+    def _kv(self, t):
+        if self.replicas == 1 or t is None:
+            return t
+        return copy_to_replicas(t, self.slot, self.n_slots, self.group)
 
     def forward(self, x, cos, sin):
-        q, k, v = self.enter(x, [self.wq.weight, self._kv(self.wk), self._kv(self.wv)], self.group)
+        weights = [self.wq.weight, self._kv(self.wk.weight), self._kv(self.wv.weight)]
+        biases = [self.wq.bias, self._kv(self.wk.bias), self._kv(self.wv.bias)]
+        q, k, v = add_biases(self.enter(x, weights, self.group), biases)
         b, s, _ = q.shape
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -269,7 +209,8 @@ class ParallelAttention(nn.Module):
             out = checkpoint(attention_core, q, k, v, self.impl, use_reentrant=False)
         else:
             out = attention_core(q, k, v, self.impl)
-        return self.leave(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.group)
+        y = self.leave(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.group)
+        return self.wo.add_bias(y)                  # once, after the sum
 
 
 class ParallelSwiGLU(nn.Module):
@@ -283,8 +224,9 @@ class ParallelSwiGLU(nn.Module):
         self.w_down = RowParallelLinear.from_linear(mlp.w_down, group, reduce_output=False)
 
     def forward(self, x):
-        gate, up = self.enter(x, [self.w_gate.weight, self.w_up.weight], self.group)
-        return self.leave(self.w_down(F.silu(gate) * up), self.group)
+        gate, up = add_biases(self.enter(x, [self.w_gate.weight, self.w_up.weight], self.group),
+                              [self.w_gate.bias, self.w_up.bias])
+        return self.w_down.add_bias(self.leave(self.w_down(F.silu(gate) * up), self.group))
 
 
 def _copy_norm(norm: RMSNorm) -> RMSNorm:
@@ -310,11 +252,6 @@ class ParallelBlock(nn.Module):
 
 # ------------------------------------------------------------------ the whole model
 
-# The vocabulary's embedding and loss build on g above, so vocab_parallel.py is imported
-# here, once g exists, and as a module (then either file may be imported first).
-from . import vocab_parallel  # noqa: E402
-
-
 class TPLlama(nn.Module):
     """TinyLlama, tensor-parallel over `group`. forward → this rank's vocab slice of the
     logits (b, s, v/tp); `loss` is the vocab-parallel cross-entropy (same value on every rank)."""
@@ -324,7 +261,7 @@ class TPLlama(nn.Module):
         super().__init__()
         self.cfg, self.group, self.tp = model.cfg, group, dist.get_world_size(group)
         check_tensor_parallel(self.cfg, self.tp)
-        self.embed = vocab_parallel.VocabParallelEmbedding(model.embed, group, embed_reduce)
+        self.embed = VocabParallelEmbedding(model.embed, group, embed_reduce)
         self.blocks = nn.ModuleList(ParallelBlock(b, group, enter, leave) for b in model.blocks)
         self.norm = _copy_norm(model.norm)
         self.enter = enter
@@ -342,11 +279,11 @@ class TPLlama(nn.Module):
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
-        return self.enter(self.norm(x), [self.lm_head.weight], self.group)[0]
+        logits = self.enter(self.norm(x), [self.lm_head.weight], self.group)
+        return add_biases(logits, [self.lm_head.bias])[0]
 
     def loss(self, tokens, targets):
-        return vocab_parallel.vocab_parallel_cross_entropy(self(tokens), targets, self.embed.start,
-                                                           self.group)
+        return vocab_parallel_cross_entropy(self(tokens), targets, self.embed.start, self.group)
 
     def full_logits(self, tokens):
         """All-gather the vocab slices (for tests and lessons; training never needs it)."""

@@ -5,7 +5,7 @@ tensor parallelism its two ends are split too. Rank r owns words [r·v/tp, (r+1)
 its rows of the embedding table and, through the column-parallel `lm_head`, its slice of
 the logits. Gathering the (b, s, v) logits for the loss would move b·s·v numbers; the
 cross-entropy needs only three per token (max, sum of exponentials, target logit), each
-an all-reduce. Builds on the conjugate operator g of `picolib.tensor_parallel`.
+an all-reduce. Builds on the conjugate operator g (`reduce_from_region`, picolib.mappings).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from . import comm
 from .model import upcast
-from .tensor_parallel import reduce_from_tp, shard
+from .mappings import reduce_from_region, shard
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
@@ -24,7 +24,7 @@ class VocabParallelEmbedding(nn.Module):
     """Rank r holds rows [r·v/tp, (r+1)·v/tp) of the table; a token outside gives zeros,
     so summing over ranks (`reduce`: all-reduce, or reduce-scatter under SP) is the lookup."""
 
-    def __init__(self, embedding: nn.Embedding, group=None, reduce=reduce_from_tp):
+    def __init__(self, embedding: nn.Embedding, group=None, reduce=reduce_from_region):
         super().__init__()
         tp, r = dist.get_world_size(group), dist.get_rank(group)
         v = embedding.num_embeddings
@@ -50,9 +50,9 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, group=None):
     m = logits.detach().amax(-1)
     comm.all_reduce(m, op="max", group=group)
     shifted = logits - m.unsqueeze(-1)
-    sum_exp = reduce_from_tp(shifted.exp().sum(-1), group)
+    sum_exp = reduce_from_region(shifted.exp().sum(-1), group)
     local = targets - vocab_start
     inside = (local >= 0) & (local < logits.shape[-1])
     picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = reduce_from_tp(picked * inside, group)
+    target_logit = reduce_from_region(picked * inside, group)
     return (sum_exp.log() - target_logit).mean()

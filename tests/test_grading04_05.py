@@ -1,11 +1,13 @@
 """Lesson 04 and 05 checks: each passes a right answer and fails wrong ones."""
 import pytest
 import torch
+import torch.distributed as dist
 
 from picolib import comm
+from picolib.grading import _core as grading_core
 from picolib.grading import (ExerciseFailed, check_conjugate_pair, check_shards,
                              check_vocab_parallel_loss)
-from picolib.tensor_parallel import _CopyToTP, _ReduceFromTP
+from picolib.mappings import _CopyToRegion, _ReduceFromRegion
 from picolib.vocab_parallel import vocab_parallel_cross_entropy
 
 
@@ -56,13 +58,13 @@ class ReduceBoth(torch.autograd.Function):
 
 
 def test_check_conjugate_pair():
-    check_conjugate_pair(_CopyToTP, _ReduceFromTP)
+    check_conjugate_pair(_CopyToRegion, _ReduceFromRegion)
     with pytest.raises(ExerciseFailed):
-        check_conjugate_pair(IdentityBoth, _ReduceFromTP)
+        check_conjugate_pair(IdentityBoth, _ReduceFromRegion)
     with pytest.raises(ExerciseFailed):
-        check_conjugate_pair(_CopyToTP, ReduceBoth)
+        check_conjugate_pair(_CopyToRegion, ReduceBoth)
     with pytest.raises(ExerciseFailed):   # f and g swapped
-        check_conjugate_pair(_ReduceFromTP, _CopyToTP)
+        check_conjugate_pair(_ReduceFromRegion, _CopyToRegion)
 
 
 def gathering_loss(local, targets, vocab_start, group=None):
@@ -139,3 +141,43 @@ def test_check_tokens_per_day():
     check_tokens_per_day(lambda n, fl, p: n * fl / (6 * p) * 86400)
     with pytest.raises(ExerciseFailed):   # 2N (forward only) instead of 6N
         check_tokens_per_day(lambda n, fl, p: n * fl / (2 * p) * 86400)
+
+
+# ---------------------------------------------------------------- deadlocks (both lessons)
+
+def _wait_for_left_neighbour(x):
+    """Every rank first waits for its left neighbour, who waits too: a deadlock."""
+    buf = torch.empty_like(x)
+    comm.recv(buf, (dist.get_rank() - 1) % dist.get_world_size())
+    return x
+
+
+class StuckCopy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _wait_for_left_neighbour(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def stuck_loss(local, targets, vocab_start, group=None):
+    return _wait_for_left_neighbour(local).sum()
+
+
+def stuck_gather(x, group=None):
+    return _wait_for_left_neighbour(x)
+
+
+@pytest.mark.parametrize("check, args, name", [
+    (check_conjugate_pair, (StuckCopy, _ReduceFromRegion), "StuckCopy / _ReduceFromRegion"),
+    (check_vocab_parallel_loss, (stuck_loss,), "stuck_loss"),
+    (check_gather_sequence, (stuck_gather,), "stuck_gather"),
+    (check_reduce_scatter_sequence, (stuck_gather,), "stuck_gather")])
+def test_a_deadlock_fails_the_check_with_a_clear_message(check, args, name, no_leftover_workers,
+                                                         monkeypatch):
+    monkeypatch.setattr(grading_core, "TIMEOUT", 2.0)     # the checks' one timeout setting
+    with pytest.raises(ExerciseFailed, match=f"{name} did not finish on 2 ranks within 2 s "
+                                             "— a deadlock"):
+        check(*args)

@@ -1,51 +1,53 @@
 """Tensor parallelism against one process: shards, the f/g pair, the vocab-parallel loss,
-and the whole TinyLlama at tp = 1, 2, 4 (loss, logits, every gradient).
+biases, and the whole TinyLlama at tp = 1, 2, 4 (loss, logits, every gradient).
 
 Tolerance: fp32, atol=1e-5 on values and gradients — a sharded matmul sums the same
 products in another order, so results agree to rounding, not bitwise."""
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from helpers import grad_model, with_biases
 from picolib import comm
+from picolib.comm import ring_sent_bytes
 from picolib.launch import run
+from picolib.mappings import reduce_from_region, reduce_scatter_to_region, shard
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
+from picolib.sequence_parallel import SPLlama
 from picolib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPLlama,
                                      check_tensor_parallel, copy_to_tp, kv_heads_per_rank,
-                                     reduce_from_tp, shard, tensor_parallel_llama)
+                                     reduce_from_tp, tensor_parallel_llama)
 from picolib.vocab_parallel import vocab_parallel_cross_entropy
 
 ATOL = 1e-5
 CFG = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)
 
 
-def grad_model(model):
-    """A copy of `model` whose weights are its gradients: sharding it shards the gradients."""
-    g = copy.deepcopy(model)
-    with torch.no_grad():
-        for p, q in zip(g.parameters(), model.parameters()):
-            p.copy_(q.grad)
-    return g
-
-
-def _compare_model(cfg, tokens, targets, tp_cls=TPLlama, **kw):
+def _compare_model(cfg, tokens, targets, tp_cls=TPLlama, biases=None, **kw):
+    """Errors of a TP (or TP+SP) model against TinyLlama: loss, logits, every gradient.
+    biases: None, "attention" (q, k, v, o) or "everywhere" (also the MLP and lm_head)."""
     import torch.distributed as dist
-    ref = TinyLlama(cfg)
+
+    def build():
+        model = TinyLlama(cfg)
+        return model if biases is None else with_biases(model, 7, biases == "everywhere")
+
+    ref = build()
     ref_logits = ref(tokens)
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
     ref_loss.backward()
     expected = tp_cls(grad_model(ref), **kw)
-    model = tp_cls(TinyLlama(cfg), **kw)
+    model = tp_cls(build(), **kw)
     with comm.Ledger() as led:
         loss = model.loss(tokens, targets)
         loss.backward()
+    if hasattr(model, "finalize_grads"):
+        model.finalize_grads()
     errors = {"loss": (loss - ref_loss).abs().item()}
     with torch.no_grad():
         errors["logits"] = (model.full_logits(tokens) - ref_logits).abs().max().item()
-    for (name, p), e in zip(model.named_parameters(), expected.parameters()):
+    for (name, p), e in zip(model.named_parameters(), expected.parameters(), strict=True):
         assert p.shape == e.shape, name
         errors[name] = (p.grad - e).abs().max().item()
     return errors, led.summary(), dist.get_rank()
@@ -68,11 +70,69 @@ def test_full_recompute_and_sdpa_match_too():
 
 def test_one_all_reduce_per_f_g_pair():
     """Forward: 2 all-reduces per block (attention, MLP) + 1 for the embedding, plus the
-    loss's three (max, sum-exp, target). Backward: one per f (2 per block + lm_head's)."""
-    tokens, targets = random_tokens(2, 8, CFG.vocab_size, seed=1)
+    loss's three (max, sum-exp, target). Backward: one per f (2 per block + lm_head's).
+    Each moves a (b, s, h) activation (the loss's: (b, s) numbers); bytes by the ring formula."""
+    b, s = 2, 8
+    tokens, targets = random_tokens(b, s, CFG.vocab_size, seed=1)
     _, summary, _ = run(_compare_model, 2, CFG, tokens, targets, timeout=120)[0]
     L = CFG.n_layers
+    assert set(summary) == {"all_reduce"}
     assert summary["all_reduce"]["calls"] == (2 * L + 1 + 3) + (2 * L + 1)
+    activation, per_token = b * s * CFG.hidden * 4, b * s * 4
+    expected = (2 * (2 * L + 1) * ring_sent_bytes("all_reduce", activation, 2)
+                + 3 * ring_sent_bytes("all_reduce", per_token, 2))
+    assert summary["all_reduce"]["sent_bytes"] == expected
+
+
+@pytest.mark.parametrize("tp_cls, tp, biases", [
+    (TPLlama, 2, "attention"), (TPLlama, 4, "attention"), (SPLlama, 2, "attention"),
+    (SPLlama, 4, "attention"), (TPLlama, 2, "everywhere"), (SPLlama, 4, "everywhere")])
+def test_biases_match_one_process(tp_cls, tp, biases):
+    """q, k, v (gate, up, lm_head) biases are cut with the outputs (at tp=4 the KV biases are
+    replicated on 2 ranks); o (down) biases are added once, after the all-reduce (TP) or the
+    reduce-scatter (SP; `finalize_grads` sums their gradients like the norms')."""
+    tokens, targets = random_tokens(2, 8, CFG.vocab_size, seed=4)
+    for errors, _, rank in run(_compare_model, tp, CFG, tokens, targets, tp_cls, biases=biases,
+                               timeout=120):
+        assert "blocks.1.attn.wo.bias" in errors                     # the biases are there
+        assert ("lm_head.bias" in errors) == (biases == "everywhere")
+        bad = {k: v for k, v in errors.items() if v > ATOL}
+        assert not bad, (rank, bad)
+
+
+def _row_bias_after_explicit_reduction():
+    """RowParallelLinear(reduce_output=False): the partial sum comes back without the bias;
+    the caller reduces (all-reduce, or reduce-scatter along the tokens) and adds it once."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    r, n = dist.get_rank(), dist.get_world_size()
+    dense = nn.Linear(8, 6, bias=True)
+    with torch.no_grad():
+        dense.bias.add_(1.0)                          # a bias that cannot hide in the tolerance
+    x = torch.randn(4, 8)
+    upstream = torch.randn(4, 6)
+    dense(x).backward(upstream)
+    row = RowParallelLinear.from_linear(dense, reduce_output=False)
+    xs = x.chunk(n, -1)[r]
+    partial = row(xs)
+    no_bias = (partial - xs @ row.weight.t()).abs().max().item()
+    y = row.add_bias(reduce_from_region(partial))
+    y.backward(upstream)
+    reduced = (y - dense(x)).abs().max().item()
+    bias_grad = (row.bias.grad - dense.bias.grad).abs().max().item()
+    row.bias.grad = None
+    y_rs = row.add_bias(reduce_scatter_to_region(row(xs), 0))   # rank r keeps tokens r
+    y_rs.backward(upstream.chunk(n, 0)[r])
+    scattered = (y_rs - dense(x).chunk(n, 0)[r]).abs().max().item()
+    bias_grad_rs = row.bias.grad.clone()     # this rank's tokens only: sum over the ranks
+    comm.all_reduce(bias_grad_rs)
+    return no_bias, reduced, bias_grad, scattered, (bias_grad_rs - dense.bias.grad).abs().max().item()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_row_parallel_bias_is_added_once_after_the_reduction(n):
+    for errors in run(_row_bias_after_explicit_reduction, n, timeout=120):
+        assert max(errors) < ATOL, errors
 
 
 def _shards():
@@ -162,10 +222,11 @@ def test_vocab_parallel_loss_equals_cross_entropy(n):
     for r, (loss, grad, summary) in enumerate(run(_vocab_loss, n, logits.detach(), targets, timeout=120)):
         assert abs(loss.item() - ref.item()) < ATOL
         assert torch.allclose(grad, logits.grad.chunk(n, -1)[r], atol=ATOL)
-        # never gathers the logits: three all-reduces of (b, s) numbers only
-        assert summary == {"all_reduce": {"calls": 3, "nbytes": 3 * 15 * 4,
-                                          "sent_bytes": summary["all_reduce"]["sent_bytes"],
-                                          "seconds": summary["all_reduce"]["seconds"]}}
+        # never gathers the logits: three all-reduces of (b, s) = 15 numbers only
+        assert set(summary) == {"all_reduce"}
+        assert summary["all_reduce"]["calls"] == 3
+        assert summary["all_reduce"]["nbytes"] == 3 * 15 * 4
+        assert summary["all_reduce"]["sent_bytes"] == 3 * ring_sent_bytes("all_reduce", 15 * 4, n)
 
 
 def test_gqa_rule():

@@ -8,6 +8,8 @@
   saves per rank (fp32, eager attention) under TP (`sp=False`) or TP+SP (`sp=True`).
 - `check_tokens_per_day(fn)`: `fn(n_gpus, flops_per_gpu, n_params)` → tokens trained per
   day at 6·N FLOPs per token.
+
+Ranks that never finish (a collective one rank skips) fail the check after `_core.TIMEOUT`.
 """
 from __future__ import annotations
 
@@ -20,8 +22,6 @@ from ._core import call_student, compare, report, run_student
 
 __all__ = ["check_gather_sequence", "check_reduce_scatter_sequence", "check_sp_activation_bytes",
            "check_tokens_per_day"]
-
-TIMEOUT = 30.0
 
 
 def _full(n, seed):
@@ -42,8 +42,9 @@ def _check_seq(fn, op, title):
     for n in (2, 4):
         full, partials = _full(n, seed=n)
         total = torch.stack(partials).sum(0)
+        name = getattr(fn, "__name__", "your function")
         for r, (out, summary) in enumerate(run_student(_seq_worker, n, fn, full, partials, op,
-                                                        timeout=TIMEOUT)):
+                                                        name=name)):
             checks += 2
             expected = full if op == "all_gather" else total.chunk(n, 1)[r]
             problems += compare(f"N={n} rank {r}: result", out, expected, atol=1e-5)
