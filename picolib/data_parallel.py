@@ -17,40 +17,28 @@ Two versions, as in the lesson:
      bucket is complete its all-reduce starts asynchronously while backward goes on;
   4. one wait at the end of backward (an autograd callback), so the gradients are
      averaged when `loss.backward()` returns and the optimizer can step;
-  5. `no_sync()`: accumulation steps skip the communication; gradients add up in the
-     buckets and the next synchronised backward averages the sum.
+  5. `no_sync()` (or `set_requires_gradient_sync(False)`, FSDP2's name; the switch is
+     shared with ZeRO, picolib/flat.py): accumulation steps skip the communication;
+     gradients add up in the buckets and the next synchronised backward averages the sum;
+  6. a NaN or inf gradient makes every rank raise FloatingPointError at the end of that
+     backward, naming the ranks whose own gradient it was (picolib/flat.py).
 """
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from .flat import (GradientSyncSwitch, broadcast_from_first_rank, check_finite, group_size,
+                   is_finite)
 
 __all__ = ["all_reduce_gradients", "assign_buckets", "DistributedDataParallel", "DDP",
            "DEFAULT_BUCKET_CAP_BYTES"]
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20  # torch's default bucket_cap_mb=25
-
-
-def _group_size(group) -> int:
-    """Size of `group`, with a clear error when there is no group this rank belongs to."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("data parallelism needs an initialised process group "
-                           "(start the ranks with picolib.launch.run or torchrun)")
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"rank {dist.get_rank()} is not a member of the data-parallel group")
-    if group is not None and dist.get_rank(group) < 0:
-        ranks = dist.get_process_group_ranks(group)
-        raise ValueError(f"rank {dist.get_rank()} is not in the data-parallel group {ranks}")
-    n = dist.get_world_size(group)
-    if n < 1:
-        raise ValueError(f"the data-parallel group has {n} ranks; it needs at least 1")
-    return n
 
 
 # --------------------------------------------------------------------------- naive DP
@@ -60,7 +48,7 @@ def all_reduce_gradients(model: nn.Module, group=None) -> None:
 
     One all-reduce per parameter, none of them overlapped with compute. Parameters
     without a gradient take part with zeros, so every rank calls the same collectives."""
-    n = _group_size(group)
+    n = group_size(group)
     for p in model.parameters():
         if not p.requires_grad:
             continue
@@ -109,6 +97,7 @@ class _Bucket:
         self.work = None               # the async all-reduce in flight
         self.issued = 0.0              # perf_counter() when it was issued
         self.done = None               # first time it was seen complete
+        self.local_bad = None          # this rank's gradient was not finite (a bool tensor)
 
     @property
     def nbytes(self) -> int:
@@ -117,7 +106,7 @@ class _Bucket:
 
 # --------------------------------------------------------------------------- DDP
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(GradientSyncSwitch, nn.Module):
     """Wrap `module` so that backward averages its gradients over `group` (lesson 02).
 
     DDP(module, group=None, bucket_cap_bytes=25 MiB, overlap=True, timeline=None)
@@ -129,7 +118,10 @@ class DistributedDataParallel(nn.Module):
     - when `loss.backward()` returns, the gradients are averaged (an autograd callback
       waits for the all-reduces); `finish_gradient_sync()` does the same by hand and is
       a no-op when there is nothing to wait for;
-    - `with ddp.no_sync():` backward accumulates without communicating;
+    - `with ddp.no_sync():` backward accumulates without communicating; so does every
+      backward after `ddp.set_requires_gradient_sync(False)`, until it is set True again;
+    - a synchronised backward whose averaged gradients hold a NaN or inf raises
+      FloatingPointError on every rank (step = `ddp.syncs`, the synchronised backwards);
     - `timeline`: a picolib.timeline.Timeline; each bucket's all-reduce is recorded as
       span "all_reduce" on lane "comm" (meta: bucket, issued), from issue to the first
       moment the rank saw it complete (polled at each gradient hook and at the wait: an
@@ -158,10 +150,10 @@ class DistributedDataParallel(nn.Module):
         devices = sorted({str(p.device) for _, p in named})
         if len(devices) > 1:
             raise ValueError(f"all parameters must be on one device; found {devices}")
-        self.world = _group_size(group)  # raises before any collective
+        self.world = group_size(group)  # raises before any collective
         self.module, self.group = module, group
         self.bucket_cap_bytes, self.overlap, self.timeline = bucket_cap_bytes, overlap, timeline
-        self._broadcast_from_first_rank()
+        broadcast_from_first_rank([*module.parameters(), *module.buffers()], group)
 
         # backward produces gradients roughly from the last layer to the first
         named = named[::-1]
@@ -182,25 +174,13 @@ class DistributedDataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for b in self.buckets for p in b.params]
         self._sync = True
+        self.syncs = 0                # synchronised backward passes so far (steps)
         self._in_backward = False     # a synchronised backward is under way
         self._next = 0                # the next bucket to issue (same order on every rank)
         self._link_free = 0.0         # emulated link: when the previous all-reduce ends
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    @torch.no_grad()
-    def _broadcast_from_first_rank(self):
-        tensors = [p for p in self.module.parameters()] + [b for b in self.module.buffers()]
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        for dtype in dict.fromkeys(t.dtype for t in tensors):
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.reshape(-1) for t in same])
-            comm.broadcast(flat, src=src, group=self.group)
-            offset = 0
-            for t in same:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
 
     # ------------------------------------------------------------------ hooks
 
@@ -223,6 +203,7 @@ class DistributedDataParallel(nn.Module):
                 self._issue(self.buckets[self._next])
 
     def _issue(self, bucket: _Bucket):
+        bucket.local_bad = ~is_finite(bucket.buffer)   # for the error message only
         bucket.buffer.div_(self.world)  # sum of (grad / N) = mean
         bucket.issued = time.perf_counter()
         bucket.work = comm.all_reduce(bucket.buffer, group=self.group, async_op=True)
@@ -264,16 +245,10 @@ class DistributedDataParallel(nn.Module):
         if emulate is not None:
             while (left := self._link_free - time.perf_counter()) > 0:
                 time.sleep(left)
-        self._next, self._in_backward = 0, False
-
-    @contextmanager
-    def no_sync(self):
-        """Backward inside this block accumulates gradients without any all-reduce."""
-        before, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = before
+        self._next, self._in_backward, self.syncs = 0, False, self.syncs + 1
+        check_finite([b.buffer for b in self.buckets],
+                     torch.stack([b.local_bad for b in self.buckets]).any(), self.syncs,
+                     self.group, "all-reduce")
 
     def bucket_names(self) -> list[list[str]]:
         """Parameter names in each bucket, in the order the buckets are all-reduced."""

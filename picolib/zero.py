@@ -3,166 +3,55 @@
 Plain DP keeps parameters, gradients and optimizer state whole on every rank. ZeRO
 (Rajbhandari et al. 2020) splits them over the N ranks of the data-parallel group:
 - stage 1 shards the optimizer state: a reduce-scatter leaves each rank the mean
-  gradient of its 1/N slice (started for each unit as soon as backward has produced its
-  gradients), the rank updates that slice, and an all-gather hands every rank the whole
-  updated model;
+  gradient of its 1/N slice, the rank updates that slice, and an all-gather hands every
+  rank the whole updated model;
 - stage 2 shards the gradients too: once a unit's gradient is reduce-scattered, its full
   gradient is freed; only the shard stays;
 - stage 3 shards the parameters: a unit (a transformer block, or the root's leftover
   parameters) is all-gathered just before its forward and again before its backward and
   freed after each; the next unit's all-gather starts early (prefetch).
 
-Layout. Each unit's parameters live in one flat buffer padded to a multiple of N; rank r
-owns elements [r·S, (r+1)·S), S = ⌈numel/N⌉ (`shard_bounds`). The module's parameters
-are views into that buffer, so one collective moves a whole unit. Stage 3 frees a
-unit by resizing the buffer's storage to 0 bytes and gathers it back into the same
-storage, so the views (and the tensors autograd saved) see the gathered values.
+Layout (picolib/sharded_optim.py). A unit's parameters are views into one flat buffer
+padded to a multiple of N; rank r owns elements [r·S, (r+1)·S), S = ⌈numel/N⌉. Stage 3
+frees a unit by resizing the buffer's storage to 0 bytes and gathers it back into the
+same storage, so the views (and the tensors autograd saved) see the gathered values.
+Each rank steps SGD, Adam or AdamW on its fp32 shard alone (k bytes of state per owned
+element); `param_dtype=torch.bfloat16` computes in bf16 with an fp32 master (k + 4).
 
-Optimizers. Each rank steps SGD, Adam or AdamW on its flat fp32 shard alone
-(picolib/sharded_optim.py): they are elementwise, so the state is k bytes per owned
-element. `param_dtype=torch.bfloat16` computes in bf16 and keeps an fp32 master shard
-(k + 4). All communication goes through picolib.comm.
+One order on every rank. Collectives are matched by their order, so every rank issues
+them in a fixed unit order, whatever order its backward finishes the units in: a unit's
+reduce-scatter starts once its gradients are complete *and* the units before it have
+started; the rest start when backward ends. In stage 3 each forward and each backward
+all-gathers every unit in a fixed order (one this rank does not use is gathered and freed
+at the end of the pass), and a backward's reduce-scatters come after all its
+all-gathers: any other interleaving could deadlock a rank that visits the units in
+another order (the price: a unit finished before the last all-gather keeps its full
+gradient until then).
+
+Accumulation: inside `no_sync()` (or after `set_requires_gradient_sync(False)`) backward
+only accumulates, through autograd, into full gradients (stages 2-3 too, until the
+reduce-scatter); the step's last backward (or `step()`) reduce-scatters the sum once. A NaN or inf gradient makes every rank raise FloatingPointError in `step()`,
+before any update.
 """
 from __future__ import annotations
 
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .sharded_optim import (OPTIMIZERS, init_state, optimizer_hyperparameters,
-                            optimizer_state_factor, update_shard)
+from .flat import (GradientSyncSwitch, broadcast_from_first_rank, check_finite, group_size,
+                   is_finite, padded_numel, shard_bounds)
+from .sharded_optim import (OPTIMIZERS, ShardedUnit, held_bytes, optimizer_hyperparameters,
+                            optimizer_state_factor, split_units, unit_numels,
+                            zero_memory_bytes, zero_traffic_bytes)
 
 __all__ = ["ZeRO", "shard_bounds", "padded_numel", "unit_numels", "zero_memory_bytes",
            "zero_traffic_bytes", "optimizer_state_factor", "OPTIMIZERS"]
 
 
-# --------------------------------------------------------------------------- formulas
-
-def padded_numel(numel: int, n: int) -> int:
-    """n·⌈numel/n⌉."""
-    return -(-numel // n) * n
-
-
-def shard_bounds(numel: int, n: int, rank: int) -> tuple[int, int]:
-    """[start, stop) of rank's shard of `numel` elements padded for n ranks."""
-    if n < 1 or not 0 <= rank < n:
-        raise ValueError(f"need n ≥ 1 and 0 ≤ rank < n; got n={n}, rank={rank}")
-    size = padded_numel(numel, n) // n
-    return rank * size, (rank + 1) * size
-
-
-def zero_memory_bytes(stage: int, numels, n: int, k: int, param_bytes: int = 4,
-                      grad_bytes: int | None = None) -> dict[str, int]:
-    """Bytes per rank by formula, p = param_bytes, g = grad_bytes (default p):
-    stage 0 (plain DP) (p+g+k)Ψ; ZeRO-1 pΨ + gΨ + kΨ/N; ZeRO-2 pΨ + (g+k)Ψ/N;
-    ZeRO-3 (p+g+k)Ψ/N. `numels`: the units' sizes (or one int); stages 1-3 pad each unit
-    to a multiple of N, so their Ψ is Σ N·⌈numel/N⌉."""
-    if n < 1:
-        raise ValueError(f"the group needs at least 1 rank, not {n}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0 (DP), 1, 2 or 3, not {stage}")
-    g = param_bytes if grad_bytes is None else grad_bytes
-    numels = [numels] if isinstance(numels, int) else list(numels)
-    full = sum(numels) if stage == 0 else sum(padded_numel(u, n) for u in numels)
-    shard = full if stage == 0 else full // n
-    return {"params": param_bytes * (shard if stage == 3 else full),
-            "grads": g * (full if stage <= 1 else shard), "optimizer": k * shard}
-
-
-def zero_traffic_bytes(stage: int, numels, n: int, elem_bytes: int = 4) -> int:
-    """Bytes one rank sends per step by the ring formulas (what the ledger records). One
-    "Ψ" is a reduce-scatter or all-gather of the whole (padded) model, (N−1)/N·Ψ·bytes:
-    DP all-reduce 2Ψ, ZeRO-1 and -2 2Ψ (reduce-scatter + all-gather), ZeRO-3 3Ψ (two
-    all-gathers + a reduce-scatter). `numels`: one entry per call (bucket or unit)."""
-    numels = [numels] if isinstance(numels, int) else list(numels)
-    if stage == 0:
-        return sum(2 * (n - 1) * u * elem_bytes // n for u in numels)
-    return (3 if stage == 3 else 2) * sum((n - 1) * padded_numel(u, n) * elem_bytes // n
-                                          for u in numels)
-
-
-def unit_numels(model: nn.Module, units=None) -> list[int]:
-    """Sizes of ZeRO's units of `model`: the root's own parameters, then each block's."""
-    return [sum(p.numel() for _, p in named) for _, named in _split(model, units)]
-
-
-def _split(model, units):
-    """[(module, [(name, param)])] in forward order: root first (if it owns any), then units."""
-    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    taken, out = set(), []
-    for m in list(getattr(model, "blocks", [])) if units is None else units:
-        own = [(names[id(p)], p) for p in m.parameters() if id(p) in names and id(p) not in taken]
-        taken.update(id(p) for _, p in own)
-        out.append((m, own))
-    root = [(n, p) for n, p in model.named_parameters() if id(p) in names and id(p) not in taken]
-    return [(m, named) for m, named in [(model, root)] + out if named]
-
-
-def _views(flat, params):
-    off = 0
-    for p in params:
-        yield p, flat[off:off + p.numel()].view(p.shape)
-        off += p.numel()
-
-
-# --------------------------------------------------------------------------- a unit
-
-class _Unit:
-    """A unit's flat buffer `full` (compute dtype; the module's parameters are views into
-    it), this rank's `shard` of it, the fp32 `master` shard, its gradient, its state."""
-
-    def __init__(self, module, named, z: "ZeRO"):
-        self.module, self.names, self.params = module, [n for n, _ in named], [p for _, p in named]
-        self.numel = sum(p.numel() for p in self.params)
-        lo, hi = shard_bounds(self.numel, z.n, z.rank)
-        padded, dev, fp32 = padded_numel(self.numel, z.n), self.params[0].device, z.dtype == torch.float32
-        flat = torch.zeros(padded, device=dev)
-        torch.cat([p.detach().reshape(-1).float() for p in self.params], out=flat[:self.numel])
-        comm.broadcast(flat, src=z.src, group=z.group)        # all start from rank 0's weights
-        self.full = flat if fp32 else flat.to(z.dtype)
-        for p, view in _views(self.full, self.params):
-            p.data = view
-        if z.stage < 3:   # the whole model stays; fp32 updates land in it directly
-            self.shard = self.full[lo:hi]
-            self.master = self.shard if fp32 else flat[lo:hi].clone()
-        else:             # only the shard stays
-            self.master = flat[lo:hi].clone()
-            self.shard = self.master if fp32 else self.full[lo:hi].clone()
-            self.free()
-        if z.stage == 1:  # .grad of each parameter: a view into one persistent flat buffer
-            self.grad_full = torch.zeros(padded, dtype=z.dtype, device=dev)
-            for p, view in _views(self.grad_full, self.params):
-                p.grad = view
-            self.grad = self.grad_full[lo:hi]
-        else:
-            self.grad = torch.zeros(hi - lo, dtype=z.dtype, device=dev)
-        self.state = init_state(z.opt, self.master, z.hp["momentum"])
-        self.ready = 0          # gradients accumulated in this backward; -1 once reduced
-        self.in_backward = False
-        self.work = None        # (handle, issue time) of an all-gather in flight
-
-    def free(self):
-        self.full.untyped_storage().resize_(0)
-
-    def is_free(self) -> bool:
-        return self.full.untyped_storage().nbytes() == 0
-
-    def pack_grads(self) -> torch.Tensor:
-        """The gradients in one padded flat buffer (to reduce-scatter); the .grads are dropped."""
-        flat = torch.zeros(self.full.numel(), dtype=self.grad.dtype, device=self.grad.device)
-        for p, view in _views(flat, self.params):
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = None
-        return flat
-
-
-# --------------------------------------------------------------------------- ZeRO
-
-class ZeRO:
+class ZeRO(GradientSyncSwitch):
     """ZeRO(model, stage, group=None, optimizer="adam", lr=1e-3, *, param_dtype=torch.float32,
     units=None, prefetch=True, timeline=None, **hyperparameters)
 
@@ -170,10 +59,9 @@ class ZeRO:
     zero.step(); zero.zero_grad()`; gradients are averaged over `group` (None: the default
     group). `units`: modules whose parameters make one flat buffer each — one gradient
     bucket, and in stage 3 what is gathered at once (default: `model.blocks`; the
-    leftover parameters form the root unit).
-    `timeline`: a picolib Timeline that gets F, B (stage 3), all_gather and reduce_scatter
-    spans; a cost in `timeline.emulate` is slept, as in the timeline's cost emulation.
-    One backward per step (no gradient accumulation).
+    leftover parameters form the root unit). Frozen parameters and buffers are copied
+    from the group's first rank. `timeline`: a picolib Timeline that gets F, B (stage 3),
+    all_gather and reduce_scatter spans; a cost in `timeline.emulate` is slept.
     """
 
     def __init__(self, model: nn.Module, stage: int, group=None, optimizer: str = "adam",
@@ -189,45 +77,77 @@ class ZeRO:
             raise ValueError(f"all parameters must be on one device; found {devices}")
         if stage == 3 and getattr(getattr(model, "cfg", None), "recompute", "none") != "none":
             raise ValueError("ZeRO-3 frees parameters after forward: recompute is not supported")
-        self.n = _group_size(group)   # before any collective
+        self.n = group_size(group)   # before any collective
         self.stage, self.group, self.module, self.opt = stage, group, model, optimizer
-        self.rank, self.dtype = dist.get_rank(group), param_dtype
-        self.src = dist.get_global_rank(group, 0) if group is not None else 0
         self.prefetch, self.timeline, self.hp = prefetch, timeline, hp
-        self.steps, self._pending, self._t = 0, [], 0.0
+        self.steps, self._sync, self._pending, self._t = 0, True, [], 0.0
         with torch.no_grad():
-            self.units = [_Unit(m, named, self) for m, named in _split(model, units)]
+            self.units = [ShardedUnit(m, named, stage, group, param_dtype, optimizer, hp)
+                          for m, named in split_units(model, units)]
+            owned = {id(p) for u in self.units for p in u.params}
+            rest = [p for p in model.parameters() if id(p) not in owned] + list(model.buffers())
+            if rest:
+                broadcast_from_first_rank(rest, group)
+        # The fixed orders. Reduce-scatters and updates: last unit first (backward finishes
+        # the root last). Stage 3's all-gathers: the root, then the blocks (reversed in backward).
+        k = len(self.units)
+        root = [0] if self._is_root(0) else []
+        self._rs_order = list(range(k - 1, -1, -1))
+        self._orders = {"forward": list(range(k)), "backward": root + list(range(k - 1, len(root) - 1, -1))}
+        self._order, self._issued = [], 0   # stage 3: this pass's all-gathers, how many issued
+        self._rs_next, self._in_backward = 0, False   # reduce-scatters issued this step
+        self._local_bad = torch.zeros((), dtype=torch.bool, device=self.units[0].grad.device)
         self._unit_of = {p: i for i, u in enumerate(self.units) for p in u.params}
         for p in self._unit_of:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         if stage == 3:
+            model.register_forward_pre_hook(lambda m, a: self._begin_pass("forward"))
             for i, u in enumerate(self.units):
                 u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
                 u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
+            model.register_forward_hook(lambda m, a, out: self._end_pass())
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    # ------------------------------------------------------------------ stage 3
-    # Units in forward order: root, block 0, ..., block L-1. The root wraps the blocks: it
-    # stays gathered through the whole forward and, again, the whole backward.
-    def _gather(self, i: int, wait: bool):
-        u = self.units[i]
-        if u.work is None and u.is_free():
-            u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
-            u.work = (comm.all_gather(u.full, u.shard, group=self.group, async_op=True),
-                      time.perf_counter())
-        if wait and u.work is not None:
-            (handle, t0), u.work = u.work, None
-            self._wait(handle, "all_gather", t0, i)
-
+    # ------------------------------------------------------------------ stage 3: gathers
     def _is_root(self, i: int) -> bool:
         return self.units[i].module is self.module
 
+    def _begin_pass(self, kind: str):
+        self._order, self._issued = self._orders[kind], 0
+
+    def _issue_gathers(self, stop: int):
+        """Start this pass's all-gathers, in its fixed order, up to position `stop`."""
+        while self._issued < stop:
+            u, self._issued = self.units[self._order[self._issued]], self._issued + 1
+            u.work = u.start_gather(self.group), time.perf_counter()
+
+    def _gather(self, i: int):
+        """Start the all-gathers up to unit i (with prefetch, one more); wait for unit i's."""
+        self._issue_gathers(min(self._order.index(i) + 1 + int(self.prefetch), len(self._order)))
+        u = self.units[i]
+        if u.work is not None:
+            self._wait_gather(i)
+        elif u.is_free():
+            raise RuntimeError(f"ZeRO-3 gathers unit {i} once per forward and once per backward: "
+                               "it ran twice in one pass, or outside the model's forward")
+
+    def _end_pass(self):
+        """End of a forward or backward: the all-gathers this rank did not need (another rank
+        may), then every unit is freed."""
+        self._issue_gathers(len(self._order))
+        for i, u in enumerate(self.units):
+            if u.work is not None:
+                self._wait_gather(i)
+            u.free()
+
+    def _wait_gather(self, i: int):
+        (handle, t0), self.units[i].work = self.units[i].work, None
+        self._wait(handle, "all_gather", t0, i)
+
     def _pre_forward(self, i):
-        self._gather(i, wait=True)
-        if self.prefetch and i + 1 < len(self.units):
-            self._gather(i + 1, wait=False)
+        self._gather(i)
         self._t = time.perf_counter()
 
     def _post_forward(self, i, out):
@@ -239,48 +159,70 @@ class ZeRO:
             t.register_hook(lambda grad, i=i: self._pre_backward(i))
 
     def _pre_backward(self, i):
-        u = self.units[i]
-        if u.in_backward or u.ready < 0:
-            return
-        u.in_backward = True
-        self._gather(i, wait=True)
-        nxt = len(self.units) - 1 if self._is_root(i) else i - 1   # backward order
-        if self.prefetch and nxt not in (i, -1) and not self._is_root(nxt):
-            self._gather(nxt, wait=False)
-        self._t = time.perf_counter()
+        self._enter_backward()
+        self._pre_forward(i)    # the same: gather the unit, start its clock
 
-    # ------------------------------------------------------------------ reduce-scatter
-    # A unit's reduce-scatter starts as soon as backward has produced all its gradients
-    # and runs while backward goes on. Stage 1 keeps the full gradient buffer (the result
-    # lands in this rank's slice of it); stages 2-3 pack the gradients, free them, and keep
-    # only the reduced shard.
+    # ------------------------------------------------------------------ backward
+    def _enter_backward(self):
+        if self._in_backward:
+            return
+        if self._rs_next:
+            raise RuntimeError("this step's gradients are already reduce-scattered: call step() "
+                               "(or zero_grad()) before the next backward; accumulate with "
+                               "no_sync() or set_requires_gradient_sync(False)")
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self.stage == 3:
+            self._begin_pass("backward")
+
     def _grad_ready(self, p):
+        """After autograd has accumulated p.grad (once per parameter and backward)."""
+        self._enter_backward()
         i = self._unit_of[p]
         u = self.units[i]
-        if u.ready < 0:
-            raise RuntimeError("ZeRO reduces each gradient once per step: call step() between "
-                               "two backward passes (no gradient accumulation)")
         u.ready += 1
-        if u.ready == len(u.params):
+        if u.complete():    # this unit's backward is over
             if self.stage == 3:
                 if not self._is_root(i):
                     self._record("B", self._t, None, unit=i)
                 u.free()
+            if self._sync:
+                self._reduce_in_order()
+
+    def _end_backward(self):
+        if self.stage == 3:
+            self._end_pass()
+        if self._sync:
+            self._reduce_in_order(finish=True)
+        for u in self.units:
+            u.ready = 0
+        self._in_backward = False
+
+    # ------------------------------------------------------------------ reduce-scatter
+    def _reduce_in_order(self, finish: bool = False):
+        """Start the next reduce-scatters of the fixed order whose units are complete
+        (finish: all the rest, complete or not)."""
+        if self.stage == 3 and not finish and self._issued < len(self._order):
+            return   # a backward's all-gathers all come first
+        while self._rs_next < len(self.units):
+            i = self._rs_order[self._rs_next]
+            if not (finish or self.units[i].complete()):
+                return
+            self._rs_next += 1
             self._reduce(i)
 
     def _reduce(self, i):
         u = self.units[i]
-        if self.stage == 1:
-            for p, view in _views(u.grad_full, u.params):  # a .grad replaced? back in place
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
-                    p.grad = view
-            flat = u.grad_full
-        else:
-            flat = u.pack_grads()
+        flat = u.flat_grads()
+        bad = ~is_finite(flat)
+        self._local_bad |= bad
+        # An alarm in band: a rank whose own gradient is not finite writes NaN into the first
+        # element of every shard, so that every rank's reduced shard shows it and all ranks
+        # raise together (only finite gradients whose sum overflows the dtype — 3e38 in
+        # fp32, 6.5e4 in fp16 — would reach one rank alone).
+        flat[u.starts] = torch.where(bad, torch.nan, flat[u.starts])
         handle = comm.reduce_scatter(u.grad, flat, op="avg", group=self.group, async_op=True)
         self._pending.append((handle, time.perf_counter(), i, flat))
-        u.ready = -1
         if self.stage > 1:
             self._drain(keep=1)   # at most two full gradient buckets alive at once
 
@@ -289,63 +231,47 @@ class ZeRO:
             handle, t0, i, _ = self._pending.pop(0)
             self._wait(handle, "reduce_scatter", t0, i)
 
-    def _reduce_leftovers(self):
-        for i, u in enumerate(self.units):   # units that got no gradient, in the same order
-            if u.ready >= 0:
-                if self.stage == 3:
-                    u.free()
-                self._reduce(i)
-
     def finish_gradient_sync(self):
-        """Wait for every reduce-scatter: each rank then holds the mean gradient of its
-        shard (`step()` does this itself, unit by unit)."""
-        self._reduce_leftovers()
+        """Start the reduce-scatters not started yet, wait for all, check them: each rank
+        then holds the mean gradient of its shards, or every rank raises FloatingPointError."""
+        self._reduce_in_order(finish=True)
         self._drain(keep=0)
+        check_finite([u.grad for u in self.units], self._local_bad, self.steps + 1,
+                     self.group, "reduce-scatter")
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self):
-        """Update this rank's shard of each unit as soon as its reduce-scatter is done,
-        and (stages 1-2) start that unit's all-gather while the next unit updates."""
-        self._reduce_leftovers()
+        """Finish the gradient sync; update this rank's shard of each unit and (stages 1-2)
+        start that unit's all-gather while the next unit updates."""
+        self.finish_gradient_sync()
         self.steps += 1
-        waiting = {i for _, _, i, _ in self._pending}
-        gathers = [self._update_unit(i) for i in range(len(self.units)) if i not in waiting]
-        while self._pending:
-            handle, t0, i, _ = self._pending.pop(0)
-            self._wait(handle, "reduce_scatter", t0, i)
-            gathers.append(self._update_unit(i))
+        gathers = [self._update_unit(i) for i in self._rs_order]
         for handle, t0, i in filter(None, gathers):
             self._wait(handle, "all_gather", t0, i)
+        self._rs_next = 0
+        self._local_bad.zero_()
 
     def _update_unit(self, i):
         u = self.units[i]
-        update_shard(self.opt, u.master, u.grad.float(), u.state, self.steps, **self.hp)
-        if u.shard is not u.master:
-            u.shard.copy_(u.master)
-        u.ready, u.in_backward = 0, False
+        u.update(self.opt, self.steps, self.hp)
         if self.stage < 3:
             return (comm.all_gather(u.full, u.shard, group=self.group, async_op=True),
                     time.perf_counter(), i)
 
     def zero_grad(self):
-        """Stage 1 zeroes its flat gradient buffers; stages 2-3 overwrite their shards."""
-        if self.stage == 1:
-            for u in self.units:
-                u.grad_full.zero_()
+        """Drop this step's gradients: stage 1 zeroes its flat gradient buffers, stages 2-3
+        drop the .grads not reduced yet (their shards are overwritten by the next step)."""
+        self._drain(keep=0)
+        for u in self.units:
+            u.zero_grad()
+        self._rs_next = 0
+        self._local_bad.zero_()
 
     # ------------------------------------------------------------------ inspection
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds now, measured on the tensors' storages (each once):
-        parameters (the module's and the shards), gradients (the .grads and the shards),
-        optimizer state (with an fp32 master when it is not the parameters themselves)."""
-        params = [*self.module.parameters(), *(u.shard for u in self.units)]
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        keys = {_storage_key(t) for t in params}
-        opt = [u.master for u in self.units if _storage_key(u.master) not in keys]
-        return {"params": _unique_bytes(params),
-                "grads": _unique_bytes(grads + [u.grad for u in self.units]),
-                "optimizer": _unique_bytes(opt + [t for u in self.units for t in u.state.values()])}
+        """Bytes this rank holds now, measured (`held_bytes`, picolib/sharded_optim.py)."""
+        return held_bytes(self.module, self.units)
 
     def unit_numels(self) -> list[int]:
         return [u.numel for u in self.units]
@@ -354,13 +280,7 @@ class ZeRO:
     def gather_parameters(self) -> dict[str, torch.Tensor]:
         """{name: fp32 tensor} of the whole model, from the masters. A collective: every
         rank of the group calls it."""
-        out = {}
-        for u in self.units:
-            flat = torch.empty(u.full.numel(), device=u.master.device)
-            comm.all_gather(flat, u.master, group=self.group)
-            out.update({name: view.clone() for name, (_, view)
-                        in zip(u.names, _views(flat, u.params))})
-        return out
+        return {name: t for u in self.units for name, t in u.gather_master(self.group).items()}
 
     # ------------------------------------------------------------------ timeline
     def _wait(self, handle, name, t0, i):
@@ -387,28 +307,8 @@ class ZeRO:
         tl.add(name, t0, end, lane=lane, **meta)["emulated"] = cost is not None
 
 
-def _group_size(group) -> int:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ZeRO needs an initialised process group "
-                           "(start the ranks with picolib.launch.run or torchrun)")
-    if group is dist.GroupMember.NON_GROUP_MEMBER or (group is not None and dist.get_rank(group) < 0):
-        raise ValueError(f"rank {dist.get_rank()} is not in the group: it has size 0 here")
-    n = dist.get_world_size(group)
-    if n < 1:
-        raise ValueError(f"the data-parallel group has {n} ranks; it needs at least 1")
-    return n
-
-
 def _tensors(out):
     if isinstance(out, torch.Tensor):
         return [out]
     items = out.values() if isinstance(out, dict) else out if isinstance(out, (list, tuple)) else []
     return [t for x in items for t in _tensors(x)]
-
-
-def _storage_key(t):
-    return t.untyped_storage().data_ptr() or ("empty", id(t))
-
-
-def _unique_bytes(tensors) -> int:
-    return sum({_storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())

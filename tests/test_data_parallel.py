@@ -251,3 +251,51 @@ def test_module_must_have_trainable_parameters():
         DDP(frozen)
     with pytest.raises(TypeError, match="nn.Module"):
         DDP(lambda x: x)
+
+
+# --------------------------------------------------------------------------- non-finite
+
+def nan_worker(catch):
+    """Step 1 is healthy; in step 2 rank 1 multiplies its loss by NaN; step 3 is healthy."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = TinyLlama(CFG)
+    ddp = DDP(model, bucket_cap_bytes=2**15)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    message, untouched = None, None
+    for step in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = model.loss(*my_rows(*batch(step), n, rank))
+        if step == 1 and rank == 1:
+            loss = loss * float("nan")
+        try:
+            loss.backward()
+        except FloatingPointError as e:
+            if not catch:
+                raise
+            message = str(e)
+            untouched = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+    finite = all(torch.isfinite(p).all() for p in model.parameters())
+    return message, untouched, finite, ddp.syncs
+
+
+def test_nan_loss_on_one_rank_is_reported_by_every_rank(no_leftover_workers):
+    with pytest.raises(WorkerError, match=r"step 2: a gradient is NaN or inf after the all-reduce; "
+                                          r"the local gradient was non-finite on rank 1\."):
+        run(nan_worker, 2, False, timeout=60)
+    for message, untouched, finite, syncs in run(nan_worker, 2, True, timeout=60):
+        assert message.startswith("step 2: ") and "non-finite on rank 1." in message
+        assert untouched and finite and syncs == 3   # backward raised before the optimizer ran
+
+
+def test_requires_gradient_sync_must_be_a_bool():
+    def worker():
+        ddp = DDP(nn.Linear(2, 2))
+        try:
+            ddp.set_requires_gradient_sync(0)
+        except TypeError as e:
+            return str(e), ddp._sync
+    assert run(worker, 1)[0] == ("requires_gradient_sync must be a bool, not 0", True)

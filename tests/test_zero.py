@@ -272,4 +272,152 @@ def test_group_of_size_zero_raises():
             return str(e)
         return "built"
 
-    assert run(worker, 2) == ["built", "rank 1 is not in the group: it has size 0 here"]
+    assert run(worker, 2) == ["built", "rank 1 is not a member of the data-parallel group: "
+                                       "it has size 0 here"]
+
+
+def test_hyperparameters_out_of_range_raise_naming_the_value():
+    """Checked before any collective: here there is no process group at all."""
+    model = TinyLlama(CFG)
+    bad = [("adam", dict(lr=-0.1), r"lr must be a number ≥ 0, not -0\.1"),
+           ("adam", dict(lr=float("nan")), r"lr must be .*, not nan"),
+           ("adam", dict(betas=(1.0, 0.999)), r"beta1 must be a number in \[0, 1\), not 1\.0"),
+           ("adam", dict(betas=(-0.5, 0.999)), r"beta1 .*not -0\.5"),
+           ("adamw", dict(betas=(0.9, 1.5)), r"beta2 must be a number in \[0, 1\), not 1\.5"),
+           ("adam", dict(betas=(0.9,)), r"betas must be a pair .*\(0\.9,\)"),
+           ("adam", dict(eps=0.0), r"eps must be a number > 0, not 0\.0"),
+           ("adam", dict(weight_decay=-1e-4), r"weight_decay must be a number ≥ 0, not -0\.0001"),
+           ("sgd", dict(momentum=-0.9), r"momentum must be a number ≥ 0, not -0\.9"),
+           ("sgd", dict(lr="0.1"), r"lr must be a number ≥ 0, not '0\.1'")]
+    for opt, kw, message in bad:
+        kw = {"lr": 1e-3, **kw}
+        with pytest.raises(ValueError, match=message):
+            ZeRO(model, 1, optimizer=opt, **kw)
+    with pytest.raises(ValueError, match="'lion' is not supported"):
+        ZeRO(model, 2, optimizer="lion")
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3, not 5"):
+        ZeRO(model, 5, optimizer="adam", lr=-1.0)     # the stage is checked first
+    assert all(p.grad is None for p in model.parameters())   # nothing was attached
+
+
+def frozen_and_buffers_worker():
+    """Rank r starts with a frozen norm weight of r + 1 and RoPE tables shifted by r;
+    ZeRO makes them rank 0's on every rank, and training leaves the frozen weight alone."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in (1, 2, 3):
+        model = TinyLlama(CFG)
+        model.norm.weight.requires_grad_(False)
+        with torch.no_grad():
+            model.norm.weight.fill_(r + 1.0)
+            model.rope_cos.add_(r)
+        zero = ZeRO(model, stage, optimizer="adam", lr=1e-2)
+        x, y = batch(0, n)
+        model.loss(x[r * MB:(r + 1) * MB], y[r * MB:(r + 1) * MB]).backward()
+        zero.step()
+        out[stage] = (model.norm.weight.detach().clone(), model.rope_cos.clone(),
+                      sorted(zero.gather_parameters()))
+    return out
+
+
+def test_frozen_parameters_and_buffers_come_from_rank_0():
+    ranks = run(frozen_and_buffers_worker, 2, timeout=120)
+    cos = TinyLlama(CFG).rope_cos
+    for rank, res in enumerate(ranks):
+        for stage, (norm, rope_cos, names) in res.items():
+            assert torch.equal(norm, torch.ones(CFG.hidden)), (rank, stage)   # rank 0's 1.0
+            assert torch.equal(rope_cos, cos), (rank, stage)                  # rank 0's, + 0
+            assert "norm.weight" not in names and "embed.weight" in names
+
+
+def non_finite_worker(stage, catch, bad_rank, element_only=False):
+    """Step 1 is healthy; in step 2 rank `bad_rank` multiplies its loss by NaN (or, with
+    `element_only`, makes one element of its norm-weight gradient inf)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = TinyLlama(CFG)
+    zero = ZeRO(model, stage, optimizer="adam", lr=1e-2)
+    message = None
+    for step in range(3):
+        x, y = batch(step, n)
+        loss = model.loss(x[r * MB:(r + 1) * MB], y[r * MB:(r + 1) * MB])
+        hook = None
+        if step == 1 and r == bad_rank:
+            if element_only:
+                hook = model.norm.weight.register_hook(
+                    lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+            else:
+                loss = loss * float("nan")
+        loss.backward()
+        if hook is not None:
+            hook.remove()
+        before = zero.gather_parameters()
+        if not catch:
+            zero.step()
+        else:
+            try:
+                zero.step()
+            except FloatingPointError as e:
+                message = str(e)
+                untouched = all(torch.equal(w, before[k]) for k, w in zero.gather_parameters().items())
+        zero.zero_grad()
+    finite = all(torch.isfinite(w).all() for w in zero.gather_parameters().values())
+    return message, untouched, finite, zero.steps
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nan_loss_on_one_rank_is_reported_by_every_rank(stage, no_leftover_workers):
+    with pytest.raises(WorkerError, match=r"step 2: a gradient is NaN or inf after the "
+                                          r"reduce-scatter; the local gradient was non-finite on rank 1\."):
+        run(non_finite_worker, 2, stage, False, 1, timeout=60)
+
+
+@pytest.mark.parametrize("n, element_only", [(2, False), (4, True)])
+def test_non_finite_step_leaves_the_weights_and_training_goes_on(n, element_only):
+    """With N=4 rank 2 spoils one element only, which lands in rank 1's shard: the other
+    ranks learn of it from the NaN rank 2 writes into every shard (no hang, no extra
+    collective on healthy steps)."""
+    bad = 1 if n == 2 else 2
+    for stage in (1, 2, 3):
+        for rank, (message, untouched, finite, steps) in enumerate(
+                run(non_finite_worker, n, stage, True, bad, element_only, timeout=60)):
+            assert message is not None and "step 2: " in message, (stage, rank, message)
+            assert message.endswith("lower the learning rate") and f"non-finite on rank {bad}." in message
+            assert untouched and finite, (stage, rank)
+            assert steps == 2                  # steps 1 and 3 were taken, step 2 was not
+
+
+def accumulate_twice_worker():
+    m = nn.Linear(3, 2)
+    zero = ZeRO(m, 1, optimizer="sgd", lr=0.1)
+    m(torch.ones(1, 3)).sum().backward()
+    try:
+        m(torch.ones(1, 3)).sum().backward()   # a second synchronised backward before step()
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_second_synchronised_backward_before_step_is_refused():
+    assert "already reduce-scattered: call step()" in run(accumulate_twice_worker, 1)[0]
+
+
+class TwiceBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(3, 3)])
+
+    def forward(self, x):
+        return self.blocks[0](self.blocks[0](x))
+
+
+def unit_twice_worker():
+    model = TwiceBlock()
+    ZeRO(model, 3, optimizer="sgd", lr=0.1)
+    try:
+        model(torch.ones(1, 3))
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_stage3_unit_used_twice_in_one_forward_is_refused():
+    """Gathering it again would be a collective that other ranks might not make."""
+    assert "gathers unit 0 once per forward" in run(unit_twice_worker, 1)[0]
