@@ -210,7 +210,7 @@ def _channels(sched: Schedule, rank: int) -> dict[int, list]:
 
 def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
                  group_ranks=None, group=None, measure=None,
-                 loss_fn=cross_entropy_loss) -> dict:
+                 loss_fn=cross_entropy_loss, data_parallel=None) -> dict:
     """Run this rank's ops of `sched`. `stages` = {stage index: PipelineStage} for the stages
     this rank holds; `tokens`/`targets` = lists of m micro-batches (used on the stages that
     embed / compute the loss). The loss is the mean over micro-batches of each one's mean
@@ -218,6 +218,9 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
     in the stages' `.grad`. `group_ranks[r]` is the global rank of pipeline rank r (default:
     r). `measure`: a memory.SavedActivations to open around the step (for its peak).
     `loss_fn(logits, targets)` is one micro-batch's loss (the step's is their mean).
+    `data_parallel` = {stage: DDP or ZeRO wrapping that stage}: gradients accumulate
+    without communication until the stage's last backward op of the step, which
+    synchronises them (the executor tells the wrapper which one that is).
     Returns {"loss": summed loss on the last stage's rank (else None)}."""
     validate(sched)
     me = torch.distributed.get_rank()
@@ -235,6 +238,17 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
     like = next(stages[min(stages)].parameters())  # receive buffers: the stage's device, dtype
     saved: dict = {}                  # (stage, mb) -> (input, output[, captured Linears])
     split = {(op.stage, op.mb) for op in sched.ops[me] if op.kind == "W"}
+    data_parallel = data_parallel or {}
+    if set(data_parallel) - set(stages):
+        raise ValueError(f"data_parallel names stages {sorted(set(data_parallel) - set(stages))} "
+                         f"this rank does not hold ({sorted(stages)})")
+    for s, wrapper in data_parallel.items():
+        if getattr(wrapper, "stage", None) == 3:
+            raise ValueError(f"ZeRO-3 × pipeline parallelism is not supported (stage {s}): "
+                             "ZeRO-3 gathers and frees a stage's parameters around each "
+                             "forward, while a schedule keeps m micro-batches in flight; "
+                             "use ZeRO-1/2 or DDP on pipeline stages")
+    last_backward = {op.stage: i for i, op in enumerate(sched.ops[me]) if op.kind != "F"}
     sender, loss_total = _Sender(group), None
 
     def take(kind, stage, mb):
@@ -269,7 +283,7 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
     ok = False
     try:
         with ctx:
-            for op in sched.ops[me]:
+            for i, op in enumerate(sched.ops[me]):
                 s, mb = op.stage, op.mb
                 if op.kind == "F":
                     x = tokens[mb] if s == 0 else take("act", s, mb).requires_grad_()
@@ -287,6 +301,8 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
                     continue
                 x, y, captured = saved[(s, mb)]
                 dy = None if s == last or op.kind == "W" else take("grad", s, mb)
+                if s in data_parallel:  # every gradient of the stage is final after its last op
+                    data_parallel[s].set_requires_gradient_sync(i == last_backward[s])
                 with span(op):
                     if op.kind == "BW":
                         torch.autograd.backward(y, dy)
@@ -309,5 +325,7 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
         ok = True
     finally:
         sender.close(wait=ok)
+        for wrapper in data_parallel.values():
+            wrapper.set_requires_gradient_sync(True)
     return {"loss": loss_total}
 
