@@ -1,4 +1,5 @@
-"""Techniques combined on one mesh, each run equal to one process that sees the same
+"""Techniques combined on one mesh (dp×pp with DDP and ZeRO-1, dp×tp and dp×tp+SP with DDP),
+each run equal to one process that sees the same
 global batch: the loss of every step and every weight after 3 Adam steps (fp32; atol
 1e-5 on weights — the summation order of micro-batch and replica gradients differs).
 
@@ -17,6 +18,8 @@ from picolib.mesh import Mesh
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.pipeline_parallel import build_stages, run_schedule
 from picolib.pipeline_schedules import make_schedule
+from picolib.sequence_parallel import SPLlama
+from picolib.tensor_parallel import TPLlama
 from picolib.zero import ZeRO
 
 CFG = LlamaConfig(hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq=16)
@@ -78,7 +81,7 @@ def _dp_pp(wrapper, schedule, m):
 @pytest.mark.parametrize("wrapper", ["ddp", "zero1"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_dp2_pp2_equals_one_process(wrapper, schedule):
-    ref_losses, ref_params = _reference()
+    ref_losses, ref_params = _REF_LOSSES, _REF_PARAMS
     results = run(_dp_pp, 4, wrapper, schedule, 2, timeout=180)
     losses = [r[0] for r in results if r[0]]
     assert len(losses) == 2 and losses[0] == losses[1]  # the last stage of each replica
@@ -93,6 +96,50 @@ def test_dp2_pp2_equals_one_process(wrapper, schedule):
     assert params.keys() == ref_params.keys()
     for name, want in ref_params.items():
         torch.testing.assert_close(params[name], want, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _reference_model():
+    model = TinyLlama(CFG)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(_REF_PARAMS[name])
+    return model
+
+
+_REF_LOSSES, _REF_PARAMS = _reference()
+
+
+def _dp_tp(sp):
+    """DDP over dp of a tensor-parallel (optionally sequence-parallel) model over tp."""
+    mesh = Mesh(dp=2, tp=2)
+    dp, wrap = mesh.coordinate("dp"), (SPLlama if sp else TPLlama)
+    model = wrap(TinyLlama(CFG), group=mesh.group("tp"))
+    ddp = DDP(model, group=mesh.group("dp"))
+    opt = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = (t.chunk(2)[dp] for t in _batch(step))
+        loss = model.loss(tokens, targets)  # DDP's hooks watch the same parameters
+        loss.backward()
+        if sp:
+            model.finalize_grads()  # the norms saw s/tp tokens each: sum over tp
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().reshape(1).clone()
+        dist.all_reduce(total, group=mesh.group("dp"))
+        losses.append(total.item() / 2)
+    expected = wrap(_reference_model(), group=mesh.group("tp"))  # the trained weights' shards
+    errors = {n: (p - e).abs().max().item() for (n, p), e in
+              zip(model.named_parameters(), expected.parameters(), strict=True)}
+    return losses, errors
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_dp2_tp2_equals_one_process(sp):
+    for losses, errors in run(_dp_tp, 4, sp, timeout=180):
+        for got, want in zip(losses, _REF_LOSSES, strict=True):
+            assert abs(got - want) < 1e-5
+        assert max(errors.values()) < 1e-5, errors
 
 
 def _zero3_pp():
