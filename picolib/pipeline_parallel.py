@@ -175,23 +175,6 @@ def _check_inputs(sched: Schedule, stages: dict, tokens, targets) -> None:
                 f"built for {sched.n_stages} stages (build_stages(model, {sched.n_stages}))?")
 
 
-class _Sender:
-    """Posts every send at once (`comm.isend`), so compute never waits for a receiver;
-    `close` waits until all are delivered (not after a failure: a peer may be gone)."""
-
-    def __init__(self, group):
-        self.group, self.pending = group, []
-
-    def send(self, tensor, dst):
-        self.pending.append((comm.isend(tensor, dst, group=self.group), tensor))
-
-    def close(self, wait: bool = True):
-        if wait:
-            for work, _ in self.pending:
-                work.wait()
-        self.pending.clear()
-
-
 def _channels(sched: Schedule, rank: int) -> dict[int, list]:
     """For each sender, the messages it sends to `rank`, in its order: ("act"|"grad", stage, mb)
     where stage is the stage that consumes the message."""
@@ -208,19 +191,132 @@ def _channels(sched: Schedule, rank: int) -> dict[int, list]:
     return out
 
 
+class _Mailbox:
+    """The messages of one rank: sends are posted at once (`comm.isend`, so compute never
+    waits for a receiver); a receive takes the sender's messages in the sender's order,
+    keeping any that come before they are needed; a message to a stage on this rank never
+    leaves it. `deliver` collects inside an op's span, `post` sends when the span ends (so
+    emulated op costs are not overlapped by the sends)."""
+
+    def __init__(self, sched, me, glob, group, shape, like):
+        self.sched, self.me, self.glob, self.group = sched, me, glob, group
+        self.shape, self.like = shape, like
+        self.channels = {src: iter(msgs) for src, msgs in _channels(sched, me).items()}
+        self.inbox: dict = {}   # (kind, stage, mb) -> tensor that arrived early or locally
+        self.outbox: list = []
+        self.pending: list = []  # posted sends, with their tensors kept alive
+
+    def take(self, kind, stage, mb):
+        key, sr = (kind, stage, mb), self.sched.stage_ranks
+        src = sr[stage - 1] if kind == "act" else sr[stage + 1]
+        while key not in self.inbox:
+            nxt = next(self.channels[src])
+            buf = torch.empty(self.shape, device=self.like.device, dtype=self.like.dtype)
+            comm.recv(buf, self.glob(src), group=self.group)
+            self.inbox[nxt] = buf
+        return self.inbox.pop(key)
+
+    def deliver(self, kind, stage, mb, tensor):
+        self.outbox.append((kind, stage, mb, tensor))
+
+    def post(self):
+        for kind, stage, mb, tensor in self.outbox:
+            dst = self.sched.stage_ranks[stage]
+            if dst == self.me:
+                self.inbox[(kind, stage, mb)] = tensor
+            else:
+                work = comm.isend(tensor, self.glob(dst), group=self.group)
+                self.pending.append((work, tensor))
+        self.outbox.clear()
+
+    def close(self, wait: bool = True):
+        """Wait until every send is delivered (not after a failure: a peer may be gone)."""
+        if wait:
+            for work, _ in self.pending:
+                work.wait()
+        self.pending.clear()
+
+
+class _Executor:
+    """The per-op handlers of one rank: F, and the backward ops BW, B and W."""
+
+    def __init__(self, sched, stages, tokens, targets, mailbox, loss_fn, data_parallel):
+        self.sched, self.stages, self.mail = sched, stages, mailbox
+        self.tokens, self.targets, self.loss_fn = tokens, targets, loss_fn
+        self.data_parallel, self.loss = data_parallel, None
+        ops = sched.ops[mailbox.me]
+        self.saved: dict = {}  # (stage, mb) -> (input, output, captured Linears | output grad)
+        self.split = {(op.stage, op.mb) for op in ops if op.kind == "W"}
+        self.last_backward = {op.stage: i for i, op in enumerate(ops) if op.kind != "F"}
+
+    def forward(self, op, span):
+        s, mb, last = op.stage, op.mb, self.sched.n_stages - 1
+        x = self.tokens[mb] if s == 0 else self.mail.take("act", s, mb).requires_grad_()
+        stage = self.stages[s]
+        captured = stage.capture = [] if (s, mb) in self.split and s > 0 else None
+        with span:
+            y = stage(x)
+            stage.capture = None
+            if s == last:
+                y = self.loss_fn(y, self.targets[mb]) / self.sched.n_micro
+                self.loss = y.detach() + (0 if self.loss is None else self.loss)
+            else:
+                self.mail.deliver("act", s + 1, mb, y.detach())
+        self.mail.post()
+        self.saved[(s, mb)] = (x, y, captured)
+
+    def backward(self, i, op, span):
+        s, mb, last = op.stage, op.mb, self.sched.n_stages - 1
+        x, y, captured = self.saved[(s, mb)]
+        dy = None if s == last or op.kind == "W" else self.mail.take("grad", s, mb)
+        if s in self.data_parallel:  # every gradient of the stage is final after its last op
+            self.data_parallel[s].set_requires_gradient_sync(i == self.last_backward[s])
+        with span:
+            if op.kind == "BW":
+                torch.autograd.backward(y, dy)
+            elif op.kind == "B" and s > 0:   # input (and norm) grads; hooks keep g
+                linear = {id(e[0].weight) for e in captured}
+                rest = [p for p in self.stages[s].parameters() if id(p) not in linear]
+                x.grad, *gs = torch.autograd.grad(y, [x] + rest, dy)
+                accumulate_grads(rest, gs)
+            elif op.kind == "B":              # first stage: no input gradient
+                self.saved[(s, mb)] = (x, y, dy)
+            elif s > 0:                       # W: the weight matmuls B skipped
+                self.stages[s].backward_weights(captured)
+            else:
+                torch.autograd.backward(y, captured)  # the first stage's W: all of backward
+            if op.kind in ("B", "BW") and s > 0:
+                self.mail.deliver("grad", s - 1, mb, x.grad)
+        self.mail.post()
+        if op.kind != "B":
+            del self.saved[(s, mb)]
+
+
+def _check_data_parallel(data_parallel: dict, stages: dict) -> None:
+    if set(data_parallel) - set(stages):
+        raise ValueError(f"data_parallel names stages {sorted(set(data_parallel) - set(stages))} "
+                         f"this rank does not hold ({sorted(stages)})")
+    for s, wrapper in data_parallel.items():
+        if getattr(wrapper, "stage", None) == 3:
+            raise ValueError(f"ZeRO-3 × pipeline parallelism is not supported (stage {s}): "
+                             "ZeRO-3 gathers and frees a stage's parameters around each "
+                             "forward, while a schedule keeps m micro-batches in flight; "
+                             "use ZeRO-1/2 or DDP on pipeline stages")
+
+
 def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
                  group_ranks=None, group=None, measure=None,
                  loss_fn=cross_entropy_loss, data_parallel=None) -> dict:
     """Run this rank's ops of `sched`. `stages` = {stage index: PipelineStage} for the stages
     this rank holds; `tokens`/`targets` = lists of m micro-batches (used on the stages that
-    embed / compute the loss). The loss is the mean over micro-batches of each one's mean
-    cross-entropy, so gradients equal one process on the whole batch. Gradients accumulate
-    in the stages' `.grad`. `group_ranks[r]` is the global rank of pipeline rank r (default:
-    r). `measure`: a memory.SavedActivations to open around the step (for its peak).
-    `loss_fn(logits, targets)` is one micro-batch's loss (the step's is their mean).
-    `data_parallel` = {stage: DDP or ZeRO wrapping that stage}: gradients accumulate
-    without communication until the stage's last backward op of the step, which
-    synchronises them (the executor tells the wrapper which one that is).
+    embed / compute the loss). The loss is the mean over micro-batches of each one's
+    `loss_fn(logits, targets)` (default: mean cross-entropy), so gradients equal one process
+    on the whole batch. Gradients accumulate in the stages' `.grad`, through autograd.
+    `group_ranks[r]` is the global rank of pipeline rank r (default: r). `measure`: a
+    memory.SavedActivations to open around the step (for its peak). `data_parallel` =
+    {stage: DDP or ZeRO wrapping that stage}: gradients accumulate without communication
+    until the stage's last backward op of the step, which synchronises them (the executor
+    tells the wrapper which one that is).
     Returns {"loss": summed loss on the last stage's rank (else None)}."""
     validate(sched)
     me = torch.distributed.get_rank()
@@ -231,101 +327,29 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
         raise ValueError(f"rank {me} holds stages {sorted(mine)} in this schedule, "
                          f"got {sorted(stages)}")
     _check_inputs(sched, stages, tokens, targets)
-    m, last, sr = sched.n_micro, sched.n_stages - 1, sched.stage_ranks
-    channels = {src: iter(msgs) for src, msgs in _channels(sched, me).items()}
-    inbox: dict = {}                  # (kind, stage, mb) -> tensor that arrived early or locally
-    shape = tuple(tokens[0].shape) + (stages[min(stages)].hidden,)
-    like = next(stages[min(stages)].parameters())  # receive buffers: the stage's device, dtype
-    saved: dict = {}                  # (stage, mb) -> (input, output[, captured Linears])
-    split = {(op.stage, op.mb) for op in sched.ops[me] if op.kind == "W"}
     data_parallel = data_parallel or {}
-    if set(data_parallel) - set(stages):
-        raise ValueError(f"data_parallel names stages {sorted(set(data_parallel) - set(stages))} "
-                         f"this rank does not hold ({sorted(stages)})")
-    for s, wrapper in data_parallel.items():
-        if getattr(wrapper, "stage", None) == 3:
-            raise ValueError(f"ZeRO-3 × pipeline parallelism is not supported (stage {s}): "
-                             "ZeRO-3 gathers and frees a stage's parameters around each "
-                             "forward, while a schedule keeps m micro-batches in flight; "
-                             "use ZeRO-1/2 or DDP on pipeline stages")
-    last_backward = {op.stage: i for i, op in enumerate(sched.ops[me]) if op.kind != "F"}
-    sender, loss_total = _Sender(group), None
-
-    def take(kind, stage, mb):
-        key = (kind, stage, mb)
-        src = sr[stage - 1] if kind == "act" else sr[stage + 1]
-        while key not in inbox:
-            nxt = next(channels[src])
-            buf = torch.empty(shape, device=like.device, dtype=like.dtype)
-            comm.recv(buf, glob(src), group=group)
-            inbox[nxt] = buf
-        return inbox.pop(key)
-
-    outbox = []                       # filled inside a span, posted when it ends (emulated cost)
-
-    def deliver(kind, stage, mb, tensor):
-        outbox.append((kind, stage, mb, tensor))
-
-    def post():
-        for kind, stage, mb, tensor in outbox:
-            if sr[stage] == me:
-                inbox[(kind, stage, mb)] = tensor
-            else:
-                sender.send(tensor, glob(sr[stage]))
-        outbox.clear()
+    _check_data_parallel(data_parallel, stages)
+    first = stages[min(stages)]
+    mail = _Mailbox(sched, me, glob, group, tuple(tokens[0].shape) + (first.hidden,),
+                    like=next(first.parameters()))  # receive buffers: the stage's device, dtype
+    run = _Executor(sched, stages, tokens, targets, mail, loss_fn, data_parallel)
 
     def span(op):
         if timeline is None:
             return contextlib.nullcontext()
         return timeline.span(op.kind, mb=op.mb, stage=op.stage, chunk=sched.chunk(op.stage))
 
-    ctx = measure if measure is not None else contextlib.nullcontext()
     ok = False
     try:
-        with ctx:
+        with measure if measure is not None else contextlib.nullcontext():
             for i, op in enumerate(sched.ops[me]):
-                s, mb = op.stage, op.mb
                 if op.kind == "F":
-                    x = tokens[mb] if s == 0 else take("act", s, mb).requires_grad_()
-                    captured = stages[s].capture = [] if (s, mb) in split and s > 0 else None
-                    with span(op):
-                        y = stages[s](x)
-                        stages[s].capture = None
-                        if s == last:
-                            y = loss_fn(y, targets[mb]) / m
-                            loss_total = y.detach() + (0 if loss_total is None else loss_total)
-                        else:
-                            deliver("act", s + 1, mb, y.detach())
-                    post()
-                    saved[(s, mb)] = (x, y, captured)
-                    continue
-                x, y, captured = saved[(s, mb)]
-                dy = None if s == last or op.kind == "W" else take("grad", s, mb)
-                if s in data_parallel:  # every gradient of the stage is final after its last op
-                    data_parallel[s].set_requires_gradient_sync(i == last_backward[s])
-                with span(op):
-                    if op.kind == "BW":
-                        torch.autograd.backward(y, dy)
-                    elif op.kind == "B" and s > 0:   # input (and norm) grads; hooks keep g
-                        linear = {id(e[0].weight) for e in captured}
-                        rest = [p for p in stages[s].parameters() if id(p) not in linear]
-                        x.grad, *gs = torch.autograd.grad(y, [x] + rest, dy)
-                        accumulate_grads(rest, gs)
-                    elif op.kind == "B":              # first stage: no input gradient
-                        saved[(s, mb)] = (x, y, dy)
-                    elif s > 0:                       # W: the weight matmuls B skipped
-                        stages[s].backward_weights(captured)
-                    else:
-                        torch.autograd.backward(y, saved[(s, mb)][2])
-                    if op.kind in ("B", "BW") and s > 0:
-                        deliver("grad", s - 1, mb, x.grad)
-                post()
-                if op.kind != "B":
-                    del saved[(s, mb)]
+                    run.forward(op, span(op))
+                else:
+                    run.backward(i, op, span(op))
         ok = True
     finally:
-        sender.close(wait=ok)
+        mail.close(wait=ok)
         for wrapper in data_parallel.values():
             wrapper.set_requires_gradient_sync(True)
-    return {"loss": loss_total}
-
+    return {"loss": run.loss}
