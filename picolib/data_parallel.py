@@ -28,7 +28,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm

@@ -171,8 +171,8 @@ def _fork_rank(rank, fds, sock, sel, wake, children) -> int:
             sel.close(), sock.close()
             for fd in (*wake, status_w, *children.values()):
                 os.close(fd)
-            from .launch import _rank_main
-            code = _rank_main(rank, *rank_fds)
+            from .rank import rank_main
+            code = rank_main(rank, *rank_fds)
         except BaseException:  # noqa: BLE001
             traceback.print_exc()
         finally:

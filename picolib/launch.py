@@ -8,9 +8,9 @@ Why not plain `fork` of the notebook? On a CUDA build with a GPU, a process that
 one autograd backward or touched CUDA can never fork a rank that does either — and a
 notebook has always done both. So `run` forks the ranks from a clean *fork server*
 (`forkserver.py`): a fresh interpreter with torch and picolib loaded, started in the
-background when this module is imported, reused by every later call. `fn` and its
-arguments travel by value (cloudpickle), so notebook functions, closures, lambdas and
-classes work.
+background when this module is imported, reused by every later call (what a rank does
+then is `rank.py`). `fn` and its arguments travel by value (cloudpickle), so notebook
+functions, closures, lambdas and classes work.
 
 The contract (lesson 00 shows each part):
 - every rank calls `torch.set_num_threads(1)` before any math (N ranks on a few cores
@@ -30,8 +30,6 @@ On a cluster the same worker code runs under `torchrun`; call `init_from_env()` 
 from __future__ import annotations
 
 import atexit
-import faulthandler
-import io
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
@@ -43,8 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-from datetime import timedelta
 from typing import Any, Callable
 
 import cloudpickle
@@ -52,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import forkserver
+from .rank import device, in_worker, join_group
 
 __all__ = ["run", "init_from_env", "WorkerError", "WorkerTimeout", "resolve_backend",
            "device", "in_worker", "MAX_WORLD_SIZE", "MAX_TIMEOUT"]
@@ -59,10 +56,6 @@ __all__ = ["run", "init_from_env", "WorkerError", "WorkerTimeout", "resolve_back
 MAX_WORLD_SIZE = 128  # local ranks; beyond that use torchrun on several machines
 MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds; a week is already "never"
 _GRACE = 1.0  # after a first failure, seconds to wait for the rank that caused it
-
-_IN_WORKER = False  # set in a rank, so a nested `run` is caught early
-_DEVICE = torch.device("cpu")  # this rank's device, set when the rank joins its group
-
 
 class WorkerError(RuntimeError):
     """A rank raised (or died). `.rank` is the rank, `.remote_traceback` its traceback."""
@@ -78,11 +71,6 @@ class WorkerError(RuntimeError):
 
 class WorkerTimeout(TimeoutError):
     """The ranks did not all finish within the timeout (often: a collective one rank skipped)."""
-
-
-def in_worker() -> bool:
-    """True inside a rank started by `run`."""
-    return _IN_WORKER
 
 
 def _gpu_count() -> int:
@@ -101,21 +89,6 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
-def device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device this rank computes on: its GPU under NCCL, the CPU under gloo."""
-    return _DEVICE
-
-
-def _join_group(backend: str, **init_kwargs) -> None:
-    """Under NCCL, CUDA tensors go over NCCL and CPU tensors over gloo (one group, two
-    backends), so code that all-reduces a CPU scalar works on GPUs too."""
-    global _DEVICE
-    if backend == "nccl":
-        _DEVICE = torch.device("cuda", torch.cuda.current_device())
-        backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend, **init_kwargs)
-
-
 def init_from_env(backend: str = "auto") -> tuple[int, int]:
     """Join the group that `torchrun` describes (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
@@ -130,7 +103,7 @@ def init_from_env(backend: str = "auto") -> tuple[int, int]:
     backend = resolve_backend(backend, local_world)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    _join_group(backend, init_method="env://")
+    join_group(backend, init_method="env://")
     atexit.register(_leave_group)
     return dist.get_rank(), dist.get_world_size()
 
@@ -138,117 +111,6 @@ def init_from_env(backend: str = "auto") -> tuple[int, int]:
 def _leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-# --------------------------------------------------------------------------- the rank
-
-class _RankStream(io.TextIOBase):
-    """Stands in for sys.stdout/sys.stderr in a rank: sends whole lines to the caller."""
-
-    def __init__(self, conn, lock, kind: str):
-        self._conn, self._lock, self._kind, self._buf = conn, lock, kind, ""
-
-    def writable(self):
-        return True
-
-    def write(self, text: str) -> int:
-        self._buf += text
-        if "\n" in self._buf:
-            lines, self._buf = self._buf.rsplit("\n", 1)
-            self._send(lines)
-        return len(text)
-
-    def flush(self):
-        if self._buf:
-            self._send(self._buf)
-            self._buf = ""
-
-    def _send(self, text: str):
-        with self._lock:
-            self._conn.send((self._kind, text))
-
-
-def _to_cpu(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_to_cpu(v) for v in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
-
-
-def _describe(e: BaseException) -> tuple[str, str]:
-    """(one line, traceback) for an exception, even one whose __str__ raises."""
-    try:
-        line = f"{type(e).__name__}: {e}"
-    except Exception as inner:  # noqa: BLE001
-        line = f"{type(e).__name__} (its str() raised {type(inner).__name__})"
-    try:
-        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    except Exception:  # noqa: BLE001
-        tb = "".join(traceback.format_tb(e.__traceback__)) + line
-    return line, tb
-
-
-def _rank_main(rank: int, conn_fd: int, stack_fd: int, payload_fd: int) -> int:
-    """A rank's life, in the process the fork server just forked. Returns the exit code."""
-    global _IN_WORKER
-    _IN_WORKER = True
-    torch.set_num_threads(1)
-    conn = mpc.Connection(conn_fd)
-    faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=False)
-    data = os.pread(payload_fd, os.fstat(payload_fd).st_size, 0)
-    os.close(payload_fd)
-    n = int.from_bytes(data[:8], "big")
-    settings, body = pickle.loads(data[8:8 + n]), data[8 + n:]
-    sys.path[:] = settings["sys_path"]
-    try:
-        os.chdir(settings["cwd"])
-    except OSError:
-        pass
-    if settings["hide_gpu"]:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before any CUDA call: gloo ranks use the CPU
-    lock = threading.Lock()
-    sys.stdout = _RankStream(conn, lock, "out")
-    sys.stderr = _RankStream(conn, lock, "err")
-    world_size, backend = settings["world_size"], settings["backend"]
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        try:
-            fn, args, kwargs = cloudpickle.loads(body)
-        except Exception as e:
-            raise RuntimeError(f"the function or its arguments could not be rebuilt in the "
-                               f"rank ({type(e).__name__}: {e})") from e
-        # the group's own timeouts outlast the caller's deadline: a hang must surface as
-        # WorkerTimeout with every rank's stack, not as one rank's gloo timeout error
-        grace = timedelta(seconds=settings["timeout"] + 30)
-        # the group meets in a file of the caller's private temporary folder: no port to
-        # pick, nothing two callers could share, and no name lookup (a TCP store looks up
-        # 127.0.0.1 in DNS, which stalled 8 runs in 300 by 5 s here)
-        store = dist.FileStore(settings["store"], world_size)
-        store.set_timeout(grace)
-        _join_group(backend, store=store, rank=rank, world_size=world_size, timeout=grace)
-        result = _to_cpu(fn(*args, **kwargs))
-        try:
-            payload = cloudpickle.dumps(result)
-        except Exception as e:
-            raise TypeError(f"the return value of type {type(result).__name__} cannot be "
-                            f"sent back to the caller (pickle: {e})") from None
-        sys.stdout.flush(), sys.stderr.flush()
-        with lock:
-            conn.send(("result", payload))
-        conn.recv()  # stay in the group until every rank is done: peers never see us vanish
-        return 0
-    except BaseException as e:  # noqa: BLE001 - everything must reach the caller
-        try:
-            sys.stdout.flush(), sys.stderr.flush()
-            with lock:
-                conn.send(("error", *_describe(e)))
-        except Exception:  # noqa: BLE001
-            pass
-        return 1
 
 
 # --------------------------------------------------------------------------- the caller
@@ -292,7 +154,7 @@ def _check_arguments(fn, world_size, timeout):
             or not 0 < timeout <= MAX_TIMEOUT):
         raise ValueError(f"timeout must be a positive, finite number of seconds, at most "
                          f"{MAX_TIMEOUT:g} (a week), not {timeout!r}")
-    if _IN_WORKER or forkserver.in_server() or dist.is_initialized():
+    if in_worker() or forkserver.in_server() or dist.is_initialized():
         raise RuntimeError("launch.run was called inside a rank (or a process already in a "
                            "process group); start ranks from the notebook or script only")
     if not hasattr(os, "fork"):

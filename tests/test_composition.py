@@ -114,12 +114,12 @@ def _dp_tp(sp):
     mesh = Mesh(dp=2, tp=2)
     dp, wrap = mesh.coordinate("dp"), (SPLlama if sp else TPLlama)
     model = wrap(TinyLlama(CFG), group=mesh.group("tp"))
-    ddp = DDP(model, group=mesh.group("dp"))
+    DDP(model, group=mesh.group("dp"))  # its gradient hooks on the parameters do the work
     opt = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for step in range(STEPS):
         tokens, targets = (t.chunk(2)[dp] for t in _batch(step))
-        loss = model.loss(tokens, targets)  # DDP's hooks watch the same parameters
+        loss = model.loss(tokens, targets)
         loss.backward()
         if sp:
             model.finalize_grads()  # the norms saw s/tp tokens each: sum over tp

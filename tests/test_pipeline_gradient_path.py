@@ -3,7 +3,6 @@ and W (weights) — arrives through autograd, so a hook that watches gradients a
 DDP and ZeRO build on) sees each parameter exactly as often as one process would; and the
 inputs of the executor are checked before any op runs."""
 import pytest
-import torch
 import torch.distributed as dist
 
 from picolib.launch import WorkerError, run
