@@ -62,12 +62,9 @@ def _dp_pp(wrapper, schedule, m):
             out = run_schedule(sched, {pp: stage}, list(tokens.chunk(m)), list(targets.chunk(m)),
                                group_ranks=mesh.peers("pp"), data_parallel={pp: dp_stage})
         syncs.append(led.count("all_reduce") + led.count("reduce_scatter"))
-        if wrapper == "ddp":
-            opt.step()
-            opt.zero_grad()
-        else:
-            dp_stage.step()
-            dp_stage.zero_grad()
+        stepper = opt if wrapper == "ddp" else dp_stage  # ZeRO owns its optimizer
+        stepper.step()
+        stepper.zero_grad()
         if out["loss"] is not None:  # the replica's mean loss; the global one is their mean
             loss = out["loss"].reshape(1).clone()
             dist.all_reduce(loss, group=mesh.group("dp"))

@@ -86,12 +86,9 @@ def accumulate_worker():
                     loss.backward()
                 calls.append(led.count("all_reduce") + led.count("reduce_scatter"))
                 total += loss.item()
-            if name == "DDP":
-                opt.step()
-                opt.zero_grad()
-            else:
-                wrapper.step()
-                wrapper.zero_grad()
+            stepper = opt if name == "DDP" else wrapper  # ZeRO owns its optimizer
+            stepper.step()
+            stepper.zero_grad()
             losses.append(total)
         weights = ({k: p.detach().clone() for k, p in model.named_parameters()} if name == "DDP"
                    else wrapper.gather_parameters())
@@ -174,12 +171,9 @@ def shuffled_worker(name):
         wrapper = ZeRO(model, int(name[-1]), optimizer="adam", lr=LR, eps=EPS)
     for step in range(STEPS):
         shuffled_loss(model, step, r).backward()
-        if name == "DDP":
-            opt.step()
-            opt.zero_grad()
-        else:
-            wrapper.step()
-            wrapper.zero_grad()
+        stepper = opt if name == "DDP" else wrapper  # ZeRO owns its optimizer
+        stepper.step()
+        stepper.zero_grad()
     if name == "DDP":
         return {k: p.detach().clone() for k, p in model.named_parameters()}
     return wrapper.gather_parameters()
