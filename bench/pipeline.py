@@ -3,7 +3,7 @@
     .venv/bin/python bench/pipeline.py           # writes bench/results/pipeline.json
 
 One run, 2 and 4 gloo ranks (picolib.launch.run) on this machine's CPU. Both sides cut the
-same TinyLlama (below) into the same stages (picolib.pipeline_parallel.build_stages) and run
+same TinyLlama (below) into the same stages (picolib.pipeline_parallel.split_stages) and run
 one training step (forward + backward of M micro-batches of MB × SEQ tokens, gradients
 accumulated; no optimizer) with the same schedule family:
 
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from picolib.launch import run  # noqa: E402
 from picolib.model import LlamaConfig, TinyLlama, param_count, random_tokens  # noqa: E402
-from picolib.pipeline_parallel import build_stages, run_schedule  # noqa: E402
+from picolib.pipeline_parallel import run_schedule, split_stages  # noqa: E402
 from picolib.pipeline_schedules import from_torch, make_schedule  # noqa: E402
 from picolib.pipeline_simulator import comm_latency, simulate, validate  # noqa: E402
 from picolib.timeline import Timeline, bubble_ratio, merge  # noqa: E402
@@ -90,7 +90,7 @@ def bench_worker(p):
         ids = _stage_ids(name, p, rank)
         # torch side: its own copy of the model, the same stage split
         t_model = TinyLlama(CFG)
-        t_all = build_stages(t_model, n_stages)
+        t_all = split_stages(t_model, n_stages)
         t_stages = [tpp.PipelineStage(t_all[s], s, n_stages, torch.device("cpu")) for s in ids]
         cls = getattr(tpp, peer_name)
         peer = cls(t_stages[0] if v == 1 else t_stages, M, loss_fn=_loss)
@@ -106,7 +106,7 @@ def bench_worker(p):
                  else make_schedule(name, p, M, v if name == "interleaved" else 1))
         assert sorted(sched.stages_of(rank)) == sorted(ids)
         p_model = TinyLlama(CFG)
-        p_all = build_stages(p_model, n_stages)
+        p_all = split_stages(p_model, n_stages)
         mine = {s: p_all[s] for s in ids}
         tok_mb, tgt_mb = list(tokens.chunk(M)), list(targets.chunk(M))
 
@@ -137,7 +137,7 @@ def bubble_worker(cases):
     for name, p, m, v in cases:
         model = TinyLlama(cfg)
         sched = make_schedule(name, p, m, v)
-        mine = {s: st for s, st in enumerate(build_stages(model, sched.n_stages)) if s in sched.stages_of(rank)}
+        mine = {s: st for s, st in enumerate(split_stages(model, sched.n_stages)) if s in sched.stages_of(rank)}
         args = (list(tokens[:2 * m].chunk(m)), list(targets[:2 * m].chunk(m)))
         run_schedule(sched, mine, *args)                         # warm-up
         k = sched.n_stages // p

@@ -8,13 +8,13 @@ One run: 2 and then 4 gloo ranks (picolib.launch.run) on this machine's CPU, eac
 holding its shard of the same TinyLlama below (same seed: the two sides start from the same
 weights and their first losses are asserted equal). The batch, MB × SEQ synthetic tokens,
 is the same on every rank (TP splits the model, not the batch). Rows (picolib ↔ peer):
-- TP:    picolib.tensor_parallel.TPLlama        ↔ parallelize_module: q, k, v, gate, up
+- TP:    picolib.tensor_parallel.apply_tensor_parallel   ↔ parallelize_module: q, k, v, gate, up
          ColwiseParallel; o, down RowwiseParallel; embedding RowwiseParallel; lm_head
          ColwiseParallel with loss_parallel (vocab-parallel cross-entropy);
-- TP+SP: picolib.sequence_parallel.SPLlama      ↔ the same plus SequenceParallel on the
+- TP+SP: the same with sequence_parallel=True   ↔ the same plus SequenceParallel on the
          norms, PrepareModuleInput (Shard(1) → Replicate) at attention / MLP, row outputs
          Shard(1) (the torchtitan plan).
-A step is forward + backward (+ picolib SP's norm-gradient sum); no optimizer, since TP
+A step is forward + backward (SP's norm-gradient sums run inside it); no optimizer, since TP
 does not change it. Both sides run in the same processes in alternating rounds of ROUND
 steps; a step's time is the slowest rank's; a row reports the median over the timed steps.
 Saved-activation bytes: one forward under a saved-tensor hook (each storage once,
@@ -39,8 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from picolib.launch import run  # noqa: E402
 from picolib.model import LlamaConfig, TinyLlama, random_tokens  # noqa: E402
-from picolib.sequence_parallel import SPLlama  # noqa: E402
-from picolib.tensor_parallel import TPLlama  # noqa: E402
+from picolib.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=1024, hidden=256, n_layers=4, n_heads=8, n_kv_heads=4,
                   ffn_hidden=768, max_seq=256)
@@ -53,13 +52,11 @@ OUT = ROOT / "bench" / "results" / "tp_sp.json"
 # ----------------------------------------------------------------------- the contestants
 
 def picolib_model(sp: bool):
-    model = SPLlama(TinyLlama(CFG)) if sp else TPLlama(TinyLlama(CFG))
+    model = apply_tensor_parallel(TinyLlama(CFG), sequence_parallel=sp)
 
     def step(x, y):
         loss = model.loss(x, y)
         loss.backward()
-        if sp:
-            model.finalize_grads()
         return loss
 
     return model, step, model.loss

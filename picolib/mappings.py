@@ -15,6 +15,9 @@ or gathers):
     reduce_scatter_to_region  reduce-scatter along dim   | all-gather the gradient
     all_gather_to_region      all-gather along dim       | reduce-scatter the gradient (lesson 05: SP)
 
+A `Region` names the pair a layer uses: tensor parallelism enters with f and leaves with
+g; sequence parallelism enters with an all-gather and leaves with a reduce-scatter.
+
 `copy_to_replicas` is f for a weight slice that only some ranks share (a KV head
 replicated when tp > KV heads): its backward sums the gradients of those ranks alone.
 
@@ -29,14 +32,26 @@ helpers `gather_along`, `reduce_scatter_along`, `split_along` (no autograd) and 
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from . import comm
 
-__all__ = ["shard", "split_along", "gather_along", "reduce_scatter_along",
+__all__ = ["Region", "shard", "split_along", "gather_along", "reduce_scatter_along",
            "copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
            "reduce_scatter_to_region", "all_gather_to_region", "copy_to_replicas"]
+
+
+class Region(NamedTuple):
+    """How activations enter and leave a tensor-parallel region.
+    `enter(x, weights, group)`: the entry operator, then the column-parallel matmuls;
+    `leave(y, group)`: the exit operator on the row-parallel partial sums;
+    `sequence_split`: outside the region a rank holds s/tp tokens (sequence parallelism)."""
+    enter: Callable
+    leave: Callable
+    sequence_split: bool
 
 
 # ------------------------------------------------------------------ slices and collectives

@@ -26,7 +26,7 @@ import math
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DIMS", "Mesh", "check_mesh"]
+__all__ = ["DIMS", "Mesh", "check_mesh", "dim_group"]
 
 DIMS = ("pp", "dp", "cp", "tp")  # outermost → innermost
 
@@ -100,3 +100,9 @@ class Mesh:
     def peers(self, name: str) -> list[int]:
         """Global ranks along `name` through this rank, ordered by their coordinate."""
         return dist.get_process_group_ranks(self.group(name))
+
+
+def dim_group(mesh_or_group, name: str):
+    """The process group of dimension `name`: from a Mesh, its group; a process group (or
+    None, all ranks) is returned as it is. Lets a transform take either."""
+    return mesh_or_group.group(name) if isinstance(mesh_or_group, Mesh) else mesh_or_group

@@ -18,6 +18,7 @@ Choices made for teaching:
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LlamaConfig", "TinyLlama", "RMSNorm", "Attention", "SwiGLU", "Block",
+__all__ = ["LlamaConfig", "TinyLlama", "RMSNorm", "AttentionCore", "Attention", "SwiGLU", "Block",
+           "CrossEntropy",
            "rope_tables", "apply_rope", "upcast", "attention_core", "param_count", "random_tokens",
            "TextData", "repeat_kv"]
 
@@ -85,8 +87,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def normalize(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return self.normalize(x) * self.weight
 
 
 def rope_tables(head_dim: int, max_seq: int, theta: float):
@@ -125,30 +130,53 @@ def attention_core(q, k, v, impl: str = "eager", causal: bool = True):
     return scores.softmax(-1) @ v
 
 
+class AttentionCore(nn.Module):
+    """The part of attention that mixes tokens: softmax(q kᵀ/√d + causal mask) v.
+
+    A module of its own so that a transform can swap it (context parallelism puts ring
+    attention here, lesson 06) while the projections around it stay. `selective`
+    recomputes it in backward instead of saving the s×s scores (lesson 01)."""
+
+    def __init__(self, impl: str = "eager", selective: bool = False):
+        super().__init__()
+        self.impl, self.selective = impl, selective
+
+    def forward(self, q, k, v):
+        if self.selective and torch.is_grad_enabled():
+            return checkpoint(attention_core, q, k, v, self.impl, use_reentrant=False)
+        return attention_core(q, k, v, self.impl)
+
+
 class Attention(nn.Module):
+    """Grouped-query self-attention: project (q, k, v), rotate q and k, the core, project out.
+
+    `project` and `output` are the two places tensor parallelism changes (lesson 04:
+    `ParallelAttention` overrides them); `core` is where context parallelism does."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         h, d = cfg.hidden, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, d
-        self.impl, self.selective = cfg.attn_impl, cfg.recompute == "selective"
         self.wq = nn.Linear(h, cfg.n_heads * d, bias=False)
         self.wk = nn.Linear(h, cfg.n_kv_heads * d, bias=False)
         self.wv = nn.Linear(h, cfg.n_kv_heads * d, bias=False)
         self.wo = nn.Linear(cfg.n_heads * d, h, bias=False)
+        self.core = AttentionCore(cfg.attn_impl, cfg.recompute == "selective")
+
+    def project(self, x):
+        return self.wq(x), self.wk(x), self.wv(x)
+
+    def output(self, y):
+        return self.wo(y)
 
     def forward(self, x, cos, sin):
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        b, s, _ = q.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = q.shape[1] // k.shape[1]  # heads may be a shard: keep the ratio, not the totals
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        if self.selective and torch.is_grad_enabled():
-            out = checkpoint(attention_core, q, k, v, self.impl, use_reentrant=False)
-        else:
-            out = attention_core(q, k, v, self.impl)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        out = self.core(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))
+        return self.output(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class SwiGLU(nn.Module):
@@ -179,16 +207,38 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class CrossEntropy(nn.Module):
+    """The loss as a part of the model: mean cross-entropy of (..., vocab) logits, in fp32
+    at least. Tensor parallelism swaps it for the vocab-parallel one (lesson 04)."""
+
+    def forward(self, logits, targets):
+        return F.cross_entropy(upcast(logits.flatten(0, -2)), targets.flatten())
+
+
 class TinyLlama(nn.Module):
-    """tokens (b, s) → logits (b, s, vocab). `loss(tokens, targets)` is the mean cross-entropy."""
+    """tokens (b, s) → logits (b, s, vocab); `loss(tokens, targets)` is `loss_fn` of them.
+
+    The one forward every technique runs. Its parts are attributes a transform replaces
+    in place (`picolib.tensor_parallel.apply_tensor_parallel`, ...), and a pipeline stage
+    is this model with some parts absent (`part`, lesson 07): without `embed` the input
+    is the hidden states (b, s, h); without `lm_head` the output is.
+
+    `positions` (a tensor (s,) or a range) are the tokens' positions for RoPE (default
+    range(s)); context
+    parallelism passes the positions of the tokens a rank holds. `sequence_shards` is the
+    number of slices the residual stream is cut into along the sequence (sequence
+    parallelism sets it to tp: a rank's hidden states are then (b, s/tp, h))."""
 
     def __init__(self, cfg: LlamaConfig | None = None):
         super().__init__()
         self.cfg = cfg = cfg or LlamaConfig()
+        self.sequence_shards = 1
+        self.layers = range(cfg.n_layers)     # which of the model's blocks this one holds
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self.loss_fn = CrossEntropy()
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -204,24 +254,57 @@ class TinyLlama(nn.Module):
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
 
-    def rope(self, seq_len: int, offset: int = 0):
-        if offset + seq_len > self.cfg.max_seq:
-            raise ValueError(f"positions up to {offset + seq_len} exceed max_seq={self.cfg.max_seq}")
-        return self.rope_cos[offset:offset + seq_len], self.rope_sin[offset:offset + seq_len]
+    def rope(self, positions: torch.Tensor | range):
+        """(cos, sin) at `positions`, each (s, head_dim/2). A range gives views of the
+        tables (nothing copied, nothing for backward to keep); a tensor, any positions."""
+        if len(positions):
+            last = max(positions) if isinstance(positions, range) else int(positions.max())
+            if last >= self.cfg.max_seq:
+                raise ValueError(f"position {last} is beyond max_seq={self.cfg.max_seq}")
+        if isinstance(positions, range):
+            positions = slice(positions.start, positions.stop, positions.step)
+        return self.rope_cos[positions], self.rope_sin[positions]
 
-    def forward(self, tokens, pos_offset: int = 0):
-        x = self.embed(tokens)
-        cos, sin = self.rope(tokens.shape[1], pos_offset)
+    def hidden_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
+        """The shape of this rank's hidden states for (batch, seq) tokens (what a pipeline
+        stage sends and receives)."""
+        return batch, seq // self.sequence_shards, self.cfg.hidden
+
+    def forward(self, x, positions: torch.Tensor | range | None = None):
+        if self.embed is not None:
+            seq = x.shape[1]
+            if seq % self.sequence_shards:
+                raise ValueError(f"the sequence length {seq} must divide by tp="
+                                 f"{self.sequence_shards} (sequence parallelism gives each "
+                                 "rank s/tp tokens)")
+            x = self.embed(x)
+        else:
+            seq = x.shape[1] * self.sequence_shards
+        cos, sin = self.rope(range(seq) if positions is None else positions)
         for block in self.blocks:
             if self.cfg.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
-        return self.lm_head(self.norm(x))
+        return x if self.lm_head is None else self.lm_head(self.norm(x))
 
-    def loss(self, tokens, targets):
-        logits = self(tokens)
-        return F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten())
+    def loss(self, tokens, targets, positions: torch.Tensor | range | None = None):
+        return self.loss_fn(self(tokens, positions), targets)
+
+    def part(self, layers, embed: bool = True, head: bool = True) -> "TinyLlama":
+        """This model restricted to the blocks `layers`, with or without the embedding and
+        the head (norm, lm_head, loss): a pipeline stage (lesson 07). It shares this model's
+        modules and parameters; replacing a part of it leaves this model alone."""
+        stage = copy.copy(self)
+        # nn.Module keeps its parts in dicts: give the stage its own (the parts are shared)
+        stage.__dict__.update({k: v.copy() for k, v in vars(self).items() if isinstance(v, dict)})
+        stage.blocks = nn.ModuleList(self.blocks[i] for i in layers)
+        stage.layers = layers
+        if not embed:
+            stage.embed = None
+        if not head:
+            stage.norm = stage.lm_head = stage.loss_fn = None
+        return stage
 
 
 # --------------------------------------------------------------------------- data

@@ -1,7 +1,7 @@
 """Pipeline parallelism: cut the tiny Llama into stages and run any schedule on real ranks
 (lesson 07).
 
-    stages = build_stages(model, n_stages=p * v)           # embed on the first, head on the last
+    stages = split_stages(model, n_stages=p * v)           # embed on the first, head on the last
     sched = make_schedule("1f1b", p, m)                       # pipeline_schedules.py: plain data
     out = run_schedule(sched, my_stages, tokens_mb, targets_mb, timeline=tl)   # on every rank
 
@@ -27,15 +27,14 @@ import contextlib
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import comm
-from .model import TinyLlama, upcast
+from .model import TinyLlama
 from .pipeline_schedules import Schedule
 from .pipeline_simulator import validate
 
-__all__ = ["partition", "PipelineStage", "build_stages", "run_schedule", "stage_grads",
-           "accumulate_grads", "cross_entropy_loss"]
+__all__ = ["partition", "split_stages", "run_schedule", "stage_grads", "backward_weights",
+           "accumulate_grads"]
 
 
 def partition(n_layers: int, n_stages: int, layer_costs=None) -> list[range]:
@@ -74,24 +73,29 @@ def partition(n_layers: int, n_stages: int, layer_costs=None) -> list[range]:
     return bounds[::-1]
 
 
-class PipelineStage(nn.Module):
-    """Blocks `layers` of a TinyLlama; the first stage also embeds, the last also applies
-    the final norm and the head. `forward` maps tokens or hidden states to hidden states
-    or logits."""
+def split_stages(model: TinyLlama, n_stages: int, layer_costs=None) -> list[TinyLlama]:
+    """All stages of `model`: the first embeds, the last ends in the norm, head and loss.
+    They share `model`'s parameters; a rank keeps the ones it holds."""
+    parts = partition(len(model.blocks), n_stages, layer_costs)
+    return [model.part(layers, embed=i == 0, head=i == n_stages - 1)
+            for i, layers in enumerate(parts)]
 
-    def __init__(self, model: TinyLlama, layers: range, first: bool, last: bool):
-        super().__init__()
-        self.layers, self.hidden = layers, model.cfg.hidden
-        self.embed = model.embed if first else None
-        self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
-        self.norm = model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
-        self.capture = None  # a list while a forward records [Linear, input, output grad]
-        for mod in self.modules():
-            if isinstance(mod, nn.Linear):
-                mod.register_forward_hook(self._record)
+
+def stage_grads(stage: nn.Module, model: TinyLlama) -> dict[str, torch.Tensor]:
+    """{model parameter name: grad} for the parameters this stage holds."""
+    ids = {id(p) for p in stage.parameters()}
+    return {n: p.grad.clone() for n, p in model.named_parameters()
+            if id(p) in ids and p.grad is not None}
+
+
+class _LinearRecorder:
+    """For the split backward: while `capture` is a list, every plain nn.Linear of the
+    stage that runs records [module, input, output gradient] (the gradient arrives in B)."""
+
+    def __init__(self, stage: nn.Module):
+        self.capture = None
+        self.handles = [m.register_forward_hook(self._record)
+                        for m in stage.modules() if type(m) is nn.Linear]
 
     def _record(self, mod, args, out):
         if self.capture is not None and out.requires_grad:
@@ -99,36 +103,17 @@ class PipelineStage(nn.Module):
             self.capture.append(entry)
             out.register_hook(lambda g: entry.__setitem__(2, g))
 
-    def backward_weights(self, captured):
-        """W: accumulate ∂L/∂W = gᵀx of every Linear recorded during a forward (after B)."""
-        with torch.no_grad():
-            grads = [g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-                     for _, x, g in captured]
-        accumulate_grads([mod.weight for mod, _, _ in captured], grads)
-
-    def forward(self, x):
-        if self.embed is not None:
-            x = self.embed(x)
-        s = x.shape[1]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        if self.lm_head is not None:
-            x = self.lm_head(self.norm(x))
-        return x
+    def remove(self):
+        for h in self.handles:
+            h.remove()
 
 
-def build_stages(model: TinyLlama, n_stages: int, layer_costs=None) -> list[PipelineStage]:
-    """All stages of `model` (sharing its parameters); a rank keeps the ones it holds."""
-    parts = partition(model.cfg.n_layers, n_stages, layer_costs)
-    return [PipelineStage(model, rg, i == 0, i == n_stages - 1) for i, rg in enumerate(parts)]
-
-
-def stage_grads(stage: PipelineStage, model: TinyLlama) -> dict[str, torch.Tensor]:
-    """{model parameter name: grad} for the parameters this stage holds."""
-    ids = {id(p) for p in stage.parameters()}
-    return {n: p.grad.clone() for n, p in model.named_parameters()
-            if id(p) in ids and p.grad is not None}
+def backward_weights(captured) -> None:
+    """W: accumulate ∂L/∂W = gᵀx of every Linear recorded during a forward (after B)."""
+    with torch.no_grad():
+        grads = [g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+                 for _, x, g in captured]
+    accumulate_grads([mod.weight for mod, _, _ in captured], grads)
 
 
 class _Into(torch.autograd.Function):
@@ -151,11 +136,6 @@ def accumulate_grads(params, grads) -> None:
         torch.autograd.backward([_Into.apply(p, g) for p, g in zip(params, grads, strict=True)])
 
 
-def cross_entropy_loss(logits, targets):
-    """The loss of one micro-batch: mean cross-entropy over its tokens (in fp32 at least)."""
-    return F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten())
-
-
 def _check_inputs(sched: Schedule, stages: dict, tokens, targets) -> None:
     """Clear errors for stages that do not fit the schedule and for micro-batches that do not
     fit each other (before any op runs)."""
@@ -172,7 +152,7 @@ def _check_inputs(sched: Schedule, stages: dict, tokens, targets) -> None:
                 f"stage {s} of this {sched.n_stages}-stage schedule "
                 f"{'must' if s == 0 else 'must not'} embed and "
                 f"{'must' if s == last else 'must not'} end in the head; were the stages "
-                f"built for {sched.n_stages} stages (build_stages(model, {sched.n_stages}))?")
+                f"built for {sched.n_stages} stages (split_stages(model, {sched.n_stages}))?")
 
 
 def _channels(sched: Schedule, rank: int) -> dict[int, list]:
@@ -244,6 +224,7 @@ class _Executor:
         self.sched, self.stages, self.mail = sched, stages, mailbox
         self.tokens, self.targets, self.loss_fn = tokens, targets, loss_fn
         self.data_parallel, self.loss = data_parallel, None
+        self.recorders = {s: _LinearRecorder(st) for s, st in stages.items()}
         ops = sched.ops[mailbox.me]
         self.saved: dict = {}  # (stage, mb) -> (input, output, captured Linears | output grad)
         self.split = {(op.stage, op.mb) for op in ops if op.kind == "W"}
@@ -252,13 +233,14 @@ class _Executor:
     def forward(self, op, span):
         s, mb, last = op.stage, op.mb, self.sched.n_stages - 1
         x = self.tokens[mb] if s == 0 else self.mail.take("act", s, mb).requires_grad_()
-        stage = self.stages[s]
-        captured = stage.capture = [] if (s, mb) in self.split and s > 0 else None
+        recorder = self.recorders[s]
+        captured = recorder.capture = [] if (s, mb) in self.split and s > 0 else None
         with span:
-            y = stage(x)
-            stage.capture = None
+            y = self.stages[s](x)
+            recorder.capture = None
             if s == last:
-                y = self.loss_fn(y, self.targets[mb]) / self.sched.n_micro
+                loss_fn = self.loss_fn or self.stages[s].loss_fn
+                y = loss_fn(y, self.targets[mb]) / self.sched.n_micro
                 self.loss = y.detach() + (0 if self.loss is None else self.loss)
             else:
                 self.mail.deliver("act", s + 1, mb, y.detach())
@@ -282,7 +264,7 @@ class _Executor:
             elif op.kind == "B":              # first stage: no input gradient
                 self.saved[(s, mb)] = (x, y, dy)
             elif s > 0:                       # W: the weight matmuls B skipped
-                self.stages[s].backward_weights(captured)
+                backward_weights(captured)
             else:
                 torch.autograd.backward(y, captured)  # the first stage's W: all of backward
             if op.kind in ("B", "BW") and s > 0:
@@ -306,12 +288,13 @@ def _check_data_parallel(data_parallel: dict, stages: dict) -> None:
 
 def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
                  group_ranks=None, group=None, measure=None,
-                 loss_fn=cross_entropy_loss, data_parallel=None) -> dict:
-    """Run this rank's ops of `sched`. `stages` = {stage index: PipelineStage} for the stages
-    this rank holds; `tokens`/`targets` = lists of m micro-batches (used on the stages that
-    embed / compute the loss). The loss is the mean over micro-batches of each one's
-    `loss_fn(logits, targets)` (default: mean cross-entropy), so gradients equal one process
-    on the whole batch. Gradients accumulate in the stages' `.grad`, through autograd.
+                 loss_fn=None, data_parallel=None) -> dict:
+    """Run this rank's ops of `sched`. `stages` = {stage index: stage} for the stages this
+    rank holds (from `split_stages`); `tokens`/`targets` = lists of m micro-batches of one
+    shape (b, s), given on every rank (the stages that embed or end in the loss use them;
+    the others take the shape of the messages from them). The loss is the mean over
+    micro-batches of each one's `loss_fn(logits, targets)` (default: the last stage's own
+    `loss_fn`), so gradients equal one process on the whole batch. Gradients accumulate in the stages' `.grad`, through autograd.
     `group_ranks[r]` is the global rank of pipeline rank r (default: r). `measure`: a
     memory.SavedActivations to open around the step (for its peak). `data_parallel` =
     {stage: DDP or ZeRO wrapping that stage}: gradients accumulate without communication
@@ -330,7 +313,7 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
     data_parallel = data_parallel or {}
     _check_data_parallel(data_parallel, stages)
     first = stages[min(stages)]
-    mail = _Mailbox(sched, me, glob, group, tuple(tokens[0].shape) + (first.hidden,),
+    mail = _Mailbox(sched, me, glob, group, first.hidden_shape(*tokens[0].shape),
                     like=next(first.parameters()))  # receive buffers: the stage's device, dtype
     run = _Executor(sched, stages, tokens, targets, mail, loss_fn, data_parallel)
 
@@ -350,6 +333,8 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
         ok = True
     finally:
         mail.close(wait=ok)
+        for recorder in run.recorders.values():
+            recorder.remove()
         for wrapper in data_parallel.values():
             wrapper.set_requires_gradient_sync(True)
     return {"loss": run.loss}

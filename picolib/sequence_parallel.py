@@ -11,8 +11,13 @@ sequence instead. The two regions alternate:
 All-reduce = reduce-scatter + all-gather, so a forward moves the same bytes as TP in
 twice the calls. Backward runs the conjugates: an all-gather's gradient is a
 reduce-scatter, a reduce-scatter's an all-gather. The norm weights (and row-parallel biases,
-added after the reduce-scatter) now see only s/tp tokens per rank, so their gradients
-are summed over the group once per step (`SPLlama.finalize_grads`).
+added after the reduce-scatter) now see only s/tp tokens per rank, so each rank's gradient
+of them is a partial sum: `SequenceParallelRMSNorm` passes its weight through f (identity
+forward, all-reduce backward), so the sum over the group happens inside backward, before
+the gradient reaches `.grad` and any data-parallel hook — no step to forget.
+
+`picolib.tensor_parallel.apply_tensor_parallel(model, tp, sequence_parallel=True)` builds
+the TP+SP model from these pieces (`sequence_parallel_region`).
 
 `regather=True` (Megatron's choice, Korthikanti §4.2.2): the column matmuls entering a
 TP region save only this rank's s/tp slice of their input and all-gather it again in
@@ -26,18 +31,17 @@ Tensors are (b, s, h) as in picolib.model; rank r holds tokens [r·s/tp, (r+1)·
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
-from . import comm
-from .mappings import (all_gather_to_region, gather_along, reduce_scatter_along,
-                       reduce_scatter_to_region, split_along)
+from .mappings import (Region, all_gather_to_region, copy_to_region, gather_along,
+                       reduce_scatter_along, reduce_scatter_to_region, split_along)
 from .model import RMSNorm
-from .tensor_parallel import RowParallelLinear, TPLlama, check_tensor_parallel
 
 __all__ = ["all_gather_sequence", "reduce_scatter_sequence_nograd", "reduce_scatter_sequence",
-           "gather_sequence", "split_sequence", "gathered_matmuls", "regathered_matmuls", "SPLlama",
-           "sequence_parallel_llama", "activation_bytes_per_layer", "korthikanti_bytes_per_layer"]
+           "gather_sequence", "split_sequence", "gathered_matmuls", "regathered_matmuls",
+           "sequence_parallel_region", "SequenceParallelRMSNorm", "activation_bytes_per_layer",
+           "korthikanti_bytes_per_layer"]
 
 
 # ------------------------------------------------------------------ moving along the sequence
@@ -104,46 +108,27 @@ def regathered_matmuls(x, weights, group=None):
     return list(_RegatheredMatmuls.apply(x, group, *weights))
 
 
-# ------------------------------------------------------------------ the model
-
-class SPLlama(TPLlama):
-    """TinyLlama, tensor + sequence parallel over `group`. Takes the whole (b, s) tokens on
-    every rank; blocks run on s/tp tokens between the TP regions; forward returns the
-    vocab slice of the logits for all s tokens, so `loss` is TP's vocab-parallel loss.
-    Call `finalize_grads()` after backward (sums the norm-weight and row-bias gradients)."""
-
-    def __init__(self, model, group=None, regather: bool = True):
-        enter = regathered_matmuls if regather else gathered_matmuls
-        super().__init__(model, group, enter=enter, leave=reduce_scatter_sequence,
-                         embed_reduce=reduce_scatter_sequence)
-        self.regather = regather
-
-    def forward(self, tokens):
-        check_tensor_parallel(self.cfg, self.tp, seq_len=tokens.shape[1])
-        return super().forward(tokens)
-
-    def sequence_parallel_params(self):
-        """Replicated parameters used on this rank's s/tp tokens only: the norm weights and
-        the row-parallel biases (added after the reduce-scatter). Their gradients are partial."""
-        norms = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
-        return norms + [m.bias for m in self.modules()
-                        if isinstance(m, RowParallelLinear) and m.bias is not None]
-
-    def finalize_grads(self):
-        """One all-reduce of the partial gradients above (each rank saw s/tp tokens)."""
-        grads = [p.grad for p in self.sequence_parallel_params() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, group=self.group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(part.view_as(g))
+def sequence_parallel_region(regather: bool = True) -> Region:
+    """Enter a TP region by an all-gather along the sequence (saving the s/tp slice and
+    gathering it again in backward, or saving the gathered input), leave it by a
+    reduce-scatter."""
+    return Region(regathered_matmuls if regather else gathered_matmuls,
+                  reduce_scatter_sequence, True)
 
 
-def sequence_parallel_llama(model, group=None, regather: bool = True) -> SPLlama:
-    """The TP+SP form of a TinyLlama on `group` (checks the sizes first)."""
-    check_tensor_parallel(model.cfg, dist.get_world_size(group))
-    return SPLlama(model, group, regather)
+# ------------------------------------------------------------------ the norms
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """An RMSNorm over this rank's s/tp tokens. Its weight (the same Parameter as the
+    norm it replaces) enters through f, so backward sums the weight's gradient over the
+    group: every rank's copy gets the gradient of all s tokens."""
+
+    def __init__(self, norm: RMSNorm, group=None):
+        nn.Module.__init__(self)
+        self.eps, self.weight, self.group = norm.eps, norm.weight, group
+
+    def forward(self, x):
+        return self.normalize(x) * copy_to_region(self.weight, self.group)
 
 
 # ------------------------------------------------------------------ saved activations

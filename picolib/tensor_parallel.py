@@ -16,8 +16,14 @@ slice the second consumes), so a block's attention (q, k, v column; o row) and M
     g: all-reduce forward, identity backward    (where the partial sums leave)
 One all-reduce per f/g pair forward, one backward (the autograd functions are in
 `picolib.mappings`). The vocabulary is split too: `picolib.vocab_parallel` (embedding
-and loss), which `TPLlama` uses. Biases follow the output: a column-parallel bias is cut
-with the output features; a row-parallel bias is added once, after the sum.
+and loss). Biases follow the output: a column-parallel bias is cut with the output
+features; a row-parallel bias is added once, after the sum.
+
+`apply_tensor_parallel(model, tp, sequence_parallel=False)` turns a TinyLlama into its
+TP (or TP+SP, lesson 05) form in place: it swaps the attention, MLP, embedding, head and
+loss for their parallel versions, each carrying its own entry and exit operators, so the
+model's one forward runs unchanged. Apply it first, before context/expert parallelism,
+pipeline stages and data parallelism (the order in `picolib.mesh`).
 
 Grouped-query attention rule (n_heads = a query heads, kv key/value heads, tp ranks):
     a % tp == 0 always; if tp <= kv: kv % tp == 0 and each rank holds kv/tp KV heads;
@@ -31,16 +37,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from .mappings import copy_to_region as copy_to_tp, copy_to_replicas, gather_from_region, shard
+from .mappings import Region, copy_to_replicas, gather_from_region, shard
+from .mappings import copy_to_region as copy_to_tp
 from .mappings import reduce_from_region as reduce_from_tp   # lesson 04's f and g
-from .model import LlamaConfig, RMSNorm, TinyLlama, apply_rope, attention_core, repeat_kv
-from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from .mesh import dim_group
+from .model import Attention, LlamaConfig, SwiGLU, TinyLlama
+from .sequence_parallel import SequenceParallelRMSNorm, sequence_parallel_region
+from .vocab_parallel import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "column_matmuls", "add_biases",
-           "kv_heads_per_rank", "check_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear",
-           "ParallelAttention", "ParallelSwiGLU", "ParallelBlock", "TPLlama", "tensor_parallel_llama"]
+           "Region", "TP_REGION", "kv_heads_per_rank", "check_tensor_parallel",
+           "ColumnParallelLinear", "RowParallelLinear", "ParallelAttention", "ParallelSwiGLU",
+           "apply_tensor_parallel"]
 
 
 # ------------------------------------------------------------------ entering and leaving a TP region
@@ -59,6 +68,9 @@ def column_matmuls(x, weights, group=None):
 def add_biases(outputs, biases):
     """The column-parallel biases (each rank's slice), added after the region's matmuls."""
     return [y if b is None else y + b for y, b in zip(outputs, biases, strict=True)]
+
+
+TP_REGION = Region(column_matmuls, reduce_from_tp, False)   # f and g (lesson 04)
 
 
 # ------------------------------------------------------------------ sharding and rules
@@ -116,25 +128,27 @@ class _ShardedLinear(nn.Module):
 
 class ColumnParallelLinear(_ShardedLinear):
     """y_r = x W_rᵀ with W_r = rows r of W: the input is whole, the output is sliced.
-    `copy_input` applies f to the input (off when the caller already did);
-    `gather_output` all-gathers the slices into the whole output."""
+    `enter(x, [weight], group)` is the entry operator and the matmul (default f then the
+    matmul; None: the caller has entered the region already); `gather_output` all-gathers
+    the slices into the whole output."""
     split_dim = 0
 
     def __init__(self, in_features, out_features, group=None, bias=False,
-                 copy_input=True, gather_output=False, device=None, dtype=None):
+                 enter=column_matmuls, gather_output=False, device=None, dtype=None):
         super().__init__()
         tp = dist.get_world_size(group)
         if out_features % tp:
             raise ValueError(f"tp={tp} must divide out_features={out_features}")
-        self.group, self.copy_input, self.gather_output = group, copy_input, gather_output
+        self.group, self.enter, self.gather_output = group, enter, gather_output
         like = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, **like))
         self.bias = nn.Parameter(torch.zeros(out_features // tp, **like)) if bias else None
 
     def forward(self, x):
-        if self.copy_input:
-            x = copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        if self.enter is None:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = add_biases(self.enter(x, [self.weight], self.group), [self.bias])[0]
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -160,33 +174,36 @@ class RowParallelLinear(_ShardedLinear):
         y = F.linear(x, self.weight)
         return self.add_bias(reduce_from_tp(y, self.group)) if self.reduce_output else y
 
-    def add_bias(self, y):
-        """The bias, added to an output that has been summed over the group."""
-        return y if self.bias is None else y + self.bias
+    def add_bias(self, y, sequence_split: bool = False):
+        """The bias, added to an output summed over the group. With `sequence_split` (the
+        sum was a reduce-scatter) the bias meets s/tp tokens here: f on it sums its
+        gradient over the group in backward."""
+        if self.bias is None:
+            return y
+        return y + (copy_to_tp(self.bias, self.group) if sequence_split else self.bias)
 
 
-# ------------------------------------------------------------------ blocks
+# ------------------------------------------------------------------ attention and MLP
 
-class ParallelAttention(nn.Module):
-    """Heads split over the group: wq, wk, wv column-parallel, wo row-parallel.
+class ParallelAttention(Attention):
+    """Heads split over the group: wq, wk, wv column-parallel, wo row-parallel. The
+    forward is `Attention`'s; `project` enters the region (q, k and v share one entry
+    operator) and `output` leaves it, per `region` (TP: f and g; TP+SP: an all-gather and
+    a reduce-scatter along the sequence)."""
 
-    `enter(x, weights, group)` does the column matmuls behind the region's entry operator
-    (f for TP; an all-gather along the sequence for TP+SP), so q, k and v share one;
-    `leave(y, group)` is the exit (g for TP; a reduce-scatter along the sequence)."""
-
-    def __init__(self, attn, group=None, enter=column_matmuls, leave=reduce_from_tp):
-        super().__init__()
+    def __init__(self, attn: Attention, group=None, region: Region = TP_REGION):
+        nn.Module.__init__(self)
         tp, r = dist.get_world_size(group), dist.get_rank(group)
         kv_local, self.replicas = kv_heads_per_rank(attn.n_heads, attn.n_kv_heads, tp)
-        self.group, self.enter, self.leave = group, enter, leave
-        self.head_dim, self.impl, self.selective = attn.head_dim, attn.impl, attn.selective
-        self.wq = ColumnParallelLinear.from_linear(attn.wq, group, copy_input=False)
+        self.group, self.region, self.core = group, region, attn.core
+        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.wq = ColumnParallelLinear.from_linear(attn.wq, group, enter=None)
         # K, V: this rank holds KV slice r // replicas of tp // replicas (when tp > kv, each
         # KV head is held by the `replicas` ranks whose query heads read it)
         self.slot, self.n_slots = r // self.replicas, tp // self.replicas
         rows = kv_local * attn.head_dim
         self.wk, self.wv = (ColumnParallelLinear(
-            lin.in_features, rows * tp, group, bias=lin.bias is not None, copy_input=False,
+            lin.in_features, rows * tp, group, bias=lin.bias is not None, enter=None,
             device=lin.weight.device, dtype=lin.weight.dtype).load_shard(lin, self.slot, self.n_slots)
             for lin in (attn.wk, attn.wv))
         self.wo = RowParallelLinear.from_linear(attn.wo, group, reduce_output=False)
@@ -196,100 +213,69 @@ class ParallelAttention(nn.Module):
             return t
         return copy_to_replicas(t, self.slot, self.n_slots, self.group)
 
-    def forward(self, x, cos, sin):
+    def project(self, x):
         weights = [self.wq.weight, self._kv(self.wk.weight), self._kv(self.wv.weight)]
         biases = [self.wq.bias, self._kv(self.wk.bias), self._kv(self.wv.bias)]
-        q, k, v = add_biases(self.enter(x, weights, self.group), biases)
-        b, s, _ = q.shape
-        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        n_rep = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        if self.selective and torch.is_grad_enabled():
-            out = checkpoint(attention_core, q, k, v, self.impl, use_reentrant=False)
-        else:
-            out = attention_core(q, k, v, self.impl)
-        y = self.leave(self.wo(out.transpose(1, 2).reshape(b, s, -1)), self.group)
-        return self.wo.add_bias(y)                  # once, after the sum
+        return add_biases(self.region.enter(x, weights, self.group), biases)
+
+    def output(self, y):
+        y = self.region.leave(self.wo(y), self.group)
+        return self.wo.add_bias(y, self.region.sequence_split)     # once, after the sum
 
 
 class ParallelSwiGLU(nn.Module):
     """gate and up column-parallel (each rank a slice of ffn_hidden), down row-parallel."""
 
-    def __init__(self, mlp, group=None, enter=column_matmuls, leave=reduce_from_tp):
+    def __init__(self, mlp: SwiGLU, group=None, region: Region = TP_REGION):
         super().__init__()
-        self.group, self.enter, self.leave = group, enter, leave
-        self.w_gate = ColumnParallelLinear.from_linear(mlp.w_gate, group, copy_input=False)
-        self.w_up = ColumnParallelLinear.from_linear(mlp.w_up, group, copy_input=False)
+        self.group, self.region = group, region
+        self.w_gate = ColumnParallelLinear.from_linear(mlp.w_gate, group, enter=None)
+        self.w_up = ColumnParallelLinear.from_linear(mlp.w_up, group, enter=None)
         self.w_down = RowParallelLinear.from_linear(mlp.w_down, group, reduce_output=False)
 
     def forward(self, x):
-        gate, up = add_biases(self.enter(x, [self.w_gate.weight, self.w_up.weight], self.group),
+        gate, up = add_biases(self.region.enter(x, [self.w_gate.weight, self.w_up.weight], self.group),
                               [self.w_gate.bias, self.w_up.bias])
-        return self.w_down.add_bias(self.leave(self.w_down(F.silu(gate) * up), self.group))
+        y = self.region.leave(self.w_down(F.silu(gate) * up), self.group)
+        return self.w_down.add_bias(y, self.region.sequence_split)
 
 
-def _copy_norm(norm: RMSNorm) -> RMSNorm:
-    out = RMSNorm(norm.weight.numel(), norm.eps).to(norm.weight)
-    with torch.no_grad():
-        out.weight.copy_(norm.weight)
-    return out
+# ------------------------------------------------------------------ the transform
 
+def apply_tensor_parallel(model: TinyLlama, tp=None, *, sequence_parallel: bool = False,
+                          regather: bool = True) -> TinyLlama:
+    """Make `model` tensor-parallel over `tp` (a Mesh — its "tp" dimension — or a process
+    group; None: all ranks), in place, and return it.
 
-class ParallelBlock(nn.Module):
-    """The reference Block with parallel attention and MLP; norms and residuals unchanged."""
+    Each block's attention and MLP become `ParallelAttention` and `ParallelSwiGLU`; the
+    embedding, the head and the loss become vocab-parallel, so `model(tokens)` gives this
+    rank's vocab slice of the logits (b, s, v/tp) and `model.loss` the same value on every
+    rank. With `sequence_parallel` (lesson 05) the regions are entered by an all-gather
+    and left by a reduce-scatter along the sequence; the norms and residuals between them
+    hold s/tp tokens, and the norm weights sum their gradients over the group inside
+    backward. `regather` (SP only): save the s/tp slice and all-gather it again in
+    backward (see picolib.sequence_parallel). A model whose parts are already parallel is
+    refused."""
+    group = dim_group(tp, "tp")
+    n = dist.get_world_size(group)
+    check_tensor_parallel(model.cfg, n)
+    if any(isinstance(m, (_ShardedLinear, VocabParallelEmbedding)) for m in model.modules()):
+        raise ValueError("this model is tensor-parallel already")
+    region = sequence_parallel_region(regather) if sequence_parallel else TP_REGION
 
-    def __init__(self, block, group=None, enter=column_matmuls, leave=reduce_from_tp):
-        super().__init__()
-        self.attn_norm, self.mlp_norm = _copy_norm(block.attn_norm), _copy_norm(block.mlp_norm)
-        self.attn = ParallelAttention(block.attn, group, enter, leave)
-        self.mlp = ParallelSwiGLU(block.mlp, group, enter, leave)
+    def norm(m):
+        return SequenceParallelRMSNorm(m, group) if sequence_parallel else m
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-# ------------------------------------------------------------------ the whole model
-
-class TPLlama(nn.Module):
-    """TinyLlama, tensor-parallel over `group`. forward → this rank's vocab slice of the
-    logits (b, s, v/tp); `loss` is the vocab-parallel cross-entropy (same value on every rank)."""
-
-    def __init__(self, model, group=None, enter=column_matmuls, leave=reduce_from_tp,
-                 embed_reduce=reduce_from_tp):
-        super().__init__()
-        self.cfg, self.group, self.tp = model.cfg, group, dist.get_world_size(group)
-        check_tensor_parallel(self.cfg, self.tp)
-        self.embed = VocabParallelEmbedding(model.embed, group, embed_reduce)
-        self.blocks = nn.ModuleList(ParallelBlock(b, group, enter, leave) for b in model.blocks)
-        self.norm = _copy_norm(model.norm)
-        self.enter = enter
-        self.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, copy_input=False)
-        self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
-
-    rope = TinyLlama.rope   # the same (cos, sin) tables and max_seq check
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        cos, sin = self.rope(tokens.shape[1])
-        for block in self.blocks:
-            if self.cfg.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cos, sin)
-        logits = self.enter(self.norm(x), [self.lm_head.weight], self.group)
-        return add_biases(logits, [self.lm_head.bias])[0]
-
-    def loss(self, tokens, targets):
-        return vocab_parallel_cross_entropy(self(tokens), targets, self.embed.start, self.group)
-
-    def full_logits(self, tokens):
-        """All-gather the vocab slices (for tests and lessons; training never needs it)."""
-        return gather_from_tp(self(tokens), self.group)
-
-
-def tensor_parallel_llama(model, group=None) -> TPLlama:
-    """The tensor-parallel form of a TinyLlama on `group` (TPLlama checks the sizes first)."""
-    return TPLlama(model, group)
+    if model.embed is not None:
+        model.embed = VocabParallelEmbedding(model.embed, group, region.leave)
+    for block in model.blocks:
+        block.attn_norm, block.mlp_norm = norm(block.attn_norm), norm(block.mlp_norm)
+        block.attn = ParallelAttention(block.attn, group, region)
+        block.mlp = ParallelSwiGLU(block.mlp, group, region)
+    if model.lm_head is not None:
+        model.norm = norm(model.norm)
+        model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, enter=region.enter)
+        vocab_start = dist.get_rank(group) * model.cfg.vocab_size // n
+        model.loss_fn = VocabParallelCrossEntropy(vocab_start, group)
+    model.sequence_shards = n if sequence_parallel else 1
+    return model

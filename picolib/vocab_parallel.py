@@ -17,7 +17,7 @@ from . import comm
 from .model import upcast
 from .mappings import reduce_from_region, shard
 
-__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "VocabParallelCrossEntropy"]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -56,3 +56,15 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, group=None):
     picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     target_logit = reduce_from_region(picked * inside, group)
     return (sum_exp.log() - target_logit).mean()
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """The loss part of a tensor-parallel TinyLlama: `vocab_parallel_cross_entropy` for the
+    vocab slice that starts at `vocab_start` (this rank's slice of the lm_head)."""
+
+    def __init__(self, vocab_start: int, group=None):
+        super().__init__()
+        self.vocab_start, self.group = vocab_start, group
+
+    def forward(self, logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
@@ -79,11 +78,6 @@ class ZeRO(GradientSyncSwitch):
         if stage == 3 and getattr(getattr(model, "cfg", None), "recompute", "none") != "none":
             raise ValueError("ZeRO-3 frees parameters after forward: recompute is not supported")
         self.n = group_size(group)   # before any collective
-        if (hasattr(model, "sequence_parallel_params")
-                and dist.get_world_size(getattr(model, "group", None)) > 1):
-            raise ValueError("ZeRO × sequence parallelism is not supported yet: the norms' "
-                             "gradients must be summed over the tensor-parallel group before "
-                             "ZeRO reduce-scatters them; use DDP over a TP+SP model")
         self.stage, self.group, self.module, self.opt = stage, group, model, optimizer
         self.prefetch, self.timeline, self.hp = prefetch, timeline, hp
         self.steps, self._sync, self._pending, self._t = 0, True, [], 0.0

@@ -1,25 +1,29 @@
-"""Techniques combined on one mesh (dp×pp with DDP and ZeRO-1, dp×tp and dp×tp+SP with DDP),
-each run equal to one process that sees the same
-global batch: the loss of every step and every weight after 3 Adam steps (fp32; atol
-1e-5 on weights — the summation order of micro-batch and replica gradients differs).
+"""Techniques combined on one mesh, each run equal to one process that sees the same global
+batch: the loss of every step and every weight after 3 Adam steps (fp32; atol 1e-5 on
+weights — the summation order of micro-batch, replica and shard gradients differs).
+4 ranks: dp2×pp2 (DDP, ZeRO-1; 1F1B, ZB-H1), dp2×tp2 (±SP; DDP with and without gradient
+accumulation), tp2×pp2 (±SP), ZeRO-1/2/3 × tp2+SP; 8 ranks: dp2×pp2×tp2+SP with ZeRO-1.
+The transforms run in the documented order: tensor (+sequence) parallel, split into
+stages, data parallel on each stage.
 
 Adam divides each gradient element by √v + eps: where an element is near zero, rounding
 noise from a different summation order becomes a step of up to lr. With eps = 1e-6 that
 moved a few embedding rows by 2e-5 (seen); eps = 1e-3 bounds the amplification, and the
 weights then agree within 1e-6."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from picolib.comm import Ledger
 from picolib.data_parallel import DDP
-from picolib.launch import run
+from picolib.launch import WorkerError, run
 from picolib.mesh import Mesh
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
-from picolib.pipeline_parallel import build_stages, run_schedule
+from picolib.pipeline_parallel import run_schedule, split_stages
 from picolib.pipeline_schedules import make_schedule
-from picolib.sequence_parallel import SPLlama
-from picolib.tensor_parallel import TPLlama
+from picolib.tensor_parallel import apply_tensor_parallel
 from picolib.zero import ZeRO
 
 CFG = LlamaConfig(hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq=16)
@@ -44,55 +48,108 @@ def _reference():
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _dp_pp(wrapper, schedule, m):
-    mesh = Mesh(pp=2, dp=2)
-    pp, dp = mesh.coordinate("pp"), mesh.coordinate("dp")
-    model = TinyLlama(CFG)
-    sched = make_schedule(schedule, 2, m)
-    stage = build_stages(model, 2)[pp]
+def _parallel(model, mesh, sp, pp):
+    """The transforms in their order: TP (+SP) over the mesh's tp, then this rank's stage."""
+    if mesh.size("tp") > 1:
+        apply_tensor_parallel(model, mesh, sequence_parallel=sp)
+    return split_stages(model, mesh.size("pp"))[pp] if mesh.size("pp") > 1 else model
+
+
+def _train(sizes, wrapper, sp=False, schedule="1f1b", m=2):
+    """3 Adam steps on this rank's part of the model; `wrapper`: "ddp", "zero1/2/3" or None
+    (no data parallelism). Without a pipeline the m micro-batches accumulate under no_sync."""
+    mesh = Mesh(**sizes)
+    dp, pp, n_dp, n_pp = (mesh.coordinate("dp"), mesh.coordinate("pp"), mesh.size("dp"),
+                          mesh.size("pp"))
+    part = _parallel(TinyLlama(CFG), mesh, sp, pp)
+    dp_part, opt = None, None
     if wrapper == "ddp":
-        dp_stage = DDP(stage, group=mesh.group("dp"))
-        opt = torch.optim.Adam(stage.parameters(), lr=LR, eps=EPS)
-    else:
-        dp_stage = ZeRO(stage, 1, group=mesh.group("dp"), optimizer="adam", lr=LR, eps=EPS)
+        dp_part = DDP(part, group=mesh.group("dp"))
+    elif wrapper is not None:
+        dp_part = opt = ZeRO(part, int(wrapper[-1]), group=mesh.group("dp"), optimizer="adam",
+                             lr=LR, eps=EPS)   # ZeRO owns its optimizer
+    opt = opt or torch.optim.Adam(part.parameters(), lr=LR, eps=EPS)
     losses, syncs = [], []
     for step in range(STEPS):
-        tokens, targets = (t.chunk(2)[dp] for t in _batch(step))  # this replica's half
+        tokens, targets = (list(t.chunk(n_dp)[dp].chunk(m)) for t in _batch(step))  # this replica's share
         with Ledger() as led:
-            out = run_schedule(sched, {pp: stage}, list(tokens.chunk(m)), list(targets.chunk(m)),
-                               group_ranks=mesh.peers("pp"), data_parallel={pp: dp_stage})
+            if n_pp > 1:
+                loss = run_schedule(make_schedule(schedule, n_pp, m), {pp: part}, tokens, targets,
+                                    group_ranks=mesh.peers("pp"),
+                                    data_parallel={pp: dp_part} if dp_part else None)["loss"]
+            else:
+                loss = 0
+                for i, (x, y) in enumerate(zip(tokens, targets, strict=True)):
+                    last = i == m - 1
+                    with contextlib.nullcontext() if last or not dp_part else dp_part.no_sync():
+                        micro = part.loss(x, y) / m
+                        micro.backward()
+                    loss = loss + micro.detach()
         syncs.append(led.count("all_reduce") + led.count("reduce_scatter"))
-        stepper = opt if wrapper == "ddp" else dp_stage  # ZeRO owns its optimizer
-        stepper.step()
-        stepper.zero_grad()
-        if out["loss"] is not None:  # the replica's mean loss; the global one is their mean
-            loss = out["loss"].reshape(1).clone()
-            dist.all_reduce(loss, group=mesh.group("dp"))
-            losses.append(loss.item() / 2)
-    names = {id(p): n for n, p in model.named_parameters()}
-    per_step = len(dp_stage.buckets) if wrapper == "ddp" else len(dp_stage.unit_numels())
-    assert syncs == [per_step] * STEPS, (syncs, per_step)  # once per step, not per micro-batch
-    return losses, {names[id(p)]: p.detach().clone() for p in stage.parameters()}
+        opt.step()
+        opt.zero_grad()
+        if loss is not None:  # the replica's mean loss; the global one is their mean
+            total = loss.reshape(1).clone()
+            dist.all_reduce(total, group=mesh.group("dp"))
+            losses.append(total.item() / n_dp)
+    got = dp_part.gather_parameters() if wrapper == "zero3" else dict(part.named_parameters())
+    expected = _parallel(_reference_model(), mesh, sp, pp)   # the trained weights, cut alike
+    errors = {n: (got[n] - e).abs().max().item() for n, e in expected.named_parameters()}
+    coords = {d: mesh.coordinate(d) for d in ("pp", "dp", "tp")}
+    units = None if dp_part is None else (
+        len(dp_part.buckets) if wrapper == "ddp" else len(dp_part.unit_numels()))
+    return coords, losses, {n: t.detach().clone() for n, t in got.items()}, errors, (syncs, units)
+
+
+def _check(results, n_last):
+    """Every loss and weight equals the reference; replicas along dp hold equal weights."""
+    losses = [r[1] for r in results if r[1]]
+    assert len(losses) == n_last, [r[1] for r in results]   # the ranks that end in the loss
+    for got in losses:
+        for g, want in zip(got, _REF_LOSSES, strict=True):
+            assert abs(g - want) < 1e-5, (got, _REF_LOSSES)
+    replicas = {}
+    for coords, _, params, errors, _ in results:
+        assert errors and max(errors.values()) < 1e-5, (coords, errors)
+        key = (coords["pp"], coords["tp"])
+        if key in replicas:   # the other data-parallel replica of this part: the very same
+            for name, value in params.items():
+                torch.testing.assert_close(value, replicas[key][name], atol=0, rtol=0, msg=name)
+        replicas[key] = params
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "zero1"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_dp2_pp2_equals_one_process(wrapper, schedule):
-    ref_losses, ref_params = _REF_LOSSES, _REF_PARAMS
-    results = run(_dp_pp, 4, wrapper, schedule, 2, timeout=180)
-    losses = [r[0] for r in results if r[0]]
-    assert len(losses) == 2 and losses[0] == losses[1]  # the last stage of each replica
-    for got, want in zip(losses[0], ref_losses, strict=True):
-        assert abs(got - want) < 1e-5
-    params = {}
-    for rank, (_, p) in enumerate(results):
-        for name, value in p.items():
-            if name in params:  # the other replica of this stage holds the same weights
-                torch.testing.assert_close(value, params[name], atol=0, rtol=0)
-            params[name] = value
-    assert params.keys() == ref_params.keys()
-    for name, want in ref_params.items():
-        torch.testing.assert_close(params[name], want, atol=1e-5, rtol=1e-4, msg=name)
+    results = run(_train, 4, {"pp": 2, "dp": 2}, wrapper, False, schedule, timeout=180)
+    _check(results, n_last=2)
+    for *_, (syncs, units) in results:   # one reduction per bucket or unit per step, not per micro-batch
+        assert syncs == [units] * STEPS, (syncs, units)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("m", [1, 2], ids=["one-batch", "accumulate-2"])
+def test_dp2_tp2_equals_one_process(sp, m):
+    _check(run(_train, 4, {"dp": 2, "tp": 2}, "ddp", sp, "1f1b", m, timeout=180), n_last=4)
+
+
+@pytest.mark.parametrize("sp, schedule", [(False, "1f1b"), (True, "1f1b"), (True, "zb_h1")])
+def test_tp2_pp2_equals_one_process(sp, schedule):
+    """The head's f (or all-gather under SP) and the vocab-parallel loss travel with the
+    last stage; under SP the stages send (b, s/tp, h) and RoPE sees all s positions."""
+    _check(run(_train, 4, {"pp": 2, "tp": 2}, None, sp, schedule, timeout=180), n_last=2)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_over_tp2_sp_equals_one_process(stage):
+    """The norms' gradients are summed over tp inside backward, before ZeRO reduce-scatters."""
+    _check(run(_train, 4, {"dp": 2, "tp": 2}, f"zero{stage}", True, "1f1b", 2, timeout=180),
+           n_last=4)
+
+
+def test_dp2_pp2_tp2_sp_zero1_on_8_ranks_equals_one_process():
+    _check(run(_train, 8, {"pp": 2, "dp": 2, "tp": 2}, "zero1", True, "1f1b", timeout=300),
+           n_last=4)
 
 
 def _reference_model():
@@ -106,43 +163,10 @@ def _reference_model():
 _REF_LOSSES, _REF_PARAMS = _reference()
 
 
-def _dp_tp(sp):
-    """DDP over dp of a tensor-parallel (optionally sequence-parallel) model over tp."""
-    mesh = Mesh(dp=2, tp=2)
-    dp, wrap = mesh.coordinate("dp"), (SPLlama if sp else TPLlama)
-    model = wrap(TinyLlama(CFG), group=mesh.group("tp"))
-    DDP(model, group=mesh.group("dp"))  # its gradient hooks on the parameters do the work
-    opt = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for step in range(STEPS):
-        tokens, targets = (t.chunk(2)[dp] for t in _batch(step))
-        loss = model.loss(tokens, targets)
-        loss.backward()
-        if sp:
-            model.finalize_grads()  # the norms saw s/tp tokens each: sum over tp
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().reshape(1).clone()
-        dist.all_reduce(total, group=mesh.group("dp"))
-        losses.append(total.item() / 2)
-    expected = wrap(_reference_model(), group=mesh.group("tp"))  # the trained weights' shards
-    errors = {n: (p - e).abs().max().item() for (n, p), e in
-              zip(model.named_parameters(), expected.parameters(), strict=True)}
-    return losses, errors
-
-
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_dp2_tp2_equals_one_process(sp):
-    for losses, errors in run(_dp_tp, 4, sp, timeout=180):
-        for got, want in zip(losses, _REF_LOSSES, strict=True):
-            assert abs(got - want) < 1e-5
-        assert max(errors.values()) < 1e-5, errors
-
-
 def _zero3_pp():
     mesh = Mesh(pp=2, dp=2)
     pp = mesh.coordinate("pp")
-    stage = build_stages(TinyLlama(CFG), 2)[pp]
+    stage = split_stages(TinyLlama(CFG), 2)[pp]
     z3 = ZeRO(stage, 3, group=mesh.group("dp"), optimizer="adam", lr=LR)
     tokens, targets = random_tokens(4, SEQ, CFG.vocab_size, seed=0)
     run_schedule(make_schedule("1f1b", 2, 2), {pp: stage}, list(tokens.chunk(2)),
@@ -150,20 +174,5 @@ def _zero3_pp():
 
 
 def test_zero3_with_a_pipeline_is_refused_naming_both():
-    from picolib.launch import WorkerError
     with pytest.raises(WorkerError, match="ZeRO-3 × pipeline parallelism is not supported"):
         run(_zero3_pp, 4, timeout=60)
-
-
-def _zero_over_sp():
-    mesh = Mesh(dp=2, tp=2)
-    model = SPLlama(TinyLlama(CFG), group=mesh.group("tp"))
-    ZeRO(model, 1, group=mesh.group("dp"))
-
-
-def test_zero_with_sequence_parallelism_is_refused_naming_both():
-    """Not supported yet (the norms' gradients must be summed over tp before ZeRO reduces
-    them; before this check the result was silently off by 1e-2): a clear error instead."""
-    from picolib.launch import WorkerError
-    with pytest.raises(WorkerError, match="ZeRO × sequence parallelism is not supported"):
-        run(_zero_over_sp, 4, timeout=60)

@@ -41,7 +41,7 @@ def my_rows(tokens, targets, pieces, piece):
 
 def assert_weights_close(results, expected):
     for weights in results:
-        for got, want in zip(weights, expected):
+        for got, want in zip(weights, expected, strict=True):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
@@ -273,7 +273,7 @@ def nan_worker(catch):
             if not catch:
                 raise
             message = str(e)
-            untouched = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+            untouched = all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
             opt.zero_grad()
             continue
         opt.step()

@@ -23,7 +23,7 @@ def test_same_seed_same_loss_bitwise_and_other_seed_differs():
     la, lb = a.loss(x, y), b.loss(x, y)
     assert torch.equal(la, lb)
     la.backward(); lb.backward()
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(TinyLlama(LlamaConfig(seed=2)).loss(x, y), la)
 
 
@@ -39,7 +39,7 @@ def test_recomputation_changes_memory_not_results(mode):
     l1, l2 = ref.loss(x, y), rc.loss(x, y)
     l1.backward(); l2.backward()
     assert torch.equal(l1, l2)
-    for p, q in zip(ref.parameters(), rc.parameters()):
+    for p, q in zip(ref.parameters(), rc.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=0)
 
 
@@ -75,3 +75,34 @@ def test_bad_configs_are_clear_errors(bad, match):
 def test_positions_beyond_max_seq_are_an_error():
     with pytest.raises(ValueError, match="max_seq"):
         TinyLlama(LlamaConfig(max_seq=8))(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_explicit_positions_are_an_input_and_only_their_differences_matter():
+    """Positions are an input (context parallelism passes non-contiguous ones): the same
+    positions as a tensor give the same logits bitwise; RoPE scores depend on position
+    differences only, so shifting all positions changes nothing beyond rounding (1e-5),
+    while a gap between them (as in a zig-zag layout) changes the output."""
+    model, (x, _) = TinyLlama(), random_tokens(2, 12, 256, seed=3)
+    default = model(x)
+    torch.testing.assert_close(model(x, torch.arange(12)), default, atol=0, rtol=0)
+    torch.testing.assert_close(model(x, range(40, 52)), default, atol=1e-5, rtol=0)
+    gapped = torch.cat([torch.arange(6), torch.arange(30, 36)])
+    out = model(x, gapped)
+    torch.testing.assert_close(out[:, :6], default[:, :6], atol=1e-5, rtol=0)  # before the gap: same
+    assert (out[:, 6:] - default[:, 6:]).abs().max() > 1e-3                     # after it: not
+
+
+def test_parts_chained_equal_the_whole_model_and_share_its_parameters():
+    cfg = LlamaConfig(n_layers=4)
+    model, (x, y) = TinyLlama(cfg), random_tokens(2, 10, 256, seed=4)
+    first = model.part(range(0, 3), head=False)
+    last = model.part(range(3, 4), embed=False)
+    assert first.lm_head is None and first.loss_fn is None and last.embed is None
+    assert list(first.layers) == [0, 1, 2] and list(last.layers) == [3]
+    assert model.lm_head is not None and len(model.blocks) == 4     # the whole model is untouched
+    hidden = first(x)
+    assert hidden.shape == model.hidden_shape(2, 10) == (2, 10, cfg.hidden)
+    torch.testing.assert_close(last.loss(hidden, y), model.loss(x, y), atol=0, rtol=0)
+    ids = {id(p) for p in model.parameters()}
+    part_ids = [id(p) for st in (first, last) for p in st.parameters()]
+    assert sorted(part_ids) == sorted(ids)                           # each parameter once, shared

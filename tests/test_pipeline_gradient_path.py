@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from picolib.launch import WorkerError, run
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
-from picolib.pipeline_parallel import build_stages, run_schedule
+from picolib.pipeline_parallel import split_stages, run_schedule
 from picolib.pipeline_schedules import make_schedule
 
 CFG = LlamaConfig(hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq=16)
@@ -16,7 +16,7 @@ CFG = LlamaConfig(hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64,
 def _hook_counts(name, m, v=1, stages_built=None):
     sched = make_schedule(name, 2, m, v)
     model = TinyLlama(CFG)
-    stages = build_stages(model, stages_built or sched.n_stages)
+    stages = split_stages(model, stages_built or sched.n_stages)
     mine = {s: stages[s] for s in sched.stages_of(dist.get_rank())}
     counts = {}
     names = {id(p): n for n, p in model.named_parameters()}
@@ -52,7 +52,7 @@ def test_stages_built_for_another_schedule_are_refused(args, message):
 
 def _bad_micro_batches(kind):
     sched = make_schedule("1f1b", 2, 4)
-    stages = build_stages(TinyLlama(CFG), 2)
+    stages = split_stages(TinyLlama(CFG), 2)
     tokens, targets = random_tokens(8, 8, CFG.vocab_size, seed=1)
     tk, tg = list(tokens.chunk(4)), list(targets.chunk(4))
     if kind == "few":

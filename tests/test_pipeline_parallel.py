@@ -9,7 +9,7 @@ import torch.distributed as dist
 from picolib.launch import run
 from picolib.memory import SavedActivations
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
-from picolib.pipeline_parallel import build_stages, partition, run_schedule, stage_grads
+from picolib.pipeline_parallel import split_stages, partition, run_schedule, stage_grads
 from picolib.pipeline_schedules import (Op, Schedule, afab, bubble_formula, from_torch,
                                         interleaved_1f1b, make_schedule, one_f_one_b, zb_h1)
 from picolib.pipeline_simulator import ScheduleError, simulate, validate
@@ -37,7 +37,7 @@ def _one_step(name, p, m, v, measure_peak=False):
         sched = validate(from_torch(order, m))
     else:
         sched = make_schedule(name, p, m, v)
-    stages = build_stages(model, sched.n_stages)
+    stages = split_stages(model, sched.n_stages)
     mine = {s: stages[s] for s in sched.stages_of(rank)}
     tokens, targets = random_tokens(MB * m, SEQ, CFG.vocab_size, seed=1)
     act = SavedActivations(torch.nn.ModuleList(mine.values()), per_module=False) if measure_peak else None

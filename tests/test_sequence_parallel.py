@@ -11,16 +11,16 @@ from picolib import comm
 from picolib.comm import ring_sent_bytes
 from picolib.launch import run
 from picolib.memory import SavedActivations
-from picolib.model import TinyLlama, random_tokens
-from picolib.sequence_parallel import (SPLlama, activation_bytes_per_layer, gather_sequence,
+from picolib.model import LlamaConfig, TinyLlama, random_tokens
+from picolib.sequence_parallel import (activation_bytes_per_layer, gather_sequence,
                                        korthikanti_bytes_per_layer, reduce_scatter_sequence,
-                                       sequence_parallel_llama, split_sequence)
-from picolib.tensor_parallel import TPLlama, check_tensor_parallel
+                                       split_sequence)
+from picolib.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, gather_from_tp
 
 from helpers import grad_model
-from test_tensor_parallel import CFG
 
 ATOL = 1e-5
+CFG = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)
 
 
 def _compare(cfg, tokens, targets, regather):
@@ -28,14 +28,14 @@ def _compare(cfg, tokens, targets, regather):
     ref_logits = ref(tokens)
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
     ref_loss.backward()
-    expected = SPLlama(grad_model(ref), regather=regather)
-    model = SPLlama(TinyLlama(cfg), regather=regather)
+    sp = {"sequence_parallel": True, "regather": regather}
+    expected = apply_tensor_parallel(grad_model(ref), **sp)
+    model = apply_tensor_parallel(TinyLlama(cfg), **sp)
     loss = model.loss(tokens, targets)
-    loss.backward()
-    model.finalize_grads()
+    loss.backward()     # the norms' gradients are summed over the group inside backward
     errors = {"loss": (loss - ref_loss).abs().item()}
     with torch.no_grad():
-        errors["logits"] = (model.full_logits(tokens) - ref_logits).abs().max().item()
+        errors["logits"] = (gather_from_tp(model(tokens)) - ref_logits).abs().max().item()
     for (name, p), e in zip(model.named_parameters(), expected.parameters(), strict=True):
         errors[name] = (p.grad - e).abs().max().item()
     return errors
@@ -72,8 +72,7 @@ def test_sequence_collectives_and_their_conjugates():
 
 
 def _traffic(cfg, tokens, targets, sp, regather):
-    model = TinyLlama(cfg)
-    model = SPLlama(model, regather=regather) if sp else TPLlama(model)
+    model = apply_tensor_parallel(TinyLlama(cfg), sequence_parallel=sp, regather=regather)
     with comm.Ledger() as fwd:
         loss = model.loss(tokens, targets)
     with comm.Ledger() as bwd:
@@ -95,7 +94,7 @@ def _traffic_only(summary):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_tp_and_tp_sp_move_the_same_bytes_in_twice_the_calls(tp):
+def test_tp_and_tp_sp_move_the_same_activation_bytes_in_twice_the_calls(tp):
     tokens, targets = random_tokens(2, 8, CFG.vocab_size, seed=3)
     args = (CFG, tokens, targets)
     tp_f, tp_b = run(_traffic, tp, *args, False, False, timeout=120)[0]
@@ -107,8 +106,13 @@ def test_tp_and_tp_sp_move_the_same_bytes_in_twice_the_calls(tp):
     assert sp_f["all_gather"]["calls"] == sp_f["reduce_scatter"]["calls"] == 2 * L + 1
     assert _calls(sp_f) - 3 == 2 * (_calls(tp_f) - 3)
     assert _bytes(sp_f) == _bytes(tp_f) > 0
-    assert _bytes(sp_b) == _bytes(tp_b) > 0 and _calls(sp_b) == 2 * _calls(tp_b) - (
-        tp_b["all_reduce"]["calls"] - (2 * L + 1))   # the KV-replica sums are the same calls
+    # backward: the same activation bytes, plus one all-reduce of each norm weight's
+    # gradient (h floats; 2 norms per block + the final one saw s/tp tokens each)
+    norms = 2 * L + 1
+    norm_bytes = norms * ring_sent_bytes("all_reduce", CFG.hidden * 4, tp)
+    assert _bytes(sp_b) == _bytes(tp_b) + norm_bytes and _bytes(tp_b) > 0
+    assert _calls(sp_b) == 2 * _calls(tp_b) - (
+        tp_b["all_reduce"]["calls"] - (2 * L + 1)) + norms   # the KV-replica sums are the same calls
     # the re-gather changes nothing forward; backward it adds one all-gather of (b, s, h)
     # per TP region (2 per block + the lm_head's) and leaves every other call as it was
     b, s, h = tokens.shape + (CFG.hidden,)
@@ -127,9 +131,9 @@ def _saved_per_layer(cfg, b, s, mode):
     tokens, targets = random_tokens(b, s, cfg.vocab_size)
     model = TinyLlama(cfg)
     if mode == "tp":
-        model = TPLlama(model)
+        model = apply_tensor_parallel(model)
     elif mode.startswith("tp+sp"):
-        model = SPLlama(model, regather=(mode == "tp+sp"))
+        model = apply_tensor_parallel(model, sequence_parallel=True, regather=(mode == "tp+sp"))
     with SavedActivations(model) as act:
         model.loss(tokens, targets)
     return [sum(v for k, v in act.by_module.items() if k.startswith(f"blocks.{i}."))
@@ -158,7 +162,7 @@ def test_formulas():
 
 
 def _bad_seq():
-    model = sequence_parallel_llama(TinyLlama(CFG))
+    model = apply_tensor_parallel(TinyLlama(CFG), sequence_parallel=True)
     tokens, targets = random_tokens(1, 7, CFG.vocab_size)
     with comm.Ledger() as led:
         try:

@@ -14,17 +14,16 @@ from picolib.comm import ring_sent_bytes
 from picolib.launch import run
 from picolib.mappings import reduce_from_region, reduce_scatter_to_region, shard
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
-from picolib.sequence_parallel import SPLlama
-from picolib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPLlama,
-                                     check_tensor_parallel, copy_to_tp, kv_heads_per_rank,
-                                     reduce_from_tp, tensor_parallel_llama)
+from picolib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                     apply_tensor_parallel, check_tensor_parallel, copy_to_tp,
+                                     gather_from_tp, kv_heads_per_rank, reduce_from_tp)
 from picolib.vocab_parallel import vocab_parallel_cross_entropy
 
 ATOL = 1e-5
 CFG = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)
 
 
-def _compare_model(cfg, tokens, targets, tp_cls=TPLlama, biases=None, **kw):
+def _compare_model(cfg, tokens, targets, sequence_parallel=False, biases=None):
     """Errors of a TP (or TP+SP) model against TinyLlama: loss, logits, every gradient.
     biases: None, "attention" (q, k, v, o) or "everywhere" (also the MLP and lm_head)."""
     import torch.distributed as dist
@@ -37,16 +36,15 @@ def _compare_model(cfg, tokens, targets, tp_cls=TPLlama, biases=None, **kw):
     ref_logits = ref(tokens)
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
     ref_loss.backward()
-    expected = tp_cls(grad_model(ref), **kw)
-    model = tp_cls(build(), **kw)
+    sp = {"sequence_parallel": sequence_parallel}
+    expected = apply_tensor_parallel(grad_model(ref), **sp)   # the gradients, sharded like the weights
+    model = apply_tensor_parallel(build(), **sp)
     with comm.Ledger() as led:
         loss = model.loss(tokens, targets)
         loss.backward()
-    if hasattr(model, "finalize_grads"):
-        model.finalize_grads()
     errors = {"loss": (loss - ref_loss).abs().item()}
     with torch.no_grad():
-        errors["logits"] = (model.full_logits(tokens) - ref_logits).abs().max().item()
+        errors["logits"] = (gather_from_tp(model(tokens)) - ref_logits).abs().max().item()
     for (name, p), e in zip(model.named_parameters(), expected.parameters(), strict=True):
         assert p.shape == e.shape, name
         errors[name] = (p.grad - e).abs().max().item()
@@ -84,15 +82,15 @@ def test_one_all_reduce_per_f_g_pair():
     assert summary["all_reduce"]["sent_bytes"] == expected
 
 
-@pytest.mark.parametrize("tp_cls, tp, biases", [
-    (TPLlama, 2, "attention"), (TPLlama, 4, "attention"), (SPLlama, 2, "attention"),
-    (SPLlama, 4, "attention"), (TPLlama, 2, "everywhere"), (SPLlama, 4, "everywhere")])
-def test_biases_match_one_process(tp_cls, tp, biases):
+@pytest.mark.parametrize("sp, tp, biases", [
+    (False, 2, "attention"), (False, 4, "attention"), (True, 2, "attention"),
+    (True, 4, "attention"), (False, 2, "everywhere"), (True, 4, "everywhere")])
+def test_biases_match_one_process(sp, tp, biases):
     """q, k, v (gate, up, lm_head) biases are cut with the outputs (at tp=4 the KV biases are
     replicated on 2 ranks); o (down) biases are added once, after the all-reduce (TP) or the
-    reduce-scatter (SP; `finalize_grads` sums their gradients like the norms')."""
+    reduce-scatter (SP: f on the bias sums its gradient in backward, like the norms')."""
     tokens, targets = random_tokens(2, 8, CFG.vocab_size, seed=4)
-    for errors, _, rank in run(_compare_model, tp, CFG, tokens, targets, tp_cls, biases=biases,
+    for errors, _, rank in run(_compare_model, tp, CFG, tokens, targets, sp, biases=biases,
                                timeout=120):
         assert "blocks.1.attn.wo.bias" in errors                     # the biases are there
         assert ("lm_head.bias" in errors) == (biases == "everywhere")
@@ -121,12 +119,11 @@ def _row_bias_after_explicit_reduction():
     reduced = (y - dense(x)).abs().max().item()
     bias_grad = (row.bias.grad - dense.bias.grad).abs().max().item()
     row.bias.grad = None
-    y_rs = row.add_bias(reduce_scatter_to_region(row(xs), 0))   # rank r keeps tokens r
+    # rank r keeps tokens r; the bias meets those only, and f on it sums its gradient
+    y_rs = row.add_bias(reduce_scatter_to_region(row(xs), 0), sequence_split=True)
     y_rs.backward(upstream.chunk(n, 0)[r])
     scattered = (y_rs - dense(x).chunk(n, 0)[r]).abs().max().item()
-    bias_grad_rs = row.bias.grad.clone()     # this rank's tokens only: sum over the ranks
-    comm.all_reduce(bias_grad_rs)
-    return no_bias, reduced, bias_grad, scattered, (bias_grad_rs - dense.bias.grad).abs().max().item()
+    return no_bias, reduced, bias_grad, scattered, (row.bias.grad - dense.bias.grad).abs().max().item()
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -258,7 +255,7 @@ def test_bad_tp_is_a_clear_value_error_before_any_rank_starts(cfg, tp, message):
 def _bad_in_rank(cfg):
     with comm.Ledger() as led:
         try:
-            tensor_parallel_llama(TinyLlama(cfg))
+            apply_tensor_parallel(TinyLlama(cfg))
         except ValueError as e:
             return str(e), led.count()
     return "", led.count()
@@ -267,3 +264,30 @@ def _bad_in_rank(cfg):
 def test_bad_tp_in_a_rank_raises_before_any_collective():
     for msg, calls in run(_bad_in_rank, 4, CFG.replace(n_heads=2, n_kv_heads=2), timeout=120):
         assert "tp=4" in msg and "n_heads=2" in msg and calls == 0
+
+
+def _in_place(sp):
+    from picolib.mesh import Mesh
+    model = TinyLlama(CFG)
+    out = apply_tensor_parallel(model, Mesh(tp=2), sequence_parallel=sp)   # a mesh: its "tp" group
+    parts = {name: type(m).__name__ for name, m in model.named_modules()
+             if name in ("embed", "lm_head", "loss_fn", "norm", "blocks.0.attn", "blocks.0.mlp",
+                         "blocks.0.attn_norm", "blocks.0.attn.core")}
+    try:
+        apply_tensor_parallel(model, sequence_parallel=sp)
+        again = ""
+    except ValueError as e:
+        again = str(e)
+    return out is model, parts, model.sequence_shards, again
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_the_transform_swaps_parts_in_place_once(sp):
+    for same, parts, shards, again in run(_in_place, 2, sp, timeout=120):
+        assert same and shards == (2 if sp else 1)
+        norm = "SequenceParallelRMSNorm" if sp else "RMSNorm"
+        assert parts == {"embed": "VocabParallelEmbedding", "lm_head": "ColumnParallelLinear",
+                         "loss_fn": "VocabParallelCrossEntropy", "norm": norm,
+                         "blocks.0.attn": "ParallelAttention", "blocks.0.mlp": "ParallelSwiGLU",
+                         "blocks.0.attn_norm": norm, "blocks.0.attn.core": "AttentionCore"}
+        assert "tensor-parallel already" in again

@@ -162,7 +162,7 @@ def test_chrome_trace(tmp_path):
     assert loaded == json.loads(json.dumps(trace))
     xs = [e for e in loaded["traceEvents"] if e["ph"] == "X"]
     assert len(xs) == len(events)
-    for x, e in zip(xs, events):
+    for x, e in zip(xs, events, strict=True):
         assert x["dur"] == pytest.approx((e["end"] - e["start"]) * 1e6)
         assert x["ts"] == pytest.approx(e["start"] * 1e6)
         assert x["tid"] == e["rank"]
