@@ -1,4 +1,5 @@
-"""What every check shares: calling the student's code safely, comparing, reporting."""
+"""What every check shares: calling the student's code safely, comparing (with a one-line
+diagnosis of the common mistakes: a uniform factor, a permutation), reporting."""
 from __future__ import annotations
 
 import torch
@@ -49,12 +50,18 @@ def compare(what: str, got, expected, atol: float = 1e-6, rtol: float = 1e-5) ->
             return [f"{what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"]
         if not torch.allclose(got.double(), expected.double(), atol=atol, rtol=rtol):
             err = (got.double() - expected.double()).abs().max().item()
-            return [f"{what}: values differ (max abs error {err:.3g}, tolerance {atol:g})"]
+            hint = diagnose(got, expected, atol, rtol)
+            return [f"{what}: values differ (max abs error {err:.3g}, tolerance {atol:g})"
+                    + (f" — {hint}" if hint else "")]
         return []
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)) or len(got) != len(expected):
             return [f"{what}: expected {len(expected)} items, got {got!r}"]
-        return [p for i, (g, e) in enumerate(zip(got, expected))
+        if (sorted(map(repr, got)) == sorted(map(repr, expected))
+                and all(not isinstance(e, torch.Tensor) for e in expected)):
+            return [f"{what}: the right items in the wrong order: got {list(got)!r}, "
+                    f"expected {list(expected)!r}"]
+        return [p for i, (g, e) in enumerate(zip(got, expected, strict=True))
                 for p in compare(f"{what}[{i}]", g, e, atol, rtol)]
     if isinstance(expected, float):
         try:
@@ -63,6 +70,29 @@ def compare(what: str, got, expected, atol: float = 1e-6, rtol: float = 1e-5) ->
             ok = False
         return [] if ok else [f"{what}: got {got!r}, expected {expected!r}"]
     return [] if got == expected else [f"{what}: got {got!r}, expected {expected!r}"]
+
+
+def diagnose(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6,
+             rtol: float = 1e-5) -> str:
+    """One line naming a common mistake when `got` is `expected` off by a uniform factor
+    (forgot to average over N ranks, or to divide by k micro-batches: got = N·expected) or
+    is a permutation of it (right values, wrong order); "" when neither fits."""
+    g, e = got.double().flatten(), expected.double().flatten()
+    big = e.abs() > atol
+    if big.any():
+        ratio = (g[big] / e[big]).median().item()
+        if abs(ratio - 1) > 1e-3 and torch.allclose(g, ratio * e, atol=atol, rtol=rtol):
+            whole = round(ratio) if abs(ratio - round(ratio)) < 1e-3 else None
+            inverse = round(1 / ratio) if ratio and abs(1 / ratio - round(1 / ratio)) < 1e-3 else None
+            if whole and whole > 1:
+                return (f"every value is {whole}× too large: a sum where a mean was wanted "
+                        f"(forgot to divide by the {whole} ranks or micro-batches?)")
+            if inverse and inverse > 1:
+                return f"every value is {inverse}× too small: divided once too often?"
+            return f"every value is off by the same factor {ratio:.4g}"
+    if torch.allclose(g.sort().values, e.sort().values, atol=atol, rtol=rtol):
+        return "the right values in the wrong order (a permutation: check the rank or chunk order)"
+    return ""
 
 
 def report(title: str, problems: list[str], passed: int | None = None) -> None:
