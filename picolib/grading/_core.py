@@ -57,8 +57,9 @@ def compare(what: str, got, expected, atol: float = 1e-6, rtol: float = 1e-5) ->
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)) or len(got) != len(expected):
             return [f"{what}: expected {len(expected)} items, got {got!r}"]
-        if (sorted(map(repr, got)) == sorted(map(repr, expected))
-                and all(not isinstance(e, torch.Tensor) for e in expected)):
+        plain = all(not isinstance(e, torch.Tensor) for e in expected)
+        if (plain and list(map(repr, got)) != list(map(repr, expected))
+                and sorted(map(repr, got)) == sorted(map(repr, expected))):
             return [f"{what}: the right items in the wrong order: got {list(got)!r}, "
                     f"expected {list(expected)!r}"]
         return [p for i, (g, e) in enumerate(zip(got, expected, strict=True))
