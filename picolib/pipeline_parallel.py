@@ -1,8 +1,8 @@
 """Pipeline parallelism: cut the tiny Llama into stages and run any schedule on real ranks
 (lesson 07).
 
-    stages = split_stages(model, n_stages=p * v)           # embed on the first, head on the last
     sched = make_schedule("1f1b", p, m)                       # pipeline_schedules.py: plain data
+    stages = schedule_stages(model, sched)                    # split_stages(model, p·v) mostly
     out = run_schedule(sched, my_stages, tokens_mb, targets_mb, timeline=tl)   # on every rank
 
 The executor walks this rank's op list. F receives the input activation (or takes the
@@ -20,6 +20,12 @@ sender's op list and takes messages in the sender's order, keeping any that arri
 they are needed. With this model `pipeline_simulator.validate` predicts exactly which
 schedules deadlock (a message must never wait behind one to another rank — with blocking
 sends torch's interleaved zero-bubble schedule hangs).
+
+Two pipelines (DualPipe): each direction runs its own copy of the model, so a layer's
+gradient is the sum over its two copies; `schedule_stages` builds both copies' stages from
+one model (they share its parameters, so in one process the sum happens by itself), and on
+real ranks the two holders of a stage (ranks r and p−1−r) all-reduce its gradients. The
+executor runs an overlapped F&B pair as its two ops, one after the other.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from .model import TinyLlama
 from .pipeline_schedules import Schedule
 from .pipeline_simulator import validate
 
-__all__ = ["partition", "split_stages", "run_schedule", "stage_grads", "backward_weights",
+__all__ = ["partition", "split_stages", "schedule_stages", "run_schedule", "stage_grads", "backward_weights",
            "accumulate_grads"]
 
 
@@ -79,6 +85,17 @@ def split_stages(model: TinyLlama, n_stages: int, layer_costs=None) -> list[Tiny
     parts = partition(len(model.blocks), n_stages, layer_costs)
     return [model.part(layers, embed=i == 0, head=i == n_stages - 1)
             for i, layers in enumerate(parts)]
+
+
+def schedule_stages(model: TinyLlama, sched: Schedule, layer_costs=None) -> dict[int, TinyLlama]:
+    """{stage: module} for every stage of `sched`: each pipeline of the schedule cuts the whole
+    model (one pipeline: split_stages(model, S); DualPipe: a second copy of the p stages for
+    the other direction — separate modules that share `model`'s parameters)."""
+    out = {}
+    for stages, _ in sched.pipes:
+        for s, part in zip(stages, split_stages(model, len(stages), layer_costs)):
+            out[s] = part
+    return out
 
 
 def stage_grads(stage: nn.Module, model: TinyLlama) -> dict[str, torch.Tensor]:
@@ -139,7 +156,7 @@ def accumulate_grads(params, grads) -> None:
 def _check_inputs(sched: Schedule, stages: dict, tokens, targets) -> None:
     """Clear errors for stages that do not fit the schedule and for micro-batches that do not
     fit each other (before any op runs)."""
-    m, last = sched.n_micro, sched.n_stages - 1
+    m = sched.n_micro
     if len(tokens) != m or len(targets) != m:
         raise ValueError(f"the schedule runs m={m} micro-batches; got {len(tokens)} token and "
                          f"{len(targets)} target micro-batches")
@@ -147,27 +164,29 @@ def _check_inputs(sched: Schedule, stages: dict, tokens, targets) -> None:
     if len(shapes) != 1:
         raise ValueError(f"micro-batches must all have one shape (b, s); got {sorted(shapes)}")
     for s, st in stages.items():
-        if (st.embed is not None) != (s == 0) or (st.lm_head is not None) != (s == last):
+        first, last = sched.is_first(s), sched.is_last(s)
+        if (st.embed is not None) != first or (st.lm_head is not None) != last:
             raise ValueError(
                 f"stage {s} of this {sched.n_stages}-stage schedule "
-                f"{'must' if s == 0 else 'must not'} embed and "
-                f"{'must' if s == last else 'must not'} end in the head; were the stages "
-                f"built for {sched.n_stages} stages (split_stages(model, {sched.n_stages}))?")
+                f"{'must' if first else 'must not'} embed and "
+                f"{'must' if last else 'must not'} end in the head; were the stages "
+                f"built for this schedule (schedule_stages(model, sched))?")
 
 
 def _channels(sched: Schedule, rank: int) -> dict[int, list]:
     """For each sender, the messages it sends to `rank`, in its order: ("act"|"grad", stage, mb)
     where stage is the stage that consumes the message."""
-    last, sr = sched.n_stages - 1, sched.stage_ranks
+    sr = sched.stage_ranks
     out: dict[int, list] = {}
     for src, seq in enumerate(sched.ops):
         if src == rank:
             continue
         for op in seq:
-            if op.kind == "F" and op.stage < last and sr[op.stage + 1] == rank:
-                out.setdefault(src, []).append(("act", op.stage + 1, op.mb))
-            if op.kind in ("B", "BW") and op.stage > 0 and sr[op.stage - 1] == rank:
-                out.setdefault(src, []).append(("grad", op.stage - 1, op.mb))
+            nxt, prev = sched.next_stage(op.stage), sched.prev_stage(op.stage)
+            if op.kind == "F" and nxt is not None and sr[nxt] == rank:
+                out.setdefault(src, []).append(("act", nxt, op.mb))
+            if op.kind in ("B", "BW") and prev is not None and sr[prev] == rank:
+                out.setdefault(src, []).append(("grad", prev, op.mb))
     return out
 
 
@@ -188,7 +207,7 @@ class _Mailbox:
 
     def take(self, kind, stage, mb):
         key, sr = (kind, stage, mb), self.sched.stage_ranks
-        src = sr[stage - 1] if kind == "act" else sr[stage + 1]
+        src = sr[self.sched.prev_stage(stage) if kind == "act" else self.sched.next_stage(stage)]
         while key not in self.inbox:
             nxt = next(self.channels[src])
             buf = torch.empty(self.shape, device=self.like.device, dtype=self.like.dtype)
@@ -231,44 +250,46 @@ class _Executor:
         self.last_backward = {op.stage: i for i, op in enumerate(ops) if op.kind != "F"}
 
     def forward(self, op, span):
-        s, mb, last = op.stage, op.mb, self.sched.n_stages - 1
-        x = self.tokens[mb] if s == 0 else self.mail.take("act", s, mb).requires_grad_()
+        s, mb, sched = op.stage, op.mb, self.sched
+        first = sched.is_first(s)
+        x = self.tokens[mb] if first else self.mail.take("act", s, mb).requires_grad_()
         recorder = self.recorders[s]
-        captured = recorder.capture = [] if (s, mb) in self.split and s > 0 else None
+        captured = recorder.capture = [] if (s, mb) in self.split and not first else None
         with span:
             y = self.stages[s](x)
             recorder.capture = None
-            if s == last:
+            if sched.is_last(s):
                 loss_fn = self.loss_fn or self.stages[s].loss_fn
                 y = loss_fn(y, self.targets[mb]) / self.sched.n_micro
                 self.loss = y.detach() + (0 if self.loss is None else self.loss)
             else:
-                self.mail.deliver("act", s + 1, mb, y.detach())
+                self.mail.deliver("act", sched.next_stage(s), mb, y.detach())
         self.mail.post()
         self.saved[(s, mb)] = (x, y, captured)
 
     def backward(self, i, op, span):
-        s, mb, last = op.stage, op.mb, self.sched.n_stages - 1
+        s, mb, sched = op.stage, op.mb, self.sched
+        first = sched.is_first(s)
         x, y, captured = self.saved[(s, mb)]
-        dy = None if s == last or op.kind == "W" else self.mail.take("grad", s, mb)
+        dy = None if sched.is_last(s) or op.kind == "W" else self.mail.take("grad", s, mb)
         if s in self.data_parallel:  # every gradient of the stage is final after its last op
             self.data_parallel[s].set_requires_gradient_sync(i == self.last_backward[s])
         with span:
             if op.kind == "BW":
                 torch.autograd.backward(y, dy)
-            elif op.kind == "B" and s > 0:   # input (and norm) grads; hooks keep g
+            elif op.kind == "B" and not first:   # input (and norm) grads; hooks keep g
                 linear = {id(e[0].weight) for e in captured}
                 rest = [p for p in self.stages[s].parameters() if id(p) not in linear]
                 x.grad, *gs = torch.autograd.grad(y, [x] + rest, dy)
                 accumulate_grads(rest, gs)
             elif op.kind == "B":              # first stage: no input gradient
                 self.saved[(s, mb)] = (x, y, dy)
-            elif s > 0:                       # W: the weight matmuls B skipped
+            elif not first:                   # W: the weight matmuls B skipped
                 backward_weights(captured)
             else:
                 torch.autograd.backward(y, captured)  # the first stage's W: all of backward
-            if op.kind in ("B", "BW") and s > 0:
-                self.mail.deliver("grad", s - 1, mb, x.grad)
+            if op.kind in ("B", "BW") and not first:
+                self.mail.deliver("grad", sched.prev_stage(s), mb, x.grad)
         self.mail.post()
         if op.kind != "B":
             del self.saved[(s, mb)]
@@ -290,7 +311,7 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
                  group_ranks=None, group=None, measure=None,
                  loss_fn=None, data_parallel=None) -> dict:
     """Run this rank's ops of `sched`. `stages` = {stage index: stage} for the stages this
-    rank holds (from `split_stages`); `tokens`/`targets` = lists of m micro-batches of one
+    rank holds (from `schedule_stages`); `tokens`/`targets` = lists of m micro-batches of one
     shape (b, s), given on every rank (the stages that embed or end in the loss use them;
     the others take the shape of the messages from them). The loss is the mean over
     micro-batches of each one's `loss_fn(logits, targets)` (default: the last stage's own
@@ -300,7 +321,8 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
     {stage: DDP or ZeRO wrapping that stage}: gradients accumulate without communication
     until the stage's last backward op of the step, which synchronises them (the executor
     tells the wrapper which one that is).
-    Returns {"loss": summed loss on the last stage's rank (else None)}."""
+    Returns {"loss": the summed loss of the micro-batches whose last stage this rank holds
+    (else None); with two pipelines (DualPipe) two ranks hold a part, the sum is the loss}."""
     validate(sched)
     me = torch.distributed.get_rank()
     me = group_ranks.index(me) if group_ranks else me

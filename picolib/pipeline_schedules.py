@@ -12,17 +12,28 @@ rank that holds stage s. With v stages per rank ("virtual stages", chunks) a ran
 several pieces: interleaved 1F1B loops (rank r holds stages r, r+p, r+2p, ...), DualPipeV
 folds (rank r holds stages r and 2p−1−r, a V).
 
-The generators: `afab` (GPipe), `one_f_one_b`, `interleaved_1f1b`, `zb_h1`, `dualpipev`;
-`make_schedule(name, p, m, v)` checks the numbers first. Checking a schedule and playing it
-on ideal devices is `pipeline_simulator.py`; running it on real ranks, `pipeline_parallel.py`.
+Most schedules are one pipeline: every micro-batch crosses stages 0..S-1. DualPipe runs two
+pipelines at once (`Schedule.pipes`): stages 0..p−1 carry the first half of the
+micro-batches from rank 0 to rank p−1, stages p..2p−1 (a second copy of the model) carry the
+other half from rank p−1 back to rank 0. `Schedule.overlap[r]` marks the positions i where
+ops i and i+1 of rank r form one overlapped "F&B" chunk (DeepSeek's forward of one
+direction run together with a backward of the other): the executor runs them one after the
+other, the simulator can time them as one chunk.
+
+The generators: `afab` (GPipe), `one_f_one_b`, `interleaved_1f1b`, `zb_h1` (the Zero Bubble
+paper's hand-made ZB-H1), `zb_greedy` (B, then F, then W, whichever is ready), `dualpipev`,
+`dualpipe`; `make_schedule(name, p, m, v)` checks the numbers first; `idle_formula` and
+`bubble_formula` are the published closed forms. Checking a schedule and playing it on ideal
+devices is `pipeline_simulator.py`; running it on real ranks, `pipeline_parallel.py`.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["Op", "Schedule", "afab", "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev",
-           "SCHEDULES", "make_schedule", "bubble_formula", "from_torch"]
+__all__ = ["Op", "Schedule", "afab", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zb_greedy",
+           "dualpipev", "dualpipe", "SCHEDULES", "make_schedule", "bubble_formula",
+           "idle_formula", "from_torch"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,37 @@ class Schedule:
     n_micro: int
     stage_ranks: tuple       # rank of each stage, in data-flow order
     ops: list                # ops[rank] = [Op, ...] in execution order
+    pipes: tuple = None      # ((stages, micro-batches), ...); None: one pipeline, all of both
+    overlap: list = field(default=None, repr=False)  # overlap[rank] = {i: ops i, i+1 are F&B}
+
+    def __post_init__(self):
+        if self.pipes is None:
+            self.pipes = ((range(len(self.stage_ranks)), range(self.n_micro)),)
+        if self.overlap is None:
+            self.overlap = [frozenset() for _ in self.ops]
+
+    def _pipe(self, stage: int):
+        return next(pipe for pipe in self.pipes if stage in pipe[0])
+
+    def is_first(self, stage: int) -> bool:
+        """Does `stage` start its pipeline (it embeds the tokens)?"""
+        return stage == self._pipe(stage)[0][0]
+
+    def is_last(self, stage: int) -> bool:
+        """Does `stage` end its pipeline (it computes the loss)?"""
+        return stage == self._pipe(stage)[0][-1]
+
+    def prev_stage(self, stage: int):
+        """The stage whose output `stage` consumes (None for a first stage)."""
+        return None if self.is_first(stage) else stage - 1
+
+    def next_stage(self, stage: int):
+        """The stage that consumes `stage`'s output (None for a last stage)."""
+        return None if self.is_last(stage) else stage + 1
+
+    def micro_batches(self, stage: int) -> range:
+        """The micro-batches that pass through `stage`."""
+        return self._pipe(stage)[1]
 
     @property
     def n_ranks(self) -> int:
@@ -104,10 +146,43 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 
 def zb_h1(p: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2023): 1F1B with the backward split into B and W. B goes as early as
-    possible (the previous stage waits for it), W fills the time a rank would sit idle. Rank r
-    keeps at most p−r micro-batches alive (until their W), as 1F1B does. Built by playing the
-    pipeline in unit steps (F = B = W = 1) with the priorities B, then F, then W."""
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §2.1): 1F1B with the
+    backward split into B (∂L/∂x) and W (∂L/∂W), and the W's of rank r started r micro-batches
+    late. Rank r runs p−r forwards (1F1B's warm-up and its first steady F), then r rounds of
+    B F without a W — its B's reach the previous rank sooner, which shortens everyone's wait —
+    then B W F in the steady state, B W while the backwards drain, and the r deferred W's last,
+    in the slots where 1F1B's rank r would sit idle. Every rank keeps at most p micro-batches
+    alive (F done, W not yet): rank 0 exactly as in 1F1B, the later ranks more.
+    Per-rank idle time (p−1)(F+B−W) against 1F1B's (p−1)(F+B+W) (for W ≤ B)."""
+    ops = []
+    for r in range(p):
+        seq, n = [], {"F": 0, "B": 0, "W": 0}
+
+        def run(*kinds):
+            for kind in kinds:
+                seq.append(Op(kind, r, n[kind]))
+                n[kind] += 1
+
+        warm = min(p - r, m)
+        for _ in range(warm):
+            run("F")
+        for _ in range(min(r, m - warm)):       # the W's of rank r start r micro-batches late
+            run("B", "F")
+        while n["F"] < m:                       # steady state
+            run("B", "W", "F")
+        while n["B"] < m:                       # drain the backwards
+            run("B", "W")
+        while n["W"] < m:                       # the deferred W's fill the tail
+            run("W")
+        ops.append(seq)
+    return Schedule("zb_h1", m, tuple(range(p)), ops)
+
+
+def zb_greedy(p: int, m: int) -> Schedule:
+    """A greedy zero-bubble order (not the paper's ZB-H1): play the pipeline in unit steps
+    (F = B = W = 1) and let each rank run, by priority, a ready B, else a ready F, else a W.
+    Rank r keeps at most p−r micro-batches alive, as 1F1B. The W's only fill the cool-down:
+    each rank idles (p−1)(F+B) with F = B = W, ⅔ of 1F1B's (p−1)(F+B+W); ZB-H1 reaches ⅓."""
     ops = [[] for _ in range(p)]
     done: dict[tuple, int] = {}                    # (kind, stage, mb) -> step it finished
     nf, nb, nw = [0] * p, [0] * p, [0] * p
@@ -128,53 +203,93 @@ def zb_h1(p: int, m: int) -> Schedule:
             ops[r].append(op)
             done[(op.kind, op.stage, op.mb)] = t
         t += 1
-    return Schedule("zb_h1", m, tuple(range(p)), ops)
+    return Schedule("zb_greedy", m, tuple(range(p)), ops)
+
+
+def _v_rank(p: int, m: int, r: int, stage: tuple, mbs: tuple):
+    """The op list of rank r of DualPipeV (p ranks, m micro-batches), in the eight phases of
+    DeepSeek's DualPipe, and the positions of its overlapped F&B pairs. `stage[c]` and
+    `mbs[c]` name chunk c's stage and micro-batches (DualPipe reuses this with other names)."""
+    seq, pairs, f, b, wq = [], set(), [0, 0], [0, 0], deque()
+
+    def F(c):
+        seq.append(Op("F", stage[c], mbs[c][f[c]])); f[c] += 1
+
+    def B(c, zb=False):
+        seq.append(Op("B" if zb else "BW", stage[c], mbs[c][b[c]]))
+        if zb:
+            wq.append(Op("W", stage[c], mbs[c][b[c]]))
+        b[c] += 1
+
+    def FB(cf, cb):                                 # one overlapped F&B chunk
+        pairs.add(len(seq)); F(cf); B(cb)
+
+    for _ in range((p - r - 1) * 2):                # 1: forwards of chunk 0
+        F(0)
+    for _ in range(r + 1):                          # 2: F0 F1
+        F(0); F(1)
+    for _ in range(p - r - 1):                      # 3: B1 W F1 (zero bubble)
+        B(1, zb=True); seq.append(wq.popleft()); F(1)
+    for _ in range(m - 2 * p + r + 1):              # 4: steady: F0&B1, F1&B0
+        FB(0, 1); FB(1, 0)
+    for _ in range(p - r - 1):                      # 5: B1, F1&B0
+        B(1); FB(1, 0)
+    zb = False
+    for i in range(r + 1):                          # 6: B1 B0, second half split
+        if i == (r + 1) // 2 and r % 2 == 1:
+            zb = True
+        B(1, zb)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            zb = True
+        B(0, zb)
+    for _ in range(p - r - 1):                      # 7: W B0
+        seq.append(wq.popleft()); B(0, zb=True)
+    seq += list(wq)                                 # 8: the remaining W's
+    return seq, frozenset(pairs)
 
 
 def dualpipev(p: int, m: int) -> Schedule:
     """DualPipeV (DeepSeek, the "cut-in-half" DualPipe): 2p stages folded into a V, rank r
     holds stage r (chunk 0, going down) and stage 2p−1−r (chunk 1, coming back up); the last
     rank turns the data around, rank 0 holds both the embedding and the loss. Every rank
-    overlaps a forward of one chunk with a backward of the other in the steady state and
-    defers W's into the gaps. Eight phases as in DeepSeek's reference; needs m ≥ 2p."""
-    ops = []
+    overlaps a forward of one chunk with a backward of the other in the steady state (the
+    F&B pairs in `overlap`) and defers W's into the gaps. Eight phases as in DeepSeek's
+    reference; needs m ≥ 2p."""
+    ops, overlap = [], []
     for r in range(p):
-        seq, f, b, wq = [], [0, 0], [0, 0], deque()
-        stage = (r, 2 * p - 1 - r)
-
-        def F(c):
-            seq.append(Op("F", stage[c], f[c])); f[c] += 1
-
-        def B(c, zb=False):
-            seq.append(Op("B" if zb else "BW", stage[c], b[c]))
-            if zb:
-                wq.append(Op("W", stage[c], b[c]))
-            b[c] += 1
-
-        for _ in range((p - r - 1) * 2):                # 1: forwards of chunk 0
-            F(0)
-        for _ in range(r + 1):                          # 2: F0 F1
-            F(0); F(1)
-        for _ in range(p - r - 1):                      # 3: B1 W F1 (zero bubble)
-            B(1, zb=True); seq.append(wq.popleft()); F(1)
-        for _ in range(m - 2 * p + r + 1):              # 4: steady: F0 B1 F1 B0
-            F(0); B(1); F(1); B(0)
-        for _ in range(p - r - 1):                      # 5: B1 F1 B0
-            B(1); F(1); B(0)
-        zb = False
-        for i in range(r + 1):                          # 6: B1 B0, second half split
-            if i == (r + 1) // 2 and r % 2 == 1:
-                zb = True
-            B(1, zb)
-            if i == (r + 1) // 2 and r % 2 == 0:
-                zb = True
-            B(0, zb)
-        for _ in range(p - r - 1):                      # 7: W B0
-            seq.append(wq.popleft()); B(0, zb=True)
-        seq += list(wq)                                 # 8: the remaining W's
+        seq, pairs = _v_rank(p, m, r, (r, 2 * p - 1 - r), (range(m), range(m)))
         ops.append(seq)
+        overlap.append(pairs)
     ranks = tuple(list(range(p)) + list(reversed(range(p))))
-    return Schedule("dualpipev", m, ranks, ops)
+    return Schedule("dualpipev", m, ranks, ops, overlap=overlap)
+
+
+def dualpipe(p: int, m: int) -> Schedule:
+    """DualPipe (DeepSeek-V3 technical report, §3.2.1): two pipelines of p stages each, one
+    copy of the model per direction. Micro-batches 0..m/2−1 go "down", stages 0..p−1 on
+    ranks 0..p−1; micro-batches m/2..m−1 go "up", stages p..2p−1 on ranks p−1..0. Rank r
+    holds down-stage r and up-stage p+(p−1−r): the layers of stages r and p−1−r of the
+    model, twice the parameters of 1F1B. The gradient of a layer is the sum of its two
+    copies' (ranks r and p−1−r all-reduce them before the optimizer step).
+
+    Ranks r and p−1−r run the same op order, that of rank min(r, p−1−r) of DualPipeV with
+    p/2 ranks and m/2 micro-batches, each with its own two stages in it. Needs p even, m even
+    and m ≥ 2p (m/2 ≥ p per direction)."""
+    half, k = p // 2, m // 2
+    down, up = range(0, k), range(k, m)
+    ops, overlap = [], []
+    for r in range(p):
+        h = min(r, p - 1 - r)
+        if r < half:   # chunk 0 = the down stage r, chunk 1 = the up stage that sits on r
+            stage, mbs = (r, 2 * p - 1 - r), (down, up)
+        else:          # the mirror: chunk 0 = the up stage, chunk 1 = the down stage r
+            stage, mbs = (2 * p - 1 - r, r), (up, down)
+        seq, pairs = _v_rank(half, k, h, stage, mbs)
+        ops.append(seq)
+        overlap.append(pairs)
+    ranks = tuple(list(range(p)) + list(reversed(range(p))))
+    pipes = ((range(0, p), down), (range(p, 2 * p), up))
+    return Schedule("dualpipe", m, ranks, ops, pipes=pipes, overlap=overlap)
 
 
 def from_torch(pipeline_order: dict, n_micro: int, name: str = "torch") -> Schedule:
@@ -195,12 +310,13 @@ def from_torch(pipeline_order: dict, n_micro: int, name: str = "torch") -> Sched
 
 SCHEDULES = {"afab": "any m ≥ 1", "1f1b": "any m ≥ 1",
              "interleaved": "v ≥ 2 and m a multiple of p",
-             "zb_h1": "any m ≥ 1", "dualpipev": "m ≥ 2p"}
+             "zb_h1": "any m ≥ 1", "zb_greedy": "any m ≥ 1", "dualpipev": "m ≥ 2p",
+             "dualpipe": "p even, m even and m ≥ 2p"}
 
 
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The named schedule for p ranks and m micro-batches (v chunks per rank for
-    "interleaved"; "dualpipev" always has 2). Raises ValueError on numbers it cannot take."""
+    "interleaved"; "dualpipe(v)" always has 2). Raises ValueError on numbers it cannot take."""
     if name not in SCHEDULES:
         needs = "; ".join(f"{k} ({v})" for k, v in SCHEDULES.items())
         raise ValueError(f"unknown schedule {name!r}; choose one of: {needs}")
@@ -213,18 +329,55 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         if m % p:
             raise ValueError(f"interleaved needs m to be a multiple of p: m={m}, p={p}")
         return interleaved_1f1b(p, m, v)
-    if v != 1 and name != "dualpipev":
-        raise ValueError(f"{name} has one stage per rank; v={v} is for 'interleaved'")
-    if name == "dualpipev":
+    if name in ("dualpipev", "dualpipe"):
         if v not in (1, 2):
-            raise ValueError(f"dualpipev always holds v=2 chunks per rank, got v={v}")
+            raise ValueError(f"{name} always holds v=2 chunks per rank, got v={v}")
+        if name == "dualpipe" and (p % 2 or m % 2):
+            raise ValueError(f"dualpipe needs an even p and an even m (half of the "
+                             f"micro-batches per direction, ranks paired r ↔ p−1−r): p={p}, m={m}")
         if m < 2 * p:
-            raise ValueError(f"dualpipev needs m ≥ 2p micro-batches: m={m}, p={p} (2p={2 * p})")
-        return dualpipev(p, m)
-    return {"afab": afab, "1f1b": one_f_one_b, "zb_h1": zb_h1}[name](p, m)
+            raise ValueError(f"{name} needs m ≥ 2p micro-batches: m={m}, p={p} (2p={2 * p})")
+        return (dualpipev if name == "dualpipev" else dualpipe)(p, m)
+    if v != 1:
+        raise ValueError(f"{name} has one stage per rank; v={v} is for 'interleaved'")
+    return {"afab": afab, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_greedy": zb_greedy}[name](p, m)
 
 
-def bubble_formula(p: int, m: int, v: int = 1) -> float:
-    """Bubble time over ideal time of (interleaved) 1F1B / AFAB with equal micro-batches:
-    (p−1)/(v·m). v = 1 gives AFAB's and 1F1B's (p−1)/m."""
-    return (p - 1) / (v * m)
+def idle_formula(name: str, p: int, cost: dict) -> float:
+    """The published idle time per rank (for dualpipe(v): of the rank with the fewest
+    overlapped chunks), in the simulator's terms: `cost` = {"F", "B", "W"[, "F&B"]} per op of
+    one stage, B = the input-gradient half of the backward, W the weight half, F&B (default
+    F + B + W, i.e. no overlap) an overlapped forward + full backward chunk.
+      afab, 1f1b     (p−1)(F+B+W)                           (GPipe; Narayanan et al. 2021)
+      interleaved    (p−1)(F+B+W) with costs of one chunk  (= 1/v of a stage of 1F1B)
+      zb_h1          (p−1)(F+B−W)                           (Qi et al. 2024, for W ≤ B)
+      dualpipe       (p/2−1)(F&B+B'−3W), B' = B+W          (DeepSeek-V3: B' = full backward)
+      dualpipev      (p−1)(F&B+B'−3W): DualPipe of 2p stages on p ranks
+    No formula for zb_greedy (None)."""
+    F, B, W = cost["F"], cost["B"], cost["W"]
+    FB = cost.get("F&B", F + B + W)
+    full = B + W                                    # DeepSeek's B: the whole backward
+    return {"afab": (p - 1) * (F + full), "1f1b": (p - 1) * (F + full),
+            "interleaved": (p - 1) * (F + full), "zb_h1": (p - 1) * (F + B - W),
+            "dualpipe": (p / 2 - 1) * (FB + full - 3 * W),
+            "dualpipev": (p - 1) * (FB + full - 3 * W)}.get(name)
+
+
+def bubble_formula(p: int, m: int, v: int = 1, schedule: str | None = None,
+                   cost: dict | None = None) -> float:
+    """Bubble time over ideal (busy) time, from the closed forms. Without `schedule`:
+    (interleaved) 1F1B / AFAB with equal micro-batches, (p−1)/(v·m), for any costs. With
+    `schedule` and `cost` (default F = B = W = 1, no F&B overlap): `idle_formula` over one
+    rank's busy time, m(F+B+W) per stage it holds (v stages for interleaved, 2 for dualpipev,
+    m/2 micro-batches through each of 2 for dualpipe). None where there is no formula."""
+    if schedule is None:
+        return (p - 1) / (v * m)
+    cost = {"F": 1.0, "B": 1.0, "W": 1.0, **(cost or {})}
+    if "F&B" in cost:
+        raise ValueError("bubble_formula assumes no overlap (F&B = F+B+W): with overlap the "
+                         "ranks' busy times differ; use idle_formula for the worst rank")
+    idle = idle_formula(schedule, p, cost)
+    if idle is None:
+        return None
+    chunks = {"interleaved": v, "dualpipev": 2}.get(schedule, 1)
+    return idle / (chunks * m * (cost["F"] + cost["B"] + cost["W"]))

@@ -8,6 +8,10 @@ on it as on a measured run; `comm_latency` reads the hand-over time off a measur
 The communication model is the executor's (pipeline_parallel.py): sends are eager (never
 wait), a receive waits until the producer has finished. So a schedule deadlocks exactly
 when every unfinished rank waits for an op that comes later in another rank's list.
+
+Overlapped chunks (DualPipe's "F&B", `Schedule.overlap`): with `overlap=True` the two ops
+run as one chunk — it starts when both inputs are there and lasts `cost["F&B"]` (default
+F + BW: no speed-up, only the joint start). With `overlap=False` they are two ordinary ops.
 """
 from __future__ import annotations
 
@@ -22,11 +26,12 @@ class ScheduleError(ValueError):
 
 def _needs(op: Op, sched: Schedule) -> list[Op]:
     """The ops of other stages whose output `op` consumes (the same stage's are ordering)."""
-    last = sched.n_stages - 1
     if op.kind == "F":
-        return [] if op.stage == 0 else [Op("F", op.stage - 1, op.mb)]
-    if op.kind in ("B", "BW") and op.stage < last:
-        return [Op("B", op.stage + 1, op.mb)]    # stands for "B or BW" of the next stage
+        prev = sched.prev_stage(op.stage)
+        return [] if prev is None else [Op("F", prev, op.mb)]
+    nxt = sched.next_stage(op.stage)
+    if op.kind in ("B", "BW") and nxt is not None:
+        return [Op("B", nxt, op.mb)]             # stands for "B or BW" of the next stage
     return []
 
 
@@ -39,14 +44,24 @@ def _check_ops(sched: Schedule):
                 raise ScheduleError(f"rank {r}: unknown op kind {op.kind!r} in {op}")
             if not (0 <= op.stage < S and 0 <= op.mb < m):
                 raise ScheduleError(f"rank {r}: {op} is outside {S} stages × {m} micro-batches")
+            if op.mb not in sched.micro_batches(op.stage):
+                raise ScheduleError(f"rank {r}: micro-batch {op.mb} does not pass through "
+                                    f"stage {op.stage} (another pipeline's) in {op}")
             if sched.stage_ranks[op.stage] != r:
                 raise ScheduleError(f"rank {r}: {op} belongs to rank {sched.stage_ranks[op.stage]}")
             if (op.kind, op.stage, op.mb) in where:
                 raise ScheduleError(f"rank {r}: {op} appears twice")
             where[(op.kind, op.stage, op.mb)] = i
+    for r, pairs in enumerate(sched.overlap):
+        for i in pairs:
+            seq = sched.ops[r]
+            if not (0 <= i < len(seq) - 1 and seq[i].kind == "F" and seq[i + 1].kind != "F"
+                    and seq[i].stage != seq[i + 1].stage):
+                raise ScheduleError(f"rank {r}: overlap at {i} must pair an F with the next "
+                                    f"op, a backward of another stage")
     for s in range(S):
         r = sched.stage_ranks[s]
-        for mb in range(m):
+        for mb in sched.micro_batches(s):
             f, bw = where.get(("F", s, mb)), where.get(("BW", s, mb))
             b, w = where.get(("B", s, mb)), where.get(("W", s, mb))
             if f is None:
@@ -63,13 +78,16 @@ def _check_ops(sched: Schedule):
                 raise ScheduleError(f"rank {r}: W(s{s},mb{mb}) comes before its B")
 
 
-def simulate(sched: Schedule, cost=None, check: bool = True) -> list[dict]:
+def simulate(sched: Schedule, cost=None, check: bool = True, overlap: bool = True) -> list[dict]:
     """Run the schedule on ideal devices: each op starts when its rank is free and its input
     has arrived (producer's end + comm cost if it crossed ranks). `cost` is a dict with
-    "F", "B", "W" (and "BW", default B + W; "comm", default 0), seconds per op, or a
-    function op -> seconds. Returns timeline events (rank, name, start, end, meta: stage,
-    chunk, mb), ready for timeline.plot_gantt / bubble_ratio. Raises ScheduleError on a
-    deadlock, naming what each stuck rank waits for."""
+    "F", "B", "W" (and "BW", default B + W; "F&B", default F + BW; "comm", default 0),
+    time per op, or a function op -> time. With `overlap`, each pair in `sched.overlap` is
+    one chunk: it starts when both its inputs are there and lasts cost["F&B"] (drawn as its
+    F then its backward, sharing the time in proportion to their costs). Returns timeline
+    events (rank, name, start, end, meta: stage, chunk, mb), ready for
+    timeline.plot_gantt / bubble_ratio. Raises ScheduleError on a deadlock, naming what
+    each stuck rank waits for."""
     if check:
         _check_ops(sched)
     c = {"F": 1.0, "B": 1.0, "W": 1.0, "comm": 0.0, **(cost if isinstance(cost, dict) else {})}
@@ -83,28 +101,36 @@ def simulate(sched: Schedule, cost=None, check: bool = True) -> list[dict]:
         progress = False
         for r, seq in enumerate(sched.ops):
             while pos[r] < len(seq):
-                op = seq[pos[r]]
+                paired = overlap and pos[r] in sched.overlap[r]
+                chunk = seq[pos[r]:pos[r] + (2 if paired else 1)]
                 ready = free[r]
-                for need in _needs(op, sched):
-                    key = (need.kind, need.stage, need.mb)
-                    if key not in end:
-                        break
+                needs = [need for op in chunk for need in _needs(op, sched)]
+                keys = [(need.kind, need.stage, need.mb) for need in needs]
+                if any(key not in end for key in keys):
+                    break
+                for need, key in zip(needs, keys):
                     hop = c["comm"] if sched.stage_ranks[need.stage] != r else 0.0
                     ready = max(ready, end[key] + hop)
-                else:
-                    start, finish = ready, ready + op_cost(op)
-                    end[("B" if op.kind == "BW" else op.kind, op.stage, op.mb)] = finish
-                    free[r], pos[r], progress = finish, pos[r] + 1, True
+                costs = [op_cost(op) for op in chunk]
+                total = c.get("F&B", sum(costs)) if paired and not callable(cost) else sum(costs)
+                start = ready
+                for op, share in zip(chunk, costs):
+                    finish = start + total * share / sum(costs) if sum(costs) else start
+                    end[("B" if op.kind == "BW" else op.kind, op.stage, op.mb)] = ready + total
                     events.append({"rank": r, "name": op.kind, "lane": "compute", "start": start,
                                    "end": finish, "emulated": True,
                                    "meta": {"stage": op.stage, "chunk": sched.chunk(op.stage),
-                                            "mb": op.mb}})
-                    continue
-                break
-    stuck = [(r, seq[pos[r]]) for r, seq in enumerate(sched.ops) if pos[r] < len(seq)]
+                                            "mb": op.mb, "overlapped": paired}})
+                    start = finish
+                free[r], pos[r], progress = ready + total, pos[r] + len(chunk), True
+    stuck = [(r, seq[pos[r]:pos[r] + (2 if overlap and pos[r] in sched.overlap[r] else 1)])
+             for r, seq in enumerate(sched.ops) if pos[r] < len(seq)]
     if stuck:
-        waits = "; ".join(f"rank {r} waits at {op} for {_needs(op, sched)[0]} on rank "
-                          f"{sched.stage_ranks[_needs(op, sched)[0].stage]}" for r, op in stuck)
+        def missing(ops):
+            return next(n for op in ops for n in _needs(op, sched)
+                        if (n.kind, n.stage, n.mb) not in end)
+        waits = "; ".join(f"rank {r} waits at {ops[0]} for {missing(ops)} on rank "
+                          f"{sched.stage_ranks[missing(ops).stage]}" for r, ops in stuck)
         raise ScheduleError(f"deadlock: {waits}")
     return sorted(events, key=lambda e: (e["start"], e["rank"]))
 

@@ -1,5 +1,6 @@
 """Pipeline parallel: every schedule gives one process's loss and gradients (also torch's
-ScheduleInterleavedZeroBubble order, run by picolib's executor); the validator
+ScheduleInterleavedZeroBubble order, run by picolib's executor; DualPipe after its pairs of
+ranks sum the two copies' gradients); the validator
 rejects broken schedules; the simulator reproduces the bubble formulas; AFAB keeps m
 micro-batches of activations alive, 1F1B at most p."""
 import pytest
@@ -9,20 +10,22 @@ import torch.distributed as dist
 from picolib.launch import run
 from picolib.memory import SavedActivations
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
-from picolib.pipeline_parallel import split_stages, partition, run_schedule, stage_grads
+from picolib.pipeline_parallel import partition, run_schedule, schedule_stages, stage_grads
 from picolib.pipeline_schedules import (Op, Schedule, afab, bubble_formula, from_torch,
-                                        interleaved_1f1b, make_schedule, one_f_one_b, zb_h1)
+                                        interleaved_1f1b, make_schedule, one_f_one_b, zb_greedy)
 from picolib.pipeline_simulator import ScheduleError, simulate, validate
 from picolib.timeline import bubble_ratio
 
 CFG = LlamaConfig(hidden=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq=16)
 MB, SEQ = 2, 8            # micro-batch size, sequence length
-NAMES = (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("dualpipev", 1))
+NAMES = (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("zb_greedy", 1),
+         ("dualpipev", 1), ("dualpipe", 1))
 
 
 def _valid(p, m):
     return [(n, v) for n, v in NAMES
-            if not (n == "interleaved" and m % p) and not (n == "dualpipev" and m < 2 * p)]
+            if not (n == "interleaved" and m % p) and not (n.startswith("dualpipe") and m < 2 * p)
+            and not (n == "dualpipe" and (p % 2 or m % 2))]
 
 
 def _one_step(name, p, m, v, measure_peak=False):
@@ -37,11 +40,18 @@ def _one_step(name, p, m, v, measure_peak=False):
         sched = validate(from_torch(order, m))
     else:
         sched = make_schedule(name, p, m, v)
-    stages = split_stages(model, sched.n_stages)
+    stages = schedule_stages(model, sched)
     mine = {s: stages[s] for s in sched.stages_of(rank)}
     tokens, targets = random_tokens(MB * m, SEQ, CFG.vocab_size, seed=1)
     act = SavedActivations(torch.nn.ModuleList(mine.values()), per_module=False) if measure_peak else None
     out = run_schedule(sched, mine, list(tokens.chunk(m)), list(targets.chunk(m)), measure=act)
+    if name == "dualpipe":               # ranks r and p−1−r hold copies of the same layers
+        for r in range(p // 2):          # every rank creates every group (gloo's rule)
+            pair = dist.new_group([r, p - 1 - r])
+            if rank in (r, p - 1 - r):
+                for prm in model.parameters():
+                    if prm.grad is not None:
+                        dist.all_reduce(prm.grad, group=pair)
     grads = {}
     for st in mine.values():
         grads.update(stage_grads(st, model))
@@ -73,9 +83,10 @@ def test_every_schedule_matches_one_process(p):
         losses = [r[case][0] for r in results if r[case][0] is not None]
         grads = {k: g for r in results for k, g in r[case][1].items()}
         ref_loss, ref_grads = _reference(case[2])
-        assert len(losses) == 1, case                    # the loss lives on one rank
-        torch.testing.assert_close(losses[0], ref_loss, atol=1e-5, rtol=1e-5)
-        assert grads.keys() == ref_grads.keys(), case    # every parameter, exactly once
+        # the loss lives on one rank; DualPipe: on the two ends, half the micro-batches each
+        assert len(losses) == (2 if case[0] == "dualpipe" else 1), case
+        torch.testing.assert_close(sum(losses), ref_loss, atol=1e-5, rtol=1e-5)
+        assert grads.keys() == ref_grads.keys(), case    # every parameter
         for k in ref_grads:
             torch.testing.assert_close(grads[k], ref_grads[k], atol=1e-5, rtol=1e-4,
                                        msg=lambda s: f"{case} {k}: {s}")
@@ -146,16 +157,28 @@ def test_simulator_reproduces_the_bubble_formulas(p):
             for v in (2, 4):                # a chunk holds 1/v of the layers: costs / v
                 ev = simulate(interleaved_1f1b(p, m, v), {"F": tf / v, "B": tb / v, "W": 0.0})
                 assert bubble_ratio(ev) == pytest.approx(bubble_formula(p, m, v), abs=1e-12)
-        # ZB-H1 with F = B = W: the W's fill the cool-down, each rank idles (p−1)(F+B)
-        # instead of 1F1B's (p−1)(F+B+W)
-        ev = simulate(zb_h1(p, m), {"F": 1.0, "B": 1.0, "W": 1.0})
+        # the greedy zero-bubble order with F = B = W: the W's fill the cool-down only, each
+        # rank idles (p−1)(F+B) instead of 1F1B's (p−1)(F+B+W) (ZB-H1: tests/test_zero_bubble.py)
+        ev = simulate(zb_greedy(p, m), {"F": 1.0, "B": 1.0, "W": 1.0})
         assert bubble_ratio(ev) == pytest.approx(2 * (p - 1) / (3 * m), abs=1e-12)
 
 
-def test_pp8_table_of_the_notes():
+def test_the_published_pp8_table_holds_only_where_interleaving_runs():
+    """The table 7.0, 3.5, 1.75, 0.22, 0.03 at (m, v) = (1,1), (1,2), (1,4), (8,4), (32,8) is
+    (p−1)/(v·m); the simulator agrees where the interleaved schedule exists (m a multiple of
+    p) and shows 7.0 for every v at m = 1 (one micro-batch crosses all p·v chunks in turn)."""
     table = {(1, 1): 7.0, (1, 2): 3.5, (1, 4): 1.75, (8, 4): 0.22, (32, 8): 0.03}
     for (m, v), size in table.items():
-        assert round(bubble_formula(8, m, v), 2) == size
+        cost = {"F": 1 / v, "B": 2 / v, "W": 0.0}
+        if m % 8 == 0:
+            sim = bubble_ratio(simulate(make_schedule("interleaved", 8, m, v), cost))
+            assert round(sim, 2) == size
+        else:
+            ops = [[Op("F", c * 8 + r, 0) for c in range(v)] +
+                   [Op("BW", c * 8 + r, 0) for c in reversed(range(v))] for r in range(8)]
+            chain = Schedule("m=1", 1, tuple(s % 8 for s in range(8 * v)), ops)
+            assert bubble_ratio(simulate(chain, cost)) == pytest.approx(7.0)
+            assert (v == 1) == (round(bubble_formula(8, m, v), 2) == 7.0)   # v > 1: wrong
 
 
 def test_simulator_counts_comm_between_ranks_only():

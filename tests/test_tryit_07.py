@@ -1,0 +1,61 @@
+"""Lesson 07's try-it function: its bubble is the published closed form where there is one,
+every combination the lesson's knobs offer runs or explains itself, bad names raise."""
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from picolib.pipeline_schedules import bubble_formula, make_schedule  # noqa: E402
+from picolib.tryit.lesson07 import schedule_gantt  # noqa: E402
+
+KNOB_SCHEDULES = ["1f1b", "interleaved", "zb_h1", "dualpipe", "dualpipev"]
+
+
+@pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 12), (8, 16)])
+def test_the_bubble_is_the_closed_form(p, m):
+    assert schedule_gantt("1f1b", p, m, plot=False) == pytest.approx(bubble_formula(p, m))
+    assert schedule_gantt("afab", p, m, plot=False) == pytest.approx((p - 1) / m)
+    assert schedule_gantt("zb_h1", p, m, plot=False) == pytest.approx(
+        bubble_formula(p, m, schedule="zb_h1"))
+    assert schedule_gantt("zb_h1", p, m, plot=False) == pytest.approx((p - 1) / (3 * m))
+    assert schedule_gantt("interleaved", p, m, plot=False) == pytest.approx(bubble_formula(p, m, 2))
+    assert schedule_gantt("interleaved", p, m, v=4, plot=False) == pytest.approx(
+        (p - 1) / (4 * m))
+    for name in ("dualpipe", "dualpipev"):
+        assert schedule_gantt(name, p, m, plot=False) == pytest.approx(
+            bubble_formula(p, m, schedule=name))
+    # DualPipe, F = B = W = 1, no overlap speed-up: (p/2−1)·2 idle per rank, m·3 busy
+    assert schedule_gantt("dualpipe", p, m, plot=False) == pytest.approx((p / 2 - 1) * 2 / (3 * m))
+
+
+def test_zb_greedy_has_no_closed_form_but_runs():
+    assert bubble_formula(4, 8, schedule="zb_greedy") is None
+    assert schedule_gantt("zb_greedy", 4, 8, plot=False) == pytest.approx(2 * 3 / (3 * 8))
+
+
+def test_every_knob_combination_runs_or_says_why(capsys):
+    for name in KNOB_SCHEDULES:
+        for p in range(2, 9):
+            for m in range(8, 17):
+                got = schedule_gantt(name, p, m, plot=False)
+                try:
+                    make_schedule(name, p, m, 2 if name in ("interleaved", "dualpipev") else 1)
+                    assert 0 <= got < 1, (name, p, m)
+                except ValueError as e:
+                    assert got is None
+                    assert str(e) in capsys.readouterr().out
+
+
+def test_it_draws():
+    import matplotlib.pyplot as plt
+    plt.close("all")
+    schedule_gantt("dualpipev", 4, 8)
+    schedule_gantt("interleaved", 4, 6)            # refused: no figure, a message
+    assert len(plt.get_fignums()) <= 1
+
+
+def test_bad_names_raise():
+    with pytest.raises(ValueError, match="unknown schedule"):
+        schedule_gantt("gpipe2", 4, 8)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        schedule_gantt("ZB-H1", 4, 8)
