@@ -68,7 +68,9 @@ def test_ring_all_reduce_accepts_a_ring_and_rejects_a_missing_step_or_a_non_ring
     check_ring_all_reduce(ring_all_reduce)
     with pytest.raises(ExerciseFailed, match="result"):
         check_ring_all_reduce(lambda t, group=None: ring_all_reduce(t, skip_last_step=True))
-    with pytest.raises(ExerciseFailed, match="a ring sends"):
+    with pytest.raises(ExerciseFailed, match="N=2, every rank: sent 24 bytes.*all-gather steps are missing"):
+        check_ring_all_reduce(lambda t, group=None: ring_all_reduce(t, skip_last_step=True))
+    with pytest.raises(ExerciseFailed, match="N=3, every rank: sent 96 bytes.*the whole tensor to every other rank"):
         check_ring_all_reduce(all_to_everyone)
 
 
@@ -86,21 +88,40 @@ def test_all_reduce_from_rs_ag_accepts_rs_ag_and_rejects_all_reduce_or_a_shard()
     check_all_reduce_from_rs_ag(rs_ag)
     with pytest.raises(ExerciseFailed, match="exactly one"):
         check_all_reduce_from_rs_ag(native_all_reduce)
-    with pytest.raises(ExerciseFailed, match="shape"):
+    with pytest.raises(ExerciseFailed, match="shape .* is one shard, not the whole sum"):
         check_all_reduce_from_rs_ag(shard_only)
 
 
-def test_ring_bytes_accepts_the_formula_and_rejects_a_missing_factor_two():
+def _one_line(check, fn):
+    """The failure message of `check(fn)`: its problem lines (without the title)."""
+    with pytest.raises(ExerciseFailed) as info:
+        check(fn)
+    return [line.strip().lstrip("✗ ") for line in str(info.value).splitlines()[1:]]
+
+
+def test_ring_bytes_accepts_the_formula_and_names_each_typical_mistake_in_one_line():
     check_ring_bytes(ring_bytes)
-    with pytest.raises(ExerciseFailed, match="all_reduce"):
-        check_ring_bytes(lambda op, b, n: b * (n - 1) // n)
+    lines = _one_line(check_ring_bytes, lambda op, b, n: b * (n - 1) // n)
+    assert len(lines) == 1 and "all_reduce: half the bytes" in lines[0]
+    lines = _one_line(check_ring_bytes, lambda op, b, n: b * (n - 1) * (2 if op == "all_reduce" else 1))
+    assert len(lines) == 3 and all("not the whole buffer" in line for line in lines)
+    lines = _one_line(check_ring_bytes, lambda op, b, n: 0 if n == 1 else b * (2 if op == "all_reduce" else 1))
+    assert all("never sends the chunk it ends up owning" in line for line in lines)
+    lines = _one_line(check_ring_bytes, lambda op, b, n: 2 * b * (n - 1) // n)
+    assert len(lines) == 2 and all("only the all-reduce goes around the ring twice" in line for line in lines)
 
 
-def test_ring_time_accepts_the_model_and_rejects_one_latency_per_all_reduce():
+def test_ring_time_accepts_the_model_and_names_each_typical_mistake_in_one_line():
     check_ring_time(ring_time)
-    with pytest.raises(ExerciseFailed, match="all_reduce"):
-        check_ring_time(lambda op, b, n, a, w: ring_time(op, b, n, a, w)
-                        - (n - 1) * a * (op == "all_reduce"))
+    lines = _one_line(check_ring_time, lambda op, b, n, a, w: ring_time(op, b, n, a, w)
+                      - (n - 1) * a * (op == "all_reduce"))
+    assert lines == [lines[0]] and lines[0].startswith("all_reduce: latency of N−1 steps")
+    lines = _one_line(check_ring_time, lambda op, b, n, a, w: ring_bytes(op, b, n) / w)
+    assert len(lines) == 3 and all("the latency term is missing" in line for line in lines)
+    lines = _one_line(check_ring_time, lambda op, b, n, a, w: a + ring_bytes(op, b, n) / w)
+    assert all("one α per collective" in line for line in lines)
+    lines = _one_line(check_ring_time, lambda op, b, n, a, w: 1e6 * ring_time(op, b, n, a, w))
+    assert all("seconds, please" in line for line in lines)
 
 
 def test_unwritten_exercise_is_a_clear_failure():

@@ -35,7 +35,7 @@ def test_activation_bytes():
     def act(L, s, b, h, a, flash=False):
         return L * s * b * h * (34 + (0 if flash else 5 * a * s / h))
     check_activation_bytes(act)
-    with pytest.raises(ExerciseFailed):   # the seed note's garbled 3/4
+    with pytest.raises(ExerciseFailed):   # the published garbled 3/4
         check_activation_bytes(lambda L, s, b, h, a, flash=False:
                                L * s * b * h * (0.75 + (0 if flash else 5 * a * s / h)))
     with pytest.raises(ExerciseFailed):   # ignores flash attention
@@ -61,3 +61,32 @@ def test_grad_accumulation():
         sum(model.loss(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) / k for i in range(k)).backward()
     with pytest.raises(ExerciseFailed, match="peak saved activations"):
         check_grad_accumulation(all_forwards_first)
+
+
+def _lines(check, fn):
+    with pytest.raises(ExerciseFailed) as info:
+        check(fn)
+    return [line.strip().lstrip("✗ ") for line in str(info.value).splitlines()[1:]]
+
+
+def test_each_typical_mistake_is_named_in_one_line():
+    tied = _lines(check_param_count, lambda c: llama_params(c) - c.vocab_size * c.hidden)
+    assert len(tied) == 1 and tied[0].startswith("the output head (v·h) is missing")
+    mha = _lines(check_param_count, lambda c: llama_params(c) + 2 * c.n_layers * c.hidden
+                 * (c.n_heads - c.n_kv_heads) * c.head_dim)
+    assert len(mha) == 1 and "grouped-query attention" in mha[0]
+    no_master = _lines(check_bytes_per_param, lambda n, p, acc: n * ((16 if p == "fp32" else 12) + 4 * acc))
+    assert len(no_master) == 2 and all("missing the fp32 master weights" in line for line in no_master)
+    garbled = _lines(check_activation_bytes, lambda L, s, b, h, a, flash=False:
+                     L * s * b * h * (0.75 + (0 if flash else 5 * a * s / h)))
+    assert len(garbled) == 1 and garbled[0].startswith("the per-layer constant is 34")
+    no_flash = _lines(check_activation_bytes, lambda L, s, b, h, a, flash=False: L * s * b * h * (34 + 5 * a * s / h))
+    assert len(no_flash) == 1 and "flash=True" in no_flash[0]
+
+    def unscaled(model, x, y, k):
+        m = len(x) // k
+        for i in range(k):
+            model.loss(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]).backward()
+    lines = _lines(check_grad_accumulation, unscaled)
+    assert len(lines) == 2 and "k=2: the gradients" in lines[0] and "2× too large" in lines[0]
+    assert "4× too large" in lines[1]

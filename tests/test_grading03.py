@@ -86,3 +86,89 @@ def test_zero1_step_right_and_wrong():
         check_zero1_step(zero1_with_all_reduce)
     with pytest.raises(ExerciseFailed, match="new parameters"):
         check_zero1_step(zero1_sum_not_mean)
+
+
+# ---------------------------------------------------------------- ZeRO-2 and ZeRO-3 by hand
+from picolib.grading.lesson03 import check_gather_unit, check_reduce_scatter_gradients  # noqa: E402
+
+
+def rs_right(grads, group=None):
+    n = dist.get_world_size(group)
+    flat = torch.cat([g.flatten() for g in grads])
+    size = -(-flat.numel() // n)
+    padded = torch.zeros(size * n)
+    padded[:flat.numel()] = flat
+    mine = torch.empty(size)
+    comm.reduce_scatter(mine, padded, op="avg", group=group)
+    return mine
+
+
+def rs_sum(grads, group=None):
+    n = dist.get_world_size(group)
+    flat = torch.cat([g.flatten() for g in grads])
+    padded = torch.zeros(-(-flat.numel() // n) * n)
+    padded[:flat.numel()] = flat
+    mine = torch.empty(padded.numel() // n)
+    comm.reduce_scatter(mine, padded, op="sum", group=group)
+    return mine
+
+
+def rs_all_reduce(grads, group=None):
+    """The mean gradient, whole: plain DP's answer, not ZeRO-2's."""
+    flat = torch.cat([g.flatten() for g in grads])
+    comm.all_reduce(flat, op="avg", group=group)
+    return flat
+
+
+def test_reduce_scatter_gradients_right_and_wrong():
+    check_reduce_scatter_gradients(rs_right)
+    with pytest.raises(ExerciseFailed, match=r"N=2, every rank \(6 cases like this one\): unit 0 .* 2× too large: a sum where a mean"):
+        check_reduce_scatter_gradients(rs_sum)
+    with pytest.raises(ExerciseFailed, match="the whole gradient; return only this rank's shard"):
+        check_reduce_scatter_gradients(rs_all_reduce)
+    with pytest.raises(ExerciseFailed, match="not written yet"):
+        check_reduce_scatter_gradients(lambda grads, group=None: (_ for _ in ()).throw(NotImplementedError))
+
+
+def gather_right(shard, shapes, group=None):
+    n = dist.get_world_size(group)
+    full = torch.empty(n * shard.numel())
+    comm.all_gather(full, shard, group=group)
+    out, offset = [], 0
+    for shape in shapes:
+        k = torch.Size(shape).numel()
+        out.append(full[offset:offset + k].view(shape))
+        offset += k
+    return out
+
+
+def gather_reversed(shard, shapes, group=None):
+    n = dist.get_world_size(group)
+    full = torch.empty(n * shard.numel())
+    comm.all_gather(full, shard, group=group)
+    full = torch.cat(list(full.split(shard.numel()))[::-1])
+    return _split(full, shapes)
+
+
+def gather_keeps_padding(shard, shapes, group=None):
+    n = dist.get_world_size(group)
+    full = torch.empty(n * shard.numel())
+    comm.all_gather(full, shard, group=group)
+    return [full]
+
+
+def _split(full, shapes):
+    out, offset = [], 0
+    for shape in shapes:
+        k = torch.Size(shape).numel()
+        out.append(full[offset:offset + k].view(shape))
+        offset += k
+    return out
+
+
+def test_gather_unit_right_and_wrong():
+    check_gather_unit(gather_right)
+    with pytest.raises(ExerciseFailed, match="reverse rank order"):
+        check_gather_unit(gather_reversed)
+    with pytest.raises(ExerciseFailed, match="drop the .* elements of padding"):
+        check_gather_unit(gather_keeps_padding)

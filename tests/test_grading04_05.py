@@ -59,11 +59,11 @@ class ReduceBoth(torch.autograd.Function):
 
 def test_check_conjugate_pair():
     check_conjugate_pair(_CopyToRegion, _ReduceFromRegion)
-    with pytest.raises(ExerciseFailed):
+    with pytest.raises(ExerciseFailed, match="f backward: this rank's value passed through unchanged"):
         check_conjugate_pair(IdentityBoth, _ReduceFromRegion)
-    with pytest.raises(ExerciseFailed):
+    with pytest.raises(ExerciseFailed, match="g backward: summed over the ranks"):
         check_conjugate_pair(_CopyToRegion, ReduceBoth)
-    with pytest.raises(ExerciseFailed):   # f and g swapped
+    with pytest.raises(ExerciseFailed, match="f forward: summed over the ranks"):   # f and g swapped
         check_conjugate_pair(_ReduceFromRegion, _CopyToRegion)
 
 
@@ -84,12 +84,39 @@ def local_only_loss(local, targets, vocab_start, group=None):
     return torch.nn.functional.cross_entropy(local.flatten(0, 1), idx.flatten())
 
 
+def per_token_loss(local, targets, vocab_start, group=None):
+    """Wrong: per-token losses (b, s) where the mean is expected; backward would raise."""
+    return vocab_parallel_cross_entropy(local, targets, vocab_start, group) * torch.ones(targets.shape)
+
+
 def test_check_vocab_parallel_loss():
     check_vocab_parallel_loss(vocab_parallel_cross_entropy)
-    with pytest.raises(ExerciseFailed):
+    with pytest.raises(ExerciseFailed, match="instead of gathering logits"):
         check_vocab_parallel_loss(gathering_loss)
     with pytest.raises(ExerciseFailed):
         check_vocab_parallel_loss(local_only_loss)
+    with pytest.raises(ExerciseFailed, match=r"shape \(3, 6\), expected a scalar") as e:
+        check_vocab_parallel_loss(per_token_loss)
+    assert "Traceback" not in str(e.value)
+
+
+from picolib.grading.lesson04 import check_parallel_head  # noqa: E402
+from picolib.tensor_parallel import copy_to_tp, gather_from_tp  # noqa: E402
+
+
+def head(hidden, weight_shard, group=None):
+    return torch.nn.functional.linear(copy_to_tp(hidden, group), weight_shard)
+
+
+def test_check_parallel_head():
+    check_parallel_head(head)
+    with pytest.raises(ExerciseFailed, match="the whole vocabulary") as e:   # gathered logits
+        check_parallel_head(lambda h, w, group=None: gather_from_tp(head(h, w, group), group))
+    assert "Traceback" not in str(e.value) and len(str(e.value).splitlines()) == 3   # title + 2 ranks
+    with pytest.raises(ExerciseFailed, match="this rank's part only"):     # no f before the matmul
+        check_parallel_head(lambda h, w, group=None: torch.nn.functional.linear(h, w))
+    with pytest.raises(ExerciseFailed, match="expected this rank's slice"):
+        check_parallel_head(lambda h, w, group=None: head(h, w, group)[..., :1])
 
 
 # ---------------------------------------------------------------- lesson 05
@@ -132,15 +159,20 @@ def test_check_sp_activation_bytes():
     with pytest.raises(ExerciseFailed):   # Korthikanti's 16-bit GPT constants, not our model
         check_sp_activation_bytes(lambda s, b, h, f, a, tp, sp:
                                   s * b * h * (34 / tp if sp else 10 + 24 / tp) + 5 * a * s * s * b / tp)
-    with pytest.raises(ExerciseFailed):   # splits the norms under plain TP too
+    with pytest.raises(ExerciseFailed, match="whole on every rank"):   # splits the norms under TP too
         check_sp_activation_bytes(lambda s, b, h, f, a, tp, sp:
                                   activation_bytes_per_layer(s, b, h, f, a, tp, "tp+sp"))
+    with pytest.raises(ExerciseFailed, match="causal mask is missing"):
+        check_sp_activation_bytes(lambda s, b, h, f, a, tp, sp: activation_bytes_per_layer(
+            s, b, h, f, a, tp, "tp+sp" if sp else "tp") - s * s)
 
 
 def test_check_tokens_per_day():
     check_tokens_per_day(lambda n, fl, p: n * fl / (6 * p) * 86400)
-    with pytest.raises(ExerciseFailed):   # 2N (forward only) instead of 6N
+    with pytest.raises(ExerciseFailed, match="forward alone"):   # 2N (forward only) instead of 6N
         check_tokens_per_day(lambda n, fl, p: n * fl / (2 * p) * 86400)
+    with pytest.raises(ExerciseFailed, match="tokens per second"):
+        check_tokens_per_day(lambda n, fl, p: n * fl / (6 * p))
 
 
 # ---------------------------------------------------------------- deadlocks (both lessons)

@@ -12,8 +12,10 @@ from .lesson01 import (check_activation_bytes, check_bytes_per_param, check_grad
                        check_param_count)
 from .lesson02 import (check_accumulate_and_step, check_assign_buckets, check_average_gradients,
                        check_grad_accumulation_steps)
-from .lesson03 import check_shard_bounds, check_zero1_step, check_zero_memory
-from .lesson04 import check_conjugate_pair, check_shards, check_vocab_parallel_loss
+from .lesson03 import (check_gather_unit, check_reduce_scatter_gradients, check_shard_bounds,
+                       check_zero1_step, check_zero_memory)
+from .lesson04 import (check_conjugate_pair, check_parallel_head, check_shards,
+                       check_vocab_parallel_loss)
 from .lesson05 import (check_gather_sequence, check_reduce_scatter_sequence,
                        check_sp_activation_bytes, check_tokens_per_day)
 from .lesson07 import check_bubble, check_broken_schedules, check_one_f_one_b
@@ -25,8 +27,9 @@ __all__ = [
     "check_param_count",
     "check_accumulate_and_step", "check_assign_buckets", "check_average_gradients",
     "check_grad_accumulation_steps",
-    "check_shard_bounds", "check_zero1_step", "check_zero_memory",
-    "check_conjugate_pair", "check_shards", "check_vocab_parallel_loss",
+    "check_gather_unit", "check_reduce_scatter_gradients", "check_shard_bounds",
+    "check_zero1_step", "check_zero_memory",
+    "check_conjugate_pair", "check_parallel_head", "check_shards", "check_vocab_parallel_loss",
     "check_gather_sequence", "check_reduce_scatter_sequence", "check_sp_activation_bytes",
     "check_tokens_per_day",
     "check_bubble", "check_broken_schedules", "check_one_f_one_b",

@@ -39,6 +39,18 @@ def _run(fn, world_size, inputs, name):
     return run_student(_student_worker, world_size, fn, inputs, name=name)
 
 
+def _per_n(n: int, per_rank: dict[int, list[str]]) -> list[str]:
+    """One line per kind of problem for N ranks: the same mistake on every rank is said once."""
+    out, seen = [], {}
+    for rank, problems in per_rank.items():
+        for p in problems:
+            seen.setdefault(p, []).append(rank)
+    for p, ranks in seen.items():
+        who = "every rank" if len(ranks) == n else f"rank{'s' if len(ranks) > 1 else ''} {ranks}"
+        out.append(f"N={n}, {who}: {p}")
+    return out
+
+
 def check_ring_all_reduce(fn) -> None:
     """Sum over 2, 3 and 4 ranks, and the traffic of a ring: 2(N−1)/N · B per rank, sent
     through picolib.comm (send / exchange), so that the Ledger sees it."""
@@ -49,18 +61,30 @@ def check_ring_all_reduce(fn) -> None:
         results = _run(fn, n, inputs, "ring_all_reduce")
         nbytes = inputs[0].numel() * inputs[0].element_size()
         want = ring_sent_bytes("all_reduce", nbytes, n)
+        per_rank = {}
         for rank, (out, summary) in enumerate(results):
             checks += 2
-            problems += compare(f"N={n} rank {rank}: result", out, expected, atol=1e-5)
+            mine = compare("result", out, expected, atol=1e-5)
+            if mine and isinstance(out, torch.Tensor) and out.shape == expected.shape and \
+                    torch.allclose(out, inputs[rank], atol=1e-5):
+                mine = ["result: this rank's own input, unchanged: nothing was added (did the "
+                        "reduce-scatter steps run, and add into the chunk?)"]
             sent = summary.get("send", {}).get("sent_bytes", 0)
             if sent != want:
-                problems.append(f"N={n} rank {rank}: sent {sent} bytes through comm.send/"
-                                f"comm.exchange; a ring sends 2(N−1)/N·B = {want} "
-                                f"(B = {nbytes} bytes)")
+                why = ("the whole tensor each step instead of one chunk of B/N"
+                       if sent == 2 * (n - 1) * nbytes else
+                       "(N−1)·B, the whole tensor to every other rank; a ring passes chunks of "
+                       "B/N to one neighbour" if sent == (n - 1) * nbytes else
+                       "only half: the all-gather steps are missing" if 2 * sent == want else
+                       "nothing through comm.send/comm.exchange" if not sent else
+                       f"{sent / (nbytes / n):g} chunks of B/N instead of 2(N−1) = {2 * (n - 1)}")
+                mine.append(f"sent {sent} bytes, a ring sends 2(N−1)/N·B = {want} "
+                            f"(B = {nbytes}): {why}")
             others = sorted(set(summary) - {"send", "recv"})
             if others:
-                problems.append(f"N={n} rank {rank}: called {others}; build the ring from "
-                                "point-to-point calls only")
+                mine.append(f"called {others}; build the ring from point-to-point calls only")
+            per_rank[rank] = mine
+        problems += _per_n(n, per_rank)
     report("ring all-reduce", problems, checks)
 
 
@@ -72,19 +96,72 @@ def check_all_reduce_from_rs_ag(fn) -> None:
         expected = torch.stack(inputs).sum(0)
         results = _run(fn, n, inputs, "all_reduce_from_rs_ag")
         nbytes = inputs[0].numel() * inputs[0].element_size()
+        per_rank = {}
         for rank, (out, summary) in enumerate(results):
             checks += 3
-            problems += compare(f"N={n} rank {rank}: result", out, expected, atol=1e-5)
+            mine = compare("result", out, expected, atol=1e-5)
+            if mine and isinstance(out, torch.Tensor) and out.numel() * n == expected.numel():
+                mine = [f"result: shape {tuple(out.shape)} is one shard, not the whole sum "
+                        f"{tuple(expected.shape)}: all-gather the shards after the reduce-scatter"]
             calls = {op: s["calls"] for op, s in summary.items()}
             if calls != {"reduce_scatter": 1, "all_gather": 1}:
-                problems.append(f"N={n} rank {rank}: collectives called {calls}; expected "
-                                "exactly one comm.reduce_scatter and one comm.all_gather")
+                mine.append(f"collectives called {calls}; expected exactly one "
+                            "comm.reduce_scatter and one comm.all_gather")
             sent = sum(s["sent_bytes"] for s in summary.values())
             want = ring_sent_bytes("all_reduce", nbytes, n)
             if sent != want:
-                problems.append(f"N={n} rank {rank}: {sent} bytes on the wire; an all-reduce "
-                                f"of {nbytes} bytes sends {want}")
+                mine.append(f"{sent} bytes on the wire; an all-reduce of {nbytes} bytes "
+                            f"sends {want}")
+            per_rank[rank] = mine
+        problems += _per_n(n, per_rank)
     report("all-reduce from reduce-scatter + all-gather", problems, checks)
+
+
+def _one_line_per_op(op: str, cases: list[dict], got: list, expected: list, hints) -> list[str]:
+    """[] if every case matches; else one line for `op`: the first hint whose rule explains
+    every wrong case, or compare()'s diagnosis of the whole grid. A case is a dict of the
+    inputs (its label is its items); a hint is (rule(got, case) -> bool, message)."""
+    wrong = [i for i, (g, e) in enumerate(zip(got, expected))
+             if compare("", g, e, atol=1e-12, rtol=1e-6)]
+    if not wrong:
+        return []
+    i = wrong[0]
+    label = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                      for k, v in cases[i].items() if k not in ("want", "steps", "W", "op"))
+    example = f"e.g. {label}: got {got[i]!r}, expected {expected[i]!r}"
+    for rule, message in hints:
+        try:
+            if all(rule(got[j], cases[j]) for j in wrong):
+                return [f"{op}: {message} ({example})"]
+        except (TypeError, ValueError, ZeroDivisionError):
+            continue
+    try:
+        grid = torch.tensor([float(g) for g in got], dtype=torch.float64)
+    except (TypeError, ValueError):
+        return [f"{op}: expected a number ({example})"]
+    line = compare(op, grid, torch.tensor([float(e) for e in expected], dtype=torch.float64),
+                   atol=1e-12, rtol=1e-6)
+    return [f"{line[0]} ({example})"]
+
+
+def _close(a, b) -> bool:
+    return abs(float(a) - float(b)) <= 1e-6 * max(1e-12, abs(float(b)))
+
+
+BYTES_HINTS = [
+    (lambda g, c: c["N"] == 1 and not _close(g, 0),
+     "one rank alone has no one to send to: 0 bytes"),
+    (lambda g, c: _close(g, c["B"] * (c["N"] - 1) * (2 if c["op"] == "all_reduce" else 1)),
+     "each step sends one chunk of B/N bytes, not the whole buffer"),
+    (lambda g, c: _close(g, c["B"] / c["N"]),
+     "B/N is one step; the ring takes N−1 steps (2(N−1) for all-reduce)"),
+    (lambda g, c: c["op"] == "all_reduce" and _close(2 * g, c["want"]),
+     "half the bytes: an all-reduce is a reduce-scatter AND an all-gather, 2(N−1) steps"),
+    (lambda g, c: c["op"] != "all_reduce" and _close(g, 2 * c["want"]),
+     "twice the bytes: only the all-reduce goes around the ring twice"),
+    (lambda g, c: _close(g, c["B"] * (2 if c["op"] == "all_reduce" else 1)),
+     "a rank never sends the chunk it ends up owning: (N−1)/N of B per pass, not all of B"),
+]
 
 
 def check_ring_bytes(fn) -> None:
@@ -92,12 +169,15 @@ def check_ring_bytes(fn) -> None:
     ranks (the ring algorithm; `nbytes` is the full buffer and divides by n here)."""
     problems, checks = [], 0
     for op in RING_OPS:
+        cases, got, expected = [], [], []
         for nbytes in (96, 48 * 1024):
             for n in (1, 2, 3, 4, 8, 16):
                 checks += 1
-                got = call_student(fn, op, nbytes, n)
-                problems += compare(f"{op}, B={nbytes}, N={n}", got,
-                                    ring_sent_bytes(op, nbytes, n))
+                want = ring_sent_bytes(op, nbytes, n)
+                cases.append({"op": op, "B": nbytes, "N": n, "want": want})
+                got.append(call_student(fn, op, nbytes, n))
+                expected.append(want)
+        problems += _one_line_per_op(op, cases, got, expected, BYTES_HINTS)
     report("ring bytes per rank", problems, checks)
 
 
@@ -110,16 +190,35 @@ def ring_time(op: str, nbytes: int, n: int, alpha: float, bandwidth: float) -> f
     return steps * alpha + ring_sent_bytes(op, nbytes, n) / bandwidth
 
 
+TIME_HINTS = [
+    (lambda g, c: _close(g, c["want"] - c["steps"] * c["α"] + c["α"]),
+     "one α per collective; the α–β model pays α on every step of the ring"),
+    (lambda g, c: c["op"] == "all_reduce" and _close(g, c["want"] - c["steps"] * c["α"] / 2),
+     "latency of N−1 steps: an all-reduce takes 2(N−1) (reduce-scatter, then all-gather)"),
+    (lambda g, c: _close(g, c["want"] - c["steps"] * c["α"]),
+     "the latency term is missing: every step costs α"),
+    (lambda g, c: _close(g, c["steps"] * c["α"] + c["B"] * (2 if c["op"] == "all_reduce" else 1)
+                         / c["W"]),
+     "the bandwidth term uses all of B; a rank sends (N−1)/N·B per pass"),
+    (lambda g, c: _close(g, c["want"] * 1e6) or _close(g, c["want"] * 1e3),
+     "seconds, please (not µs or ms)"),
+]
+
+
 def check_ring_time(fn) -> None:
     """Seconds for a ring collective under the α–β model (see `ring_time`)."""
     problems, checks = [], 0
     for op in RING_OPS:
+        cases, got, expected = [], [], []
         for nbytes in (1024, 1 << 30):
             for n in (1, 2, 8, 64):
                 for alpha in (0.0, 5e-6):
                     checks += 1
-                    got = call_student(fn, op, nbytes, n, alpha, 450e9)
-                    problems += compare(f"{op}, B={nbytes}, N={n}, α={alpha:g}", got,
-                                        ring_time(op, nbytes, n, alpha, 450e9),
-                                        atol=1e-12, rtol=1e-6)
+                    want = ring_time(op, nbytes, n, alpha, 450e9)
+                    steps = (n - 1) * (2 if op == "all_reduce" else 1)
+                    cases.append({"op": op, "B": nbytes, "N": n, "α": alpha, "W": 450e9,
+                                  "steps": steps, "want": want})
+                    got.append(call_student(fn, op, nbytes, n, alpha, 450e9))
+                    expected.append(want)
+        problems += _one_line_per_op(op, cases, got, expected, TIME_HINTS)
     report("ring time (α–β)", problems, checks)

@@ -9,18 +9,31 @@
   vector after one ZeRO-1 SGD step: reduce-scatter (mean) the gradient, update this rank's
   shard, all-gather — through picolib.comm, on 2 and 3 ranks, with a size that does not
   divide by either.
+- `check_reduce_scatter_gradients(fn)`: ZeRO-2's gradient step: `fn(grads, group=None)`
+  takes this rank's gradients of one unit (a list of tensors), flattens and pads them
+  and reduce-scatters (mean), returning this rank's shard — compared with the shard
+  picolib's `ZeRO(model, 2)` holds after the same backward, on 2 and 4 ranks.
+- `check_gather_unit(fn)`: ZeRO-3's gather before forward: `fn(shard, shapes, group=None)`
+  all-gathers every rank's shard of one unit and returns the unit's parameters (padding
+  dropped) in the given shapes — compared with picolib's `ZeRO(model, 3)` after a step.
+A problem every rank shares is reported once; a sum where a mean was wanted, a shard
+taken whole, padding kept or shards in the wrong order each get a one-line diagnosis.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.distributed as dist
 
 from ..comm import Ledger
-from ..zero import padded_numel, shard_bounds, zero_memory_bytes
+from ..model import LlamaConfig, TinyLlama, random_tokens
+from ..sharded_optim import split_units
+from ..zero import ZeRO, padded_numel, shard_bounds, zero_memory_bytes
 from ._core import call_student, compare, report, run_student
 
-__all__ = ["check_shard_bounds", "check_zero_memory", "check_zero1_step"]
-
+__all__ = ["check_shard_bounds", "check_zero_memory", "check_zero1_step",
+           "check_reduce_scatter_gradients", "check_gather_unit"]
 
 
 def check_shard_bounds(fn) -> None:
@@ -82,3 +95,155 @@ def check_zero1_step(fn) -> None:
                     problems.append(f"{where}: {op} sent {sent} bytes; one {op} of the padded "
                                     f"buffer ({padded_numel(numel, n)} fp32) sends {ring}")
     report("ZeRO-1 step", problems, count)
+
+
+# ---------------------------------------------------------------- ZeRO-2 and ZeRO-3 by hand
+
+# odd sizes: every unit needs padding on 4 ranks
+_CFG = LlamaConfig(vocab_size=61, hidden=18, n_layers=2, n_heads=3, n_kv_heads=1,
+                   ffn_hidden=23, max_seq=16)
+
+
+def _every_rank(n, per_rank: list[list[str]]) -> list[str]:
+    """One line per distinct mistake: the same problem on every rank (and unit) is
+    reported once, with the first occurrence's numbers."""
+    def key(p):                              # the problem without its unit and its error size
+        return re.sub(r"\d+", "#", re.sub(r"\(max abs error [^)]*\) ", "", p))
+    ranks_with = {}
+    for rank, problems in enumerate(per_rank):
+        for p in problems:
+            ranks_with.setdefault(key(p), [p, set()])[1].add(rank)
+    out = []
+    for k, (first, ranks) in ranks_with.items():
+        cases = sum(key(x) == k for q in per_rank for x in q)
+        who = "every rank" if len(ranks) == len(per_rank) else "rank " + ", ".join(map(str, sorted(ranks)))
+        out.append(f"N={n}, {who}" + (f" ({cases} cases like this one)" if cases > 1 else "")
+                   + f": {first}")
+    return out
+
+
+def _traffic(led: dict, op: str, nbytes: int) -> list[str]:
+    out = []
+    if "all_reduce" in led:
+        out.append("calls: used all_reduce — ZeRO sends each rank only its shard "
+                   f"({op.replace('_', '-')})")
+    calls = led.get(op, {}).get("calls", 0)
+    if out:
+        return out
+    if calls != 1:
+        out.append(f"calls: {calls} picolib.comm.{op} calls for one unit; one call moves the "
+                   "whole flat buffer")
+    elif led[op]["nbytes"] != nbytes:
+        out.append(f"calls: the {op} moved a buffer of {led[op]['nbytes']} bytes; the unit "
+                   f"padded to a multiple of N is {nbytes} bytes")
+    return out
+
+
+def _rs_worker(fn):
+    rank = dist.get_rank()
+    x, y = random_tokens(2, 8, _CFG.vocab_size, seed=rank)
+    plain = TinyLlama(_CFG)                      # same seed: the same weights as ZeRO's
+    plain.loss(x, y).backward()
+    answers = []
+    for _, named in split_units(plain):
+        grads = [p.grad.detach().clone() for _, p in named]
+        with Ledger() as led:
+            got = call_student(fn, grads)
+        answers.append((got.detach().clone() if isinstance(got, torch.Tensor) else got,
+                        led.summary(), sum(g.numel() for g in grads)))
+    model = TinyLlama(_CFG)
+    zero = ZeRO(model, 2, optimizer="sgd", lr=0.1)
+    model.loss(x, y).backward()
+    zero.finish_gradient_sync()                  # picolib's reduce-scatter, unit by unit
+    return answers, [u.grad.clone() for u in zero.units]
+
+
+def check_reduce_scatter_gradients(fn) -> None:
+    """This rank's shard of the mean gradient, for each unit, equal to picolib ZeRO-2's."""
+    problems, count = [], 0
+    for n in (2, 4):
+        per_rank = []
+        for rank, (answers, shards) in enumerate(run_student(_rs_worker, n, fn,
+                                                             name="reduce_scatter_gradients")):
+            mine = []
+            for unit, ((got, led, numel), want) in enumerate(zip(answers, shards)):
+                count += 1
+                what = f"unit {unit} ({numel} elements)"
+                if isinstance(got, torch.Tensor) and got.numel() in (numel, padded_numel(numel, n)):
+                    mine.append(f"{what}: returned {got.numel()} elements — the whole gradient; "
+                                f"return only this rank's shard of ⌈{numel}/{n}⌉ = {want.numel()}")
+                else:
+                    mine += compare(f"{what}: your shard", got, want, atol=1e-6)
+                mine += [f"{what}: {p}" for p in
+                         _traffic(led, "reduce_scatter", padded_numel(numel, n) * 4)]
+            per_rank.append(mine)
+        problems += _every_rank(n, per_rank)
+    report("ZeRO-2 gradient reduce-scatter", problems, count)
+
+
+def _gather_worker(fn):
+    rank = dist.get_rank()
+    model = TinyLlama(_CFG)
+    zero = ZeRO(model, 3, optimizer="adam", lr=0.01)
+    x, y = random_tokens(2, 8, _CFG.vocab_size, seed=rank)
+    model.loss(x, y).backward()
+    zero.step()                                   # the shards now differ from the start
+    full = zero.gather_parameters()               # picolib's answer: {name: tensor}
+    answers = []
+    for u in zero.units:
+        shapes = [tuple(p.shape) for p in u.params]
+        with Ledger() as led:
+            got = call_student(fn, u.shard.detach().clone(), shapes)
+        if isinstance(got, (list, tuple)):
+            got = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in got]
+        answers.append((got, led.summary(), [full[name] for name in u.names], u.numel))
+    return answers
+
+
+def _gather_hint(got: list, want: list, n: int, numel: int) -> str:
+    """Name the usual mistakes: padding kept, shards in the wrong order."""
+    flat = torch.cat([t.flatten() for t in got]).double()
+    ref = torch.cat([t.flatten() for t in want]).double()
+    pad = padded_numel(numel, n)
+    if flat.numel() == pad != numel:
+        return f"{pad} elements returned for {numel}: drop the {pad - numel} elements of padding"
+    if flat.numel() != numel:
+        return f"{flat.numel()} elements returned; the unit has {numel}"
+    size = pad // n
+    chunks = list(torch.cat([ref, ref.new_zeros(pad - numel)]).split(size))
+    if n > 1 and torch.allclose(flat, torch.cat(chunks[::-1])[:numel], atol=1e-6):
+        return ("the shards are concatenated in reverse rank order: rank r's shard goes at "
+                "elements [r·S, (r+1)·S)")
+    return ""
+
+
+def check_gather_unit(fn) -> None:
+    """Each unit's parameters, gathered from the shards, equal picolib ZeRO-3's."""
+    problems, count = [], 0
+    for n in (2, 4):
+        per_rank = []
+        for answers in run_student(_gather_worker, n, fn, name="gather_unit"):
+            mine = []
+            for unit, (got, led, want, numel) in enumerate(answers):
+                count += 1
+                what = f"unit {unit} ({numel} elements)"
+                if not isinstance(got, (list, tuple)) or not all(isinstance(t, torch.Tensor)
+                                                                 for t in got):
+                    mine.append(f"{what}: return a list of tensors, one per parameter "
+                                f"(got {type(got).__name__})")
+                    continue
+                hint = _gather_hint(got, want, n, numel)
+                if hint:
+                    mine.append(f"{what}: {hint}")
+                else:
+                    shapes = [tuple(t.shape) for t in got]
+                    if shapes != [tuple(t.shape) for t in want]:
+                        mine.append(f"{what}: shapes {shapes}, expected "
+                                    f"{[tuple(t.shape) for t in want]}")
+                    else:
+                        mine += compare(f"{what}: parameters", got, want, atol=1e-6)[:1]
+                mine += [f"{what}: {p}" for p in
+                         _traffic(led, "all_gather", padded_numel(numel, n) * 4)]
+            per_rank.append(mine)
+        problems += _every_rank(n, per_rank)
+    report("ZeRO-3 gather before forward", problems, count)

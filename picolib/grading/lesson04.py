@@ -9,6 +9,13 @@
 - `check_vocab_parallel_loss(fn)`: `fn(local_logits, targets, vocab_start, group=None)` → the
   mean cross-entropy from vocab-sharded logits, equal to F.cross_entropy with the right
   gradients, without gathering the logits; run on 2 and 4 ranks.
+- `check_parallel_head(fn)`: `fn(hidden, weight_shard, group=None)` → this rank's vocabulary
+  slice of the logits (b, s, v/tp), through f so that backward sums the gradient of the
+  (replicated) hidden state; run on 2 and 4 ranks with the vocab-parallel loss behind it.
+
+Each wrong answer a student commonly gives gets its own one-line message (f and g swapped
+or missing, a loss that is not a scalar, gathered logits where a slice is expected) —
+caught before backward, so no raw autograd traceback.
 
 Ranks that never finish (a collective one rank skips) fail the check after `_core.TIMEOUT`.
 """
@@ -21,7 +28,8 @@ import torch.nn.functional as F
 from ..comm import Ledger
 from ._core import call_student, compare, report, run_student
 
-__all__ = ["check_shards", "check_conjugate_pair", "check_vocab_parallel_loss"]
+__all__ = ["check_shards", "check_conjugate_pair", "check_vocab_parallel_loss",
+           "check_parallel_head"]
 
 
 def check_shards(column_shard, row_shard) -> None:
@@ -76,25 +84,55 @@ def _pair_worker(f_cls, g_cls):
             [led.count("all_reduce") for led in (f_fwd, f_bwd, g_fwd, g_bwd)])
 
 
+def _direction(what, got, mine, total, want_sum):
+    """One line for f's or g's result in one direction: right, or which mistake it is."""
+    if not isinstance(got, torch.Tensor) or got.shape != mine.shape:
+        return compare(what, got, total if want_sum else mine)
+    if torch.allclose(got, total if want_sum else mine):
+        return []
+    if want_sum and torch.allclose(got, mine):
+        return [f"{what}: this rank's value passed through unchanged — this direction must "
+                "all-reduce (sum over the ranks)"]
+    if not want_sum and torch.allclose(got, total):
+        return [f"{what}: summed over the ranks — this direction is the identity (the all-reduce "
+                "belongs to the other direction; f and g swapped, or reduced both ways?)"]
+    return compare(what, got, total if want_sum else mine)
+
+
 def check_conjugate_pair(copy_to_tp, reduce_from_tp) -> None:
     """Rank r feeds r+1 forward and r+1 as the upstream gradient: f returns r+1 and passes
     back Σ(r+1); g returns Σ(r+1) and passes back r+1. One comm.all_reduce each, where due."""
     problems, checks = [], 0
     for n in (2, 3):
-        total = float(n * (n + 1) // 2)
+        total = torch.full((3,), float(n * (n + 1) // 2))
         pair = f"{_name(copy_to_tp)} / {_name(reduce_from_tp)}"
         results = run_student(_pair_worker, n, copy_to_tp, reduce_from_tp, name=pair)
         for r, (fx, fgrad, gy, ggrad, counts) in enumerate(results):
             mine = torch.full((3,), float(r + 1))
             checks += 5
-            problems += compare(f"N={n} rank {r}: f forward", fx, mine)
-            problems += compare(f"N={n} rank {r}: f backward (all-reduce)", fgrad, torch.full((3,), total))
-            problems += compare(f"N={n} rank {r}: g forward (all-reduce)", gy, torch.full((3,), total))
-            problems += compare(f"N={n} rank {r}: g backward (identity)", ggrad, mine)
+            problems += _direction(f"N={n} rank {r}: f forward", fx, mine, total, want_sum=False)
+            problems += _direction(f"N={n} rank {r}: f backward", fgrad, mine, total, want_sum=True)
+            problems += _direction(f"N={n} rank {r}: g forward", gy, mine, total, want_sum=True)
+            problems += _direction(f"N={n} rank {r}: g backward", ggrad, mine, total, want_sum=False)
             if counts != [0, 1, 1, 0]:
                 problems.append(f"N={n} rank {r}: comm.all_reduce calls (f fwd, f bwd, g fwd, g bwd) = "
                                 f"{counts}, expected [0, 1, 1, 0]")
+        if problems:
+            break                                     # the same mistake again on 3 ranks
     report("the conjugate pair f / g", problems, checks)
+
+
+def _not_a_loss(loss) -> str:
+    """Why `loss` cannot be a training loss ("" when it can): said before backward runs."""
+    if not isinstance(loss, torch.Tensor):
+        return f"returned {type(loss).__name__}, expected a scalar tensor (the mean loss)"
+    if loss.dim() != 0:
+        return (f"returned a tensor of shape {tuple(loss.shape)}, expected a scalar: the mean over "
+                "all b·s tokens (.mean())")
+    if not loss.requires_grad:
+        return ("the loss does not depend on local_logits in autograd (detached, or summed with an "
+                "all-reduce outside an autograd Function?): use ReduceFromTP for the sums")
+    return ""
 
 
 def _loss_worker(fn, logits, targets):
@@ -103,6 +141,9 @@ def _loss_worker(fn, logits, targets):
     local = logits.chunk(n, -1)[r].clone().requires_grad_()
     with Ledger() as led:
         loss = fn(local, targets, r * v // n)
+    wrong = _not_a_loss(loss)
+    if wrong:
+        return wrong, None, {}
     loss.backward()
     return loss.detach(), local.grad, led.summary()
 
@@ -120,6 +161,9 @@ def check_vocab_parallel_loss(fn) -> None:
         results = run_student(_loss_worker, n, fn, logits.detach(), targets, name=_name(fn))
         for r, (loss, grad, summary) in enumerate(results):
             checks += 3
+            if isinstance(loss, str):
+                problems.append(f"N={n} rank {r}: {loss}")
+                continue
             problems += compare(f"N={n} rank {r}: loss", loss, ref.detach(), atol=1e-5)
             if grad is None:
                 problems.append(f"N={n} rank {r}: no gradient reached the local logits")
@@ -132,4 +176,72 @@ def check_vocab_parallel_loss(fn) -> None:
                                 "target logit (b·s numbers each) instead of gathering logits")
             if not summary:
                 problems.append(f"N={n} rank {r}: no picolib.comm collective was called")
+        if problems:
+            break                                     # the same mistake again on 4 ranks
     report("vocab-parallel cross-entropy", problems, checks)
+
+
+def _head_worker(fn, hidden, weight, targets):
+    from ..vocab_parallel import vocab_parallel_cross_entropy
+    r, n = dist.get_rank(), dist.get_world_size()
+    v = weight.shape[0]
+    shard = weight.chunk(n, 0)[r].clone().requires_grad_()
+    x = hidden.clone().requires_grad_()
+    with Ledger() as fwd:
+        logits = fn(x, shard)
+    if not isinstance(logits, torch.Tensor):
+        return f"returned {type(logits).__name__}, expected a tensor of logits"
+    want = (*hidden.shape[:-1], v // n)
+    if tuple(logits.shape) == (*hidden.shape[:-1], v) and n > 1:
+        return (f"returned logits of shape {tuple(logits.shape)}: the whole vocabulary — return "
+                f"this rank's slice {want} (v/tp = {v}/{n}) and do not gather: the vocab-parallel "
+                "loss reads the slices")
+    if tuple(logits.shape) != want:
+        return f"returned logits of shape {tuple(logits.shape)}, expected this rank's slice {want}"
+    if not logits.requires_grad:
+        return "the logits do not depend on the hidden state and weight in autograd (detached?)"
+    loss = vocab_parallel_cross_entropy(logits, targets, vocab_start=r * v // n)
+    with Ledger() as bwd:
+        loss.backward()
+    return (logits.detach(), x.grad, shard.grad,
+            [led.count("all_reduce") for led in (fwd, bwd)], [led.count() for led in (fwd, bwd)])
+
+
+def check_parallel_head(fn) -> None:
+    """Logits slices, hidden-state gradient (whole, summed by f) and weight-shard gradient
+    equal to the dense head; f's one all-reduce in backward, nothing forward."""
+    problems, checks = [], 0
+    g = torch.Generator().manual_seed(6)
+    for n in (2, 4):
+        hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+        weight = torch.randn(16, 8, generator=g, requires_grad=True)
+        targets = torch.randint(0, 16, (2, 5), generator=g)
+        logits = hidden @ weight.t()
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        results = run_student(_head_worker, n, fn, hidden.detach(), weight.detach(), targets,
+                              name=_name(fn))
+        for r, res in enumerate(results):
+            checks += 4
+            if isinstance(res, str):
+                problems.append(f"N={n} rank {r}: {res}")
+                continue
+            got, xgrad, wgrad, reduces, calls = res
+            problems += compare(f"N={n} rank {r}: logits", got, logits.detach().chunk(n, -1)[r])
+            if xgrad is not None and not torch.allclose(xgrad, hidden.grad, atol=1e-6):
+                # what this rank's vocabulary slice alone contributes (f's sum left out)
+                p = torch.softmax(logits.detach(), -1) - F.one_hot(targets, 16)
+                part = (p.chunk(n, -1)[r] / targets.numel()) @ weight.detach().chunk(n, 0)[r]
+                if torch.allclose(xgrad, part, atol=1e-6):
+                    problems.append(f"N={n} rank {r}: the hidden state's gradient is this rank's part "
+                                    "only — enter through f (CopyToTP), whose backward sums it over "
+                                    "the ranks")
+                    continue
+            problems += compare(f"N={n} rank {r}: gradient of the hidden state", xgrad, hidden.grad)
+            problems += compare(f"N={n} rank {r}: gradient of the weight shard", wgrad,
+                                weight.grad.chunk(n, 0)[r])
+            if reduces != [0, 1] or calls[0]:
+                problems.append(f"N={n} rank {r}: picolib.comm calls forward {calls[0]}, all-reduces "
+                                f"backward {reduces[1]}; expected none forward and one (f's) backward")
+        if problems:
+            break
+    report("the column-parallel head", problems, checks)

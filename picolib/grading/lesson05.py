@@ -64,6 +64,29 @@ def check_reduce_scatter_sequence(fn) -> None:
     _check_seq(fn, "reduce_scatter", "reduce-scatter along the sequence")
 
 
+def _bytes_hint(got, s, b, h, f, a, tp, sp) -> str:
+    """One line naming a common slip in the activation count ("" when none fits)."""
+    right = activation_bytes_per_layer(s, b, h, f, a, tp, "tp+sp" if sp else "tp")
+    other = activation_bytes_per_layer(s, b, h, f, a, tp, "tp" if sp else "tp+sp")
+    try:
+        got = float(got)
+    except (TypeError, ValueError):
+        return ""
+    if tp > 1 and abs(got - other) < 0.5:
+        return ("that is the count for sp=" + str(not sp) + ": under plain TP the norms' inputs, "
+                "x·rstd, rstd and the norm outputs are whole on every rank; under TP+SP they are "
+                "split like the rest")
+    if abs(got - (right - s * s)) < 0.5:
+        return "the s×s causal mask is missing (a bool tensor: 1 byte per entry, never split)"
+    if abs(got - (right + 3 * s * s)) < 0.5:
+        return "the causal mask is bool: 1 byte per entry, not 4"
+    if abs(got - (right - 4 * a * s * s * b // tp)) < 0.5:
+        return "the softmax probabilities (a·s² per sequence, split by heads) are missing"
+    if abs(got - 4 * right) < 2 or abs(got * 4 - right) < 2:
+        return "off by 4: count floats × 4 bytes (fp32), the mask in bytes"
+    return ""
+
+
 def check_sp_activation_bytes(fn) -> None:
     """Exact bytes for several sizes and tp, against picolib's measured-and-verified formula."""
     problems, checks = [], 0
@@ -73,7 +96,10 @@ def check_sp_activation_bytes(fn) -> None:
             checks += 1
             expected = activation_bytes_per_layer(s, b, h, f, a, tp, "tp+sp" if sp else "tp")
             got = call_student(fn, s, b, h, f, a, tp, sp)
-            problems += compare(f"s={s} b={b} h={h} f={f} a={a} tp={tp} sp={sp}", got, expected, atol=0.5)
+            what = f"s={s} b={b} h={h} f={f} a={a} tp={tp} sp={sp}"
+            wrong = compare(what, got, expected, atol=0.5)
+            hint = _bytes_hint(got, s, b, h, f, a, tp, sp) if wrong else ""
+            problems += [w + (f" — {hint}" if hint else "") for w in wrong]
     report("saved activation bytes per layer", problems, checks)
 
 
@@ -82,6 +108,20 @@ def check_tokens_per_day(fn) -> None:
     problems = []
     for gpus, flops, n in ((640, 450e12, 70e9), (8, 400e12, 8e9), (1024, 300e12, 405e9)):
         expected = gpus * flops / (6 * n) * 86_400
-        problems += compare(f"{gpus} GPUs × {flops / 1e12:g} TFLOP/s, {n / 1e9:g}B params",
-                            call_student(fn, gpus, flops, n), expected, atol=0, rtol=1e-6)
+        got = call_student(fn, gpus, flops, n)
+        wrong = compare(f"{gpus} GPUs × {flops / 1e12:g} TFLOP/s, {n / 1e9:g}B params", got,
+                        expected, atol=0, rtol=1e-6)
+        try:
+            ratio = float(got) / expected
+        except (TypeError, ValueError):
+            ratio = 0.0
+        for r, hint in ((3.0, "3× too many: 2N FLOPs per token is the forward alone; backward "
+                              "costs twice the forward (input and weight gradients)"),
+                        (1.5, "1.5× too many: backward needs two matmuls per weight (input and "
+                              "weight gradients), 4N, not 2N"),
+                        (1 / 86_400, "that is tokens per second: a day has 86,400 s"),
+                        (3 / 86_400, "tokens per second, and the forward alone")):
+            if wrong and abs(ratio / r - 1) < 1e-3:
+                wrong = [wrong[0] + f" — {hint}"]
+        problems += wrong
     report("tokens per day", problems, 3)
