@@ -134,12 +134,7 @@ def gather_right(shard, shapes, group=None):
     n = dist.get_world_size(group)
     full = torch.empty(n * shard.numel())
     comm.all_gather(full, shard, group=group)
-    out, offset = [], 0
-    for shape in shapes:
-        k = torch.Size(shape).numel()
-        out.append(full[offset:offset + k].view(shape))
-        offset += k
-    return out
+    return _split(full, shapes)
 
 
 def gather_reversed(shard, shapes, group=None):
