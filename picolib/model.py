@@ -134,14 +134,19 @@ class AttentionCore(nn.Module):
     """The part of attention that mixes tokens: softmax(q kᵀ/√d + causal mask) v.
 
     A module of its own so that a transform can swap it (context parallelism puts ring
-    attention here, lesson 06) while the projections around it stay. `selective`
-    recomputes it in backward instead of saving the s×s scores (lesson 01)."""
+    attention here, lesson 06) while the projections around it stay. It receives the
+    key/value heads unrepeated (GQA), so a core that moves K/V between ranks moves the
+    smaller tensors. `selective` recomputes it in backward instead of saving the s×s
+    scores (lesson 01)."""
 
     def __init__(self, impl: str = "eager", selective: bool = False):
         super().__init__()
         self.impl, self.selective = impl, selective
 
     def forward(self, q, k, v):
+        """q (b, heads, s, d); k, v (b, kv_heads, s, d) with kv_heads dividing heads (GQA)."""
+        n_rep = q.shape[1] // k.shape[1]  # heads may be a shard: keep the ratio, not the totals
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         if self.selective and torch.is_grad_enabled():
             return checkpoint(attention_core, q, k, v, self.impl, use_reentrant=False)
         return attention_core(q, k, v, self.impl)
@@ -174,8 +179,7 @@ class Attention(nn.Module):
         b, s, _ = q.shape
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        n_rep = q.shape[1] // k.shape[1]  # heads may be a shard: keep the ratio, not the totals
-        out = self.core(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))
+        out = self.core(q, k, v)
         return self.output(out.transpose(1, 2).reshape(b, s, -1))
 
 
