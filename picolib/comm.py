@@ -212,24 +212,40 @@ def recv(tensor, src: int, group=None):
     return _native("recv", lambda a: dist.recv(tensor, src, group), _bytes(tensor), group, False)
 
 
-def exchange(sends=(), recvs=(), group=None):
+class _Exchange:
+    """The handle of an async `exchange`: `wait()` waits for every send and receive, then
+    completes their ledger records."""
+
+    def __init__(self, works, records, t0):
+        self._works, self._records, self._t0 = works, records, t0
+
+    def wait(self):
+        for w in self._works:
+            w.wait()
+        dt = time.perf_counter() - self._t0
+        for r in self._records:
+            r.seconds = dt
+        return True
+
+
+def exchange(sends=(), recvs=(), group=None, async_op: bool = False):
     """Post all sends [(tensor, dst)] and receives [(tensor, src)] at once, then wait.
 
-    Batching lets two neighbours send to each other without deadlock (ranks are global)."""
+    Batching lets two neighbours send to each other without deadlock (ranks are global).
+    With `async_op` it returns at once with a handle: compute, then `.wait()` (ring
+    attention overlaps its K/V hops with the block computation this way, lesson 06)."""
     ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
-    if not ops:
-        return
     n = dist.get_world_size(group)
-    t0 = time.perf_counter()
     recs = [Record("send", n, _bytes(t), _bytes(t), None, meta={"peer": p}) for t, p in sends]
     recs += [Record("recv", n, _bytes(t), 0, None, meta={"peer": p}) for t, p in recvs]
-    for w in dist.batch_isend_irecv(ops):
-        w.wait()
-    dt = time.perf_counter() - t0
     for r in recs:
-        r.seconds = dt
         Ledger._add(r)
+    t0 = time.perf_counter()
+    handle = _Exchange(dist.batch_isend_irecv(ops) if ops else [], recs, t0)
+    if async_op:
+        return handle
+    handle.wait()
 
 
 def barrier(group=None):

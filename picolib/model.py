@@ -228,8 +228,8 @@ class TinyLlama(nn.Module):
     is the hidden states (b, s, h); without `lm_head` the output is.
 
     `positions` (a tensor (s,) or a range) are the tokens' positions for RoPE (default
-    range(s)); context
-    parallelism passes the positions of the tokens a rank holds. `sequence_shards` is the
+    range(s), or `position_ids(s)` where context parallelism set it: the positions of the
+    tokens a rank holds, lesson 06). `sequence_shards` is the
     number of slices the residual stream is cut into along the sequence (sequence
     parallelism sets it to tp: a rank's hidden states are then (b, s/tp, h))."""
 
@@ -237,6 +237,7 @@ class TinyLlama(nn.Module):
         super().__init__()
         self.cfg = cfg = cfg or LlamaConfig()
         self.sequence_shards = 1
+        self.position_ids = None              # context parallelism: local length → positions
         self.layers = range(cfg.n_layers)     # which of the model's blocks this one holds
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -284,7 +285,9 @@ class TinyLlama(nn.Module):
             x = self.embed(x)
         else:
             seq = x.shape[1] * self.sequence_shards
-        cos, sin = self.rope(range(seq) if positions is None else positions)
+        if positions is None:
+            positions = range(seq) if self.position_ids is None else self.position_ids(seq)
+        cos, sin = self.rope(positions)
         for block in self.blocks:
             if self.cfg.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)

@@ -76,6 +76,20 @@ class Timeline:
         self._events.append(ev)
         return ev
 
+    def wait(self, name: str, work, start: float, lane: str = "comm", cost: float | None = None,
+             **meta):
+        """`work.wait()` for an async operation issued at `start`, recorded as a span from
+        `start` to its end; with a cost (argument, else `emulate[name]`) it lasts at least
+        that long, as `span` does (lesson 06: K/V hops hidden under attention blocks)."""
+        if cost is None:
+            cost = self.emulate.get(name)
+        work.wait()
+        if cost is not None:
+            _sleep_until(start + cost)
+        ev = self.add(name, start, time.perf_counter(), lane, **meta)
+        ev.update(emulated=cost is not None, cost=cost)
+        return ev
+
     @property
     def events(self) -> list[dict]:
         return [dict(e, meta=dict(e["meta"])) for e in self._events]

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from picolib.comm import Ledger
+from picolib.context_parallel import apply_context_parallel, shard_sequence
 from picolib.data_parallel import DDP
 from picolib.launch import WorkerError, run
 from picolib.mesh import Mesh
@@ -28,6 +29,7 @@ from picolib.zero import ZeRO
 
 CFG = LlamaConfig(hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq=16)
 STEPS, BATCH, SEQ, LR, EPS = 3, 8, 8, 1e-2, 1e-3
+CP_LAYOUT = "zigzag"
 
 
 def _batch(step):
@@ -48,30 +50,37 @@ def _reference():
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _parallel(model, mesh, sp, pp):
-    """The transforms in their order: TP (+SP) over the mesh's tp, then this rank's stage."""
+def _parallel(model, mesh, sp, pp, cp_algorithm="ring"):
+    """The transforms in their order: TP (+SP) over the mesh's tp, CP over its cp, then this
+    rank's stage."""
     if mesh.size("tp") > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=sp)
+    if mesh.size("cp") > 1:
+        apply_context_parallel(model, mesh, layout=CP_LAYOUT, algorithm=cp_algorithm)
     return split_stages(model, mesh.size("pp"))[pp] if mesh.size("pp") > 1 else model
 
 
-def _train(sizes, wrapper, sp=False, schedule="1f1b", m=2):
+def _train(sizes, wrapper, sp=False, schedule="1f1b", m=2, cp_algorithm="ring"):
     """3 Adam steps on this rank's part of the model; `wrapper`: "ddp", "zero1/2/3" or None
-    (no data parallelism). Without a pipeline the m micro-batches accumulate under no_sync."""
+    (no data parallelism). Without a pipeline the m micro-batches accumulate under no_sync.
+    Context-parallel ranks are replicas of the weights too: the wrapper reduces over dp×cp."""
     mesh = Mesh(**sizes)
     dp, pp, n_dp, n_pp = (mesh.coordinate("dp"), mesh.coordinate("pp"), mesh.size("dp"),
                           mesh.size("pp"))
-    part = _parallel(TinyLlama(CFG), mesh, sp, pp)
+    cp, n_cp = mesh.coordinate("cp"), mesh.size("cp")
+    replicas = mesh.group("dp", "cp") if n_cp > 1 else mesh.group("dp")
+    part = _parallel(TinyLlama(CFG), mesh, sp, pp, cp_algorithm)
     dp_part, opt = None, None
     if wrapper == "ddp":
-        dp_part = DDP(part, group=mesh.group("dp"))
+        dp_part = DDP(part, group=replicas)
     elif wrapper is not None:
-        dp_part = opt = ZeRO(part, int(wrapper[-1]), group=mesh.group("dp"), optimizer="adam",
+        dp_part = opt = ZeRO(part, int(wrapper[-1]), group=replicas, optimizer="adam",
                              lr=LR, eps=EPS)   # ZeRO owns its optimizer
     opt = opt or torch.optim.Adam(part.parameters(), lr=LR, eps=EPS)
     losses, syncs = [], []
     for step in range(STEPS):
-        tokens, targets = (list(t.chunk(n_dp)[dp].chunk(m)) for t in _batch(step))  # this replica's share
+        tokens, targets = (list(shard_sequence(t.chunk(n_dp)[dp], CP_LAYOUT, cp, n_cp).chunk(m))
+                           for t in _batch(step))  # this replica's share, its slice of the sequence
         with Ledger() as led:
             if n_pp > 1:
                 loss = run_schedule(make_schedule(schedule, n_pp, m), {pp: part}, tokens, targets,
@@ -90,12 +99,12 @@ def _train(sizes, wrapper, sp=False, schedule="1f1b", m=2):
         opt.zero_grad()
         if loss is not None:  # the replica's mean loss; the global one is their mean
             total = loss.reshape(1).clone()
-            dist.all_reduce(total, group=mesh.group("dp"))
-            losses.append(total.item() / n_dp)
+            dist.all_reduce(total, group=replicas)
+            losses.append(total.item() / (n_dp * n_cp))
     got = dp_part.gather_parameters() if wrapper == "zero3" else dict(part.named_parameters())
-    expected = _parallel(_reference_model(), mesh, sp, pp)   # the trained weights, cut alike
+    expected = _parallel(_reference_model(), mesh, sp, pp, cp_algorithm)   # the trained weights, cut alike
     errors = {n: (got[n] - e).abs().max().item() for n, e in expected.named_parameters()}
-    coords = {d: mesh.coordinate(d) for d in ("pp", "dp", "tp")}
+    coords = {d: mesh.coordinate(d) for d in ("pp", "dp", "cp", "tp")}
     units = None if dp_part is None else (
         len(dp_part.buckets) if wrapper == "ddp" else len(dp_part.unit_numels()))
     return coords, losses, {n: t.detach().clone() for n, t in got.items()}, errors, (syncs, units)
@@ -149,6 +158,24 @@ def test_zero_over_tp2_sp_equals_one_process(stage):
 
 def test_dp2_pp2_tp2_sp_zero1_on_8_ranks_equals_one_process():
     _check(run(_train, 8, {"pp": 2, "dp": 2, "tp": 2}, "zero1", True, "1f1b", timeout=300),
+           n_last=4)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "allgather", "ulysses"])
+def test_dp2_cp2_equals_one_process(algorithm):
+    """Zig-zag context parallelism inside data parallelism: DDP over the 4 ranks of dp×cp."""
+    _check(run(_train, 4, {"dp": 2, "cp": 2}, "ddp", False, "1f1b", 1, algorithm, timeout=180),
+           n_last=4)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_cp2_tp2_equals_one_process(sp):
+    """Ring attention over the heads a TP rank holds; DDP sums the weights' gradients over cp."""
+    _check(run(_train, 4, {"cp": 2, "tp": 2}, "ddp", sp, "1f1b", 1, timeout=180), n_last=4)
+
+
+def test_zero1_over_cp2_tp2_sp_equals_one_process():
+    _check(run(_train, 4, {"cp": 2, "tp": 2}, "zero1", True, "1f1b", 2, "ulysses", timeout=180),
            n_last=4)
 
 

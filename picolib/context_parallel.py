@@ -1,0 +1,351 @@
+"""Context parallelism: each of N ranks holds a slice of the sequence (lesson 06).
+
+Every layer of the model works token by token — except attention, where each query needs
+the keys and values of all earlier tokens. So the sequence can be cut over N ranks (the
+mesh's "cp" dimension) everywhere, as long as attention brings the missing K/V in. Three
+ways, all exact (`picolib.blockwise_attention` merges the pieces with the online softmax):
+
+- **ring** (ring attention): K/V blocks travel around the ring of ranks, one hop per step,
+  each hop a non-blocking send/recv posted before the step's block computation so that it
+  hides behind it. A rank holds one K/V block besides its own (plus the one arriving). The
+  backward sends K/V around again and passes the accumulating dK/dV along with them; after
+  the last step one more hop brings each block's gradient home. Point-to-point traffic,
+  not an all-to-all.
+- **allgather** (Llama 3): one all-gather of K/V, then local attention; its backward is a
+  reduce-scatter of dK/dV. Simple, but every rank holds all N blocks.
+- **ulysses** (DeepSpeed-Ulysses): an all-to-all turns "all heads, s/N tokens" into
+  "a/N heads, all tokens", attention runs locally, a second all-to-all turns it back. The
+  heads must divide by N.
+
+The layout says which tokens a rank holds. `contiguous`: rank r holds chunk r of N. Under
+the causal mask the last rank then computes 2N−1 times the first rank's scores.
+`zigzag`: the sequence is cut into 2N chunks and rank r holds chunks r and 2N−1−r, an
+early and a late one, so every rank computes the same number of scores. RoPE needs each
+token's true position, so the layout also gives the position ids.
+
+Gradients: a rank's weights see only its tokens, so the weight gradients are summed over
+the cp ranks as over dp ranks — wrap the model in DDP or ZeRO over `mesh.group("dp", "cp")`
+(each rank's loss is the mean over its tokens; the average over dp×cp is the global mean).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import comm
+from .blockwise_attention import block_backward, block_forward, chunked_attention, count, merge, visible
+from .mappings import all_gather_to_region
+from .mesh import dim_group
+from .model import AttentionCore, LlamaConfig, TinyLlama, repeat_kv, upcast
+
+__all__ = ["LAYOUTS", "ALGORITHMS", "chunk_ids", "positions", "shard_sequence",
+           "unshard_sequence", "check_context_parallel", "ring_attention", "allgather_attention",
+           "ulysses_attention", "ContextParallelAttention", "apply_context_parallel"]
+
+LAYOUTS = ("contiguous", "zigzag")
+ALGORITHMS = ("ring", "allgather", "ulysses")
+
+
+# ------------------------------------------------------------------ layouts
+
+def _layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; known: {list(LAYOUTS)}")
+    return layout
+
+
+def chunk_ids(layout: str, rank: int, n: int) -> list[int]:
+    """The chunks rank `rank` of `n` holds: [r] of n (contiguous), [r, 2n−1−r] of 2n (zigzag)."""
+    return [rank] if _layout(layout) == "contiguous" else [rank, 2 * n - 1 - rank]
+
+
+def _chunk_len(layout: str, n: int, seq: int) -> int:
+    parts = n if _layout(layout) == "contiguous" else 2 * n
+    if seq % parts:
+        raise ValueError(f"the sequence length {seq} must divide by {parts} "
+                         f"({'N' if parts == n else '2N'} chunks, N = {n} cp ranks, {layout} layout)")
+    return seq // parts
+
+
+def positions(layout: str, rank: int, n: int, seq: int) -> torch.Tensor:
+    """Positions (for RoPE) of the tokens rank `rank` holds of a `seq`-token sequence."""
+    c = _chunk_len(layout, n, seq)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_ids(layout, rank, n)])
+
+
+def shard_sequence(x: torch.Tensor, layout: str, rank: int, n: int, dim: int = 1) -> torch.Tensor:
+    """The tokens rank `rank` holds of `x` (its chunks along `dim`, concatenated)."""
+    c = _chunk_len(layout, n, x.shape[dim])
+    return torch.cat([x.narrow(dim, i * c, c) for i in chunk_ids(layout, rank, n)], dim)
+
+
+def unshard_sequence(parts: list[torch.Tensor], layout: str, dim: int = 1) -> torch.Tensor:
+    """Inverse of `shard_sequence`: every rank's slice, in rank order → the whole sequence."""
+    n = len(parts)
+    chunks = {}
+    for r, part in enumerate(parts):
+        ids = chunk_ids(layout, r, n)
+        chunks.update(zip(ids, part.chunk(len(ids), dim)))
+    return torch.cat([chunks[i] for i in sorted(chunks)], dim)
+
+
+def check_context_parallel(cfg: LlamaConfig, cp: int, algorithm: str = "ring",
+                           layout: str = "zigzag", tp: int = 1, seq: int | None = None) -> None:
+    """Refuse what cannot work, before any collective: unknown names, heads that Ulysses
+    cannot split, a sequence that does not cut into the layout's chunks."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be a positive int, not {cp!r}")
+    _layout(layout)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown context-parallel algorithm {algorithm!r}; known: {list(ALGORITHMS)}")
+    if algorithm == "ulysses" and (cfg.n_heads // tp) % cp:
+        raise ValueError(f"Ulysses splits the {cfg.n_heads // tp} query heads of a rank "
+                         f"(n_heads={cfg.n_heads}, tp={tp}) over cp={cp}: they must divide by cp")
+    if seq is not None:
+        _chunk_len(layout, cp, seq)
+
+
+# ------------------------------------------------------------------ ring attention
+
+def _neighbours(group):
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    glob = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    return n, me, glob((me + 1) % n), glob((me - 1) % n)
+
+
+def _hop(buf, right, left, group):
+    """Post: send `buf` to the right neighbour, receive the left one's into a new buffer."""
+    incoming = torch.empty_like(buf)
+    return comm.exchange([(buf, right)], [(incoming, left)], group, async_op=True), incoming
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout, work, timeline):
+        n, me, right, left = _neighbours(group)
+        mine = chunk_ids(layout, me, n)
+        qs = q.chunk(len(mine), 2)
+        o = [qc.new_zeros(qc.shape, dtype=upcast(qc).dtype) for qc in qs]
+        lse = [oc.new_full(oc.shape[:-1], float("-inf")) for oc in o]
+        kv = torch.stack((k, v))                 # one message per hop
+        for step in range(n):
+            src = (me - step) % n                # whose K/V this rank holds now
+            if step < n - 1:
+                t0 = time.perf_counter()
+                work_, incoming = _hop(kv, right, left, group)
+            theirs = chunk_ids(layout, src, n)
+            pairs = [(a, b, visible(i, j)) for a, i in enumerate(mine) for b, j in enumerate(theirs)
+                     if visible(i, j)]
+            units = sum(1.0 if kind == "full" else 0.5 for *_, kind in pairs)
+            with _span(timeline, "attn", units, step=step, src=src):
+                ks, vs = kv[0].chunk(len(theirs), 2), kv[1].chunk(len(theirs), 2)
+                for a, b, kind in pairs:
+                    merge(o[a], lse[a], *block_forward(qs[a], ks[b], vs[b], kind == "diagonal"))
+                    count(work, kind, qs[a].shape[2])
+            if step < n - 1:
+                _wait(timeline, "kv", work_, t0, step=step)
+                kv = incoming
+        out, lse = torch.cat(o, 2).to(q.dtype), torch.cat(lse, 2)
+        ctx.group, ctx.layout = group, layout
+        ctx.save_for_backward(q, k, v, out, lse)  # this rank's K/V only: one block
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, layout = ctx.group, ctx.layout
+        n, me, right, left = _neighbours(group)
+        mine = chunk_ids(layout, me, n)
+        c = q.shape[2] // len(mine)
+        do = upcast(dout)
+        delta = (do * upcast(out)).sum(-1)
+        dq = torch.zeros_like(q, dtype=do.dtype)
+        kv, arriving = torch.stack((k, v)), None
+        for step in range(n):
+            src = (me - step) % n
+            if step < n - 1:
+                kv_work, incoming = _hop(kv, right, left, group)
+            theirs = chunk_ids(layout, src, n)
+            dkv = torch.zeros_like(kv, dtype=do.dtype)   # this rank's share of src's dK/dV
+            for a, i in enumerate(mine):
+                rows = slice(a * c, (a + 1) * c)
+                for b, j in enumerate(theirs):
+                    kind = visible(i, j)
+                    if kind is None:
+                        continue
+                    cols = slice(b * c, (b + 1) * c)
+                    g = block_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                                       kv[1][:, :, cols], lse[:, :, rows], delta[:, :, rows],
+                                       kind == "diagonal")
+                    dq[:, :, rows] += g[0]
+                    dkv[0][:, :, cols] += g[1]
+                    dkv[1][:, :, cols] += g[2]
+            if arriving is not None:             # the shares of the ranks src has passed
+                arriving[0].wait()
+                dkv += arriving[1]
+            if n > 1:                            # pass src's dK/dV on, one hop behind its K/V
+                arriving = _hop(dkv, right, left, group)
+            if step < n - 1:
+                kv_work.wait()
+                kv = incoming
+        if arriving is not None:                 # the last hop brings this rank's own block home
+            arriving[0].wait()
+            dkv = arriving[1]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def _span(timeline, name, units, **meta):
+    if timeline is None:
+        return nullcontext()
+    cost = timeline.emulate.get(name)
+    return timeline.span(name, cost=None if cost is None else cost * units, **meta)
+
+
+def _wait(timeline, name, work, t0, **meta):
+    if timeline is None:
+        work.wait()
+    else:
+        timeline.wait(name, work, t0, **meta)
+
+
+def ring_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | None = None,
+                   timeline=None):
+    """Causal attention of this rank's tokens (q: (b, a, s/N, d); k, v: (b, kv, s/N, d), in
+    `layout`) against the whole sequence, K/V passed around the ring of `group`. `work`
+    counts the blocks computed; a `Timeline` records each step's compute ("attn", emulated
+    cost per full block) and each hop ("kv")."""
+    return _RingAttention.apply(q, k, v, group, layout, work, timeline)
+
+
+# ------------------------------------------------------------------ all-gather K/V, Ulysses
+
+def allgather_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | None = None):
+    """Llama 3's variant: all-gather K and V (one collective; backward: reduce-scatter of
+    dK/dV), then attend locally to all of them."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    kv = all_gather_to_region(torch.stack((k, v)), 3, group)   # (2, b, kv, s, d), rank order
+    all_ids = [i for r in range(n) for i in chunk_ids(layout, r, n)]
+    return chunked_attention(q, kv[0], kv[1], chunk_ids(layout, me, n), all_ids, work)
+
+
+def _seq_to_heads(x, group):
+    """(b, h, s/N, d) → (b, h/N, s, d): send head group j to rank j, receive every rank's
+    tokens of this rank's heads (one all-to-all); tokens end in rank order."""
+    n = dist.get_world_size(group)
+    b, h, m, d = x.shape
+    send = x.reshape(b, n, h // n, m, d).movedim(1, 0).contiguous()
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, group=group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * m, d)
+
+
+def _heads_to_seq(x, group):
+    """(b, h/N, s, d) → (b, h, s/N, d): the inverse all-to-all."""
+    n = dist.get_world_size(group)
+    b, hn, s, d = x.shape
+    send = x.reshape(b, hn, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, group=group)
+    return recv.movedim(0, 1).reshape(b, n * hn, s // n, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad.contiguous(), ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad.contiguous(), ctx.group), None
+
+
+def ulysses_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | None = None):
+    """DeepSpeed-Ulysses: all-to-all from sequence-sharded to head-sharded, attention over
+    the whole sequence for a/N heads, all-to-all back. K/V heads that do not divide by N are
+    repeated to the query heads first."""
+    n, a = dist.get_world_size(group), q.shape[1]
+    if a % n:
+        raise ValueError(f"Ulysses splits {a} query heads over {n} ranks: they must divide")
+    if k.shape[1] % n:
+        k, v = repeat_kv(k, a // k.shape[1]), repeat_kv(v, a // k.shape[1])
+    kv_heads = k.shape[1]
+    # one all-to-all for all three: head group j of q, k and v side by side goes to rank j
+    qkv = torch.cat([t.unflatten(1, (n, t.shape[1] // n)) for t in (q, k, v)], 2).flatten(1, 2)
+    q, k, v = _SeqToHeads.apply(qkv, group).split((a // n, kv_heads // n, kv_heads // n), 1)
+    all_ids = [i for r in range(n) for i in chunk_ids(layout, r, n)]
+    return _HeadsToSeq.apply(chunked_attention(q, k, v, all_ids, all_ids, work), group)
+
+
+# ------------------------------------------------------------------ the transform
+
+_ALGORITHM = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+
+
+class ContextParallelAttention(nn.Module):
+    """The attention core of a context-parallel model: q, k, v of this rank's tokens in,
+    attention over the whole sequence out, by `algorithm`. `work` accumulates the blocks
+    and unmasked scores this rank computed (lesson 06 compares ranks with it)."""
+
+    def __init__(self, group, layout: str = "zigzag", algorithm: str = "ring"):
+        super().__init__()
+        self.group, self.layout, self.algorithm = group, _layout(layout), algorithm
+        self.work: dict[str, int] = {}
+
+    def extra_repr(self) -> str:
+        return f"algorithm={self.algorithm}, layout={self.layout}"
+
+    def forward(self, q, k, v):
+        return _ALGORITHM[self.algorithm](q, k, v, self.group, self.layout, self.work)
+
+
+def apply_context_parallel(model: TinyLlama, cp=None, *, layout: str = "zigzag",
+                           algorithm: str = "ring") -> TinyLlama:
+    """Make `model` context-parallel over `cp` (a Mesh — its "cp" dimension — or a process
+    group; None: all ranks), in place, and return it.
+
+    Every block's attention core becomes a `ContextParallelAttention`, and the model's
+    positions follow the layout: feed it this rank's tokens (`shard_sequence`) and it ropes
+    them at their true positions. Composes with tensor (and sequence) parallelism in either
+    order: the core sees this rank's heads."""
+    group = dim_group(cp, "cp")
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    attn = model.blocks[0].attn if len(model.blocks) else None
+    tp = model.cfg.n_heads * attn.head_dim // attn.wq.weight.shape[0] if attn else 1  # TP first?
+    check_context_parallel(model.cfg, n, algorithm, layout, tp=tp)
+    for block in model.blocks:
+        core = block.attn.core
+        if isinstance(core, ContextParallelAttention):
+            raise ValueError("this model is context-parallel already")
+        if type(core) is not AttentionCore:
+            raise TypeError(f"context parallelism replaces the attention core, and cannot wrap "
+                            f"a {type(core).__name__} (it knows picolib.model.AttentionCore)")
+    for block in model.blocks:
+        block.attn.core = ContextParallelAttention(group, layout, algorithm)
+    model.position_ids = _Positions(layout, me, n)
+    return model
+
+
+class _Positions:
+    """A context-parallel model's positions: this rank's local length → its token positions."""
+
+    def __init__(self, layout: str, rank: int, n: int):
+        self.layout, self.rank, self.n = layout, rank, n
+
+    def __call__(self, seq: int) -> torch.Tensor:
+        return positions(self.layout, self.rank, self.n, seq * self.n)
