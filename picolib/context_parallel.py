@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .blockwise_attention import block_backward, block_forward, chunked_attention, count, merge, visible
+from .blockwise_attention import (block_backward, block_forward, chunked_attention, count, merge,
+                                  unmasked_scores, visible)
 from .mappings import all_gather_to_region
 from .mesh import dim_group
 from .model import AttentionCore, LlamaConfig, TinyLlama, repeat_kv, upcast
@@ -140,7 +141,8 @@ class _RingAttention(torch.autograd.Function):
             theirs = chunk_ids(layout, src, n)
             pairs = [(a, b, visible(i, j)) for a, i in enumerate(mine) for b, j in enumerate(theirs)
                      if visible(i, j)]
-            units = sum(1.0 if kind == "full" else 0.5 for *_, kind in pairs)
+            c = q.shape[2] // len(mine)          # emulated cost: per (s/N)² scores, any layout
+            units = sum(unmasked_scores(kind, c) for *_, kind in pairs) / q.shape[2] ** 2
             with _span(timeline, "attn", units, step=step, src=src):
                 ks, vs = kv[0].chunk(len(theirs), 2), kv[1].chunk(len(theirs), 2)
                 for a, b, kind in pairs:
@@ -216,8 +218,8 @@ def ring_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | Non
                    timeline=None):
     """Causal attention of this rank's tokens (q: (b, a, s/N, d); k, v: (b, kv, s/N, d), in
     `layout`) against the whole sequence, K/V passed around the ring of `group`. `work`
-    counts the blocks computed; a `Timeline` records each step's compute ("attn", emulated
-    cost per full block) and each hop ("kv")."""
+    counts the blocks computed; a `Timeline` records each step's compute ("attn"; its
+    emulated cost is per (s/N)² unmasked scores, so layouts compare) and each hop ("kv")."""
     return _RingAttention.apply(q, k, v, group, layout, work, timeline)
 
 

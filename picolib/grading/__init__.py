@@ -18,6 +18,7 @@ from .lesson04 import (check_conjugate_pair, check_parallel_head, check_shards,
                        check_vocab_parallel_loss)
 from .lesson05 import (check_gather_sequence, check_reduce_scatter_sequence,
                        check_sp_activation_bytes, check_tokens_per_day)
+from .lesson06 import check_merge_partials, check_ring_pairs, check_zigzag_positions
 from .lesson07 import check_bubble, check_broken_schedules, check_one_f_one_b
 
 __all__ = [
@@ -32,5 +33,6 @@ __all__ = [
     "check_conjugate_pair", "check_parallel_head", "check_shards", "check_vocab_parallel_loss",
     "check_gather_sequence", "check_reduce_scatter_sequence", "check_sp_activation_bytes",
     "check_tokens_per_day",
+    "check_merge_partials", "check_ring_pairs", "check_zigzag_positions",
     "check_bubble", "check_broken_schedules", "check_one_f_one_b",
 ]

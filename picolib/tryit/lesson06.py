@@ -1,0 +1,60 @@
+"""Lesson 06's "try it": which rank computes which block of the causal score matrix.
+
+    work_per_rank(n, layout, seq)    # unmasked query-key scores each rank computes
+    score_grid(n, layout)            # the knob cell: the matrix, blocks coloured by rank
+
+Both read the layout from `picolib.context_parallel.chunk_ids` and the mask from
+`picolib.blockwise_attention.visible`; tests/test_tryit_06.py checks `work_per_rank`
+against the blocks a real ring counts on its ranks.
+"""
+from __future__ import annotations
+
+from ..blockwise_attention import unmasked_scores, visible
+from ..context_parallel import LAYOUTS, _chunk_len, chunk_ids
+
+__all__ = ["work_per_rank", "score_grid"]
+
+
+def work_per_rank(n: int, layout: str = "zigzag", seq: int = 256) -> list[int]:
+    """Unmasked scores (query-key pairs) rank r computes in causal attention over `seq`
+    tokens cut over `n` ranks in `layout`: rank r's query chunks against every key chunk."""
+    c = _chunk_len(layout, n, seq)
+    all_ids = [j for r in range(n) for j in chunk_ids(layout, r, n)]
+    return [sum(unmasked_scores(kind, c) for i in chunk_ids(layout, r, n) for j in all_ids
+                if (kind := visible(i, j))) for r in range(n)]
+
+
+def score_grid(n: int = 4, layout: str = "zigzag", seq: int = 256, ax=None) -> dict:
+    """Draw the causal score matrix in chunk × chunk blocks, each coloured by the rank that
+    computes it (the owner of its query chunk), masked blocks blank; print and return the
+    work per rank and the ratio of the busiest rank to the idlest."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Polygon, Rectangle
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, not {layout!r}")
+    work = work_per_rank(n, layout, seq)
+    chunks = n if layout == "contiguous" else 2 * n
+    owner = {i: r for r in range(n) for i in chunk_ids(layout, r, n)}
+    colors = plt.get_cmap("tab10")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(4.2, 4.2))
+    for i in range(chunks):                  # query chunk i: row i (top to bottom)
+        for j in range(chunks):
+            kind = visible(i, j)
+            y = chunks - 1 - i
+            if kind == "full":
+                ax.add_patch(Rectangle((j, y), 1, 1, color=colors(owner[i] % 10), alpha=0.8))
+            elif kind == "diagonal":
+                ax.add_patch(Polygon([(j, y), (j, y + 1), (j + 1, y)], color=colors(owner[i] % 10),
+                                     alpha=0.8))
+    for r in range(n):
+        ax.plot([], [], "s", color=colors(r % 10), label=f"rank {r}")
+    ax.set(xlim=(0, chunks), ylim=(0, chunks), aspect="equal", xlabel="key chunk",
+           ylabel="query chunk", xticks=[], yticks=[])
+    ax.set_title(f"{layout}, N = {n}: who computes which scores", fontsize=10)
+    ax.legend(loc="upper right", fontsize=7, frameon=False)
+    plt.show()
+    ratio = max(work) / min(work)
+    print(f"{layout}, N={n}, {seq} tokens: scores per rank {work}; busiest / idlest = {ratio:.2f}")
+    return {"work": work, "ratio": ratio}

@@ -1,0 +1,55 @@
+"""Lesson 06 checks: each accepts a correct answer and rejects plausible wrong ones."""
+import pytest
+import torch
+
+from picolib.grading import (ExerciseFailed, check_merge_partials, check_ring_pairs,
+                             check_zigzag_positions)
+
+
+def merge(o1, lse1, o2, lse2):
+    lse = torch.logaddexp(lse1, lse2)
+    return (o1 * (lse1 - lse).exp().unsqueeze(-1) + o2 * (lse2 - lse).exp().unsqueeze(-1)), lse
+
+
+def not_written(*args):
+    raise NotImplementedError
+
+
+def test_merge_check():
+    check_merge_partials(merge)
+    with pytest.raises(ExerciseFailed, match="normalised by its own"):
+        check_merge_partials(lambda o1, l1, o2, l2: ((o1 + o2) / 2, torch.logaddexp(l1, l2)))
+    with pytest.raises(ExerciseFailed, match="lse: values differ"):
+        check_merge_partials(lambda o1, l1, o2, l2: (merge(o1, l1, o2, l2)[0], torch.maximum(l1, l2)))
+    with pytest.raises(ExerciseFailed, match="not written yet"):
+        check_merge_partials(not_written)
+
+
+def zigzag(rank, n, seq):
+    c = seq // (2 * n)
+    return list(range(rank * c, (rank + 1) * c)) + list(range((2 * n - 1 - rank) * c, (2 * n - rank) * c))
+
+
+def test_zigzag_check():
+    check_zigzag_positions(zigzag)
+    check_zigzag_positions(lambda r, n, s: torch.tensor(zigzag(r, n, s)))
+    with pytest.raises(ExerciseFailed, match="that is the contiguous layout"):
+        check_zigzag_positions(lambda r, n, s: list(range(r * s // n, (r + 1) * s // n)))
+    with pytest.raises(ExerciseFailed, match="rank 0, n=2"):       # chunks 2N−r instead of 2N−1−r
+        check_zigzag_positions(lambda r, n, s: zigzag(r, n, s)[: s // (2 * n)]
+                               + [p + s // (2 * n) for p in zigzag(r, n, s)[s // (2 * n):]])
+
+
+def ring_pairs(rank, n, step, layout, direction=-1):
+    ids = (lambda r: [r]) if layout == "contiguous" else (lambda r: [r, 2 * n - 1 - r])
+    src = (rank + direction * step) % n
+    return [(i, j, "full" if j < i else "diagonal") for i in ids(rank) for j in ids(src) if j <= i]
+
+
+def test_ring_pairs_check():
+    check_ring_pairs(ring_pairs)
+    with pytest.raises(ExerciseFailed, match="travel to the right"):
+        check_ring_pairs(lambda r, n, k, layout: ring_pairs(r, n, k, layout, direction=+1))
+    with pytest.raises(ExerciseFailed, match="zigzag, n=2"):    # keeps the masked pairs too
+        check_ring_pairs(lambda r, n, k, layout: ring_pairs(r, n, k, layout) + (
+            [] if layout == "contiguous" or n == 1 else [(r, 2 * n - 1 - r, "masked")]))
