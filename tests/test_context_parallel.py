@@ -192,3 +192,25 @@ def test_a_core_it_cannot_wrap_and_a_second_transform_are_refused():
         run(_apply_twice, 1, "custom")
     with pytest.raises(WorkerError, match="context-parallel already"):
         run(_apply_twice, 1, "plain")
+
+
+def _recompute_worker(cfg):
+    n, r = dist.get_world_size(), dist.get_rank()
+    model = apply_context_parallel(TinyLlama(cfg), None)
+    tokens, targets = (shard_sequence(t, "zigzag", r, n) for t in random_tokens(2, 16, cfg.vocab_size))
+    model.loss(tokens, targets).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(grads)
+    return grads / n
+
+
+@pytest.mark.parametrize("changes", [{"recompute": "full"}, {"recompute": "selective"},
+                                     {"attn_impl": "sdpa"}], ids=str)
+def test_other_model_settings_keep_the_gradients(changes):
+    """Full recomputation reruns the ring in backward; selective and sdpa change nothing
+    (the context-parallel core saves no scores and computes its own blocks)."""
+    cfg = CFG.replace(**changes)
+    ref = TinyLlama(cfg)
+    ref.loss(*random_tokens(2, 16, cfg.vocab_size)).backward()
+    want = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    torch.testing.assert_close(run(_recompute_worker, 2, cfg)[0], want, atol=1e-5, rtol=0)

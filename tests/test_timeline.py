@@ -184,3 +184,24 @@ def test_plot_gantt_one_patch_per_span():
     texts = {t.get_text() for t in ax.texts}
     assert {"F0", "B3", "BW9"} <= texts
     plt.close(ax.figure)
+
+
+class _Work:
+    def __init__(self, seconds):
+        self.seconds, self.waited = seconds, False
+
+    def wait(self):
+        time.sleep(self.seconds)
+        self.waited = True
+
+
+def test_wait_records_an_async_operation_and_pads_it_to_its_cost():
+    tl = Timeline(emulate={"kv": 0.05})
+    t0 = time.perf_counter()
+    work = _Work(0.0)
+    ev = tl.wait("kv", work, t0, hop=1)
+    assert work.waited and ev["emulated"] and ev["cost"] == 0.05 and ev["lane"] == "comm"
+    assert 0.05 <= ev["end"] - ev["start"] < 0.5 and ev["meta"] == {"hop": 1}
+    slow = tl.wait("recv", _Work(0.03), time.perf_counter())      # not emulated: as it was
+    assert not slow["emulated"] and 0.03 <= slow["end"] - slow["start"] < 0.5
+    assert [e["name"] for e in tl.events] == ["kv", "recv"]
