@@ -1,0 +1,370 @@
+"""The 5-D trainer (lesson 10): one command trains the tiny Llama on any combination of data
+(DDP or ZeRO-1/2/3), tensor (+ sequence), pipeline and context parallelism.
+
+    python -m picolib.train --nproc 8 --dp 2 --pp 2 --tp 2 --sp --zero 1 --micro-batches 4
+    torchrun --nproc-per-node 8 -m picolib.train --dp 2 --pp 2 --tp 2 ...     # a real cluster
+
+Every configuration on the same `--seed` sees the same global batches from the same weights,
+so its loss curve lies on the single-process one (`--nproc 1`, every degree 1): that is
+how lesson 10 checks a configuration. The transforms run in the documented order
+(docs/design.md): tensor (+ sequence) parallel, context parallel, pipeline stages, then DDP
+or ZeRO over the ranks that hold the same weights (dp × cp).
+
+Each step logs the global mean loss, tokens/s, MFU and HFU against a stated peak, the memory
+of the busiest rank and the bytes it sent by collective; `--log FILE` writes them as one JSON
+object per line, `--trace FILE` a Perfetto/Chrome trace of the last step.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from .comm import Ledger
+from .context_parallel import ALGORITHMS, LAYOUTS, apply_context_parallel, check_context_parallel, shard_sequence
+from .data_parallel import DDP
+from .memory import SavedActivations, grad_bytes, hardware_flops, model_flops, optimizer_state_bytes, param_bytes
+from .mesh import Mesh, check_mesh
+from .model import LlamaConfig, TextData, TinyLlama, param_count, random_tokens
+from .pipeline_parallel import run_schedule, schedule_stages
+from .pipeline_schedules import SCHEDULES, make_schedule
+from .rank import device
+from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from .timeline import Timeline, gather, to_chrome_trace
+from .zero import ZeRO
+
+__all__ = ["PRESETS", "TrainConfig", "check_config", "train", "main"]
+
+PRESETS = {  # model shapes: a few hundred thousand to a few million parameters
+    "tiny": dict(hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64),
+    "small": dict(hidden=64, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=192),
+    "base": dict(hidden=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=768),
+}
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
+
+
+@dataclass
+class TrainConfig:
+    """One training run; every field is a command-line option (`--help`)."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sp: bool = False
+    zero: int = 0                 # 0: DDP; 1, 2, 3: ZeRO stage
+    schedule: str = "1f1b"
+    chunks: int = 2               # v for the interleaved schedule
+    micro_batches: int = 1
+    batch: int = 8                # global batch (sequences per step)
+    seq: int = 32
+    steps: int = 10
+    preset: str = "tiny"
+    recompute: str = "none"
+    precision: str = "fp32"       # "bf16": ZeRO's bf16 compute with fp32 master weights
+    cp_algorithm: str = "ring"
+    cp_layout: str = "zigzag"
+    data: str = "text"            # "text": the shipped text; "random": uniform tokens
+    lr: float = 1e-3
+    seed: int = 0
+    peak_tflops: float | None = None
+    log: str | None = None
+    trace: str | None = None
+    progress: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def model_config(self) -> LlamaConfig:
+        return LlamaConfig(**PRESETS[self.preset], max_seq=max(self.seq, 16), seed=self.seed,
+                           recompute=self.recompute)
+
+
+def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
+    """Refuse a configuration before any process starts, naming the numbers."""
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {sorted(PRESETS)}")
+    check_mesh(cfg.world_size if world_size is None else world_size,
+               **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
+    for name in ("batch", "seq", "steps", "micro_batches", "chunks"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(cfg, name)}")
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero must be 0 (DDP), 1, 2 or 3, not {cfg.zero}")
+    if cfg.data not in ("text", "random"):
+        raise ValueError(f"--data must be 'text' or 'random', not {cfg.data!r}")
+    if cfg.precision not in ("fp32", "bf16"):
+        raise ValueError(f"--precision must be fp32 or bf16, not {cfg.precision!r}")
+    if cfg.precision == "bf16" and cfg.zero == 0:
+        raise ValueError("--precision bf16 keeps fp32 master weights in ZeRO: add --zero 1, 2 or 3")
+    mcfg = cfg.model_config()
+    if cfg.tp > 1:
+        check_tensor_parallel(mcfg, cfg.tp)
+    if cfg.sp and cfg.tp == 1:
+        raise ValueError("--sp (sequence parallelism) splits the sequence over tp: it needs --tp ≥ 2")
+    local_seq = cfg.seq // cfg.cp
+    if cfg.sp and (cfg.seq % cfg.cp or local_seq % cfg.tp):
+        raise ValueError(f"with --sp each rank's {cfg.seq}/{cfg.cp} tokens must divide by tp={cfg.tp}")
+    if cfg.cp > 1:
+        if cfg.cp_layout not in LAYOUTS:
+            raise ValueError(f"unknown --cp-layout {cfg.cp_layout!r}; known: {list(LAYOUTS)}")
+        check_context_parallel(mcfg, cfg.cp, cfg.cp_algorithm, cfg.cp_layout, tp=cfg.tp, seq=cfg.seq)
+    per_replica = cfg.dp * cfg.micro_batches
+    if cfg.batch % per_replica:
+        raise ValueError(f"the batch of {cfg.batch} sequences must divide into dp={cfg.dp} "
+                         f"replicas × {cfg.micro_batches} micro-batches")
+    if cfg.pp > 1:
+        if cfg.schedule == "dualpipe":
+            raise ValueError("the trainer runs one copy of each stage; DualPipe keeps two "
+                             "(lesson 07 runs it): choose another --schedule")
+        v = cfg.chunks if cfg.schedule == "interleaved" else 1
+        sched = make_schedule(cfg.schedule, cfg.pp, cfg.micro_batches, v)
+        if len(sched.stage_ranks) > mcfg.n_layers:
+            raise ValueError(f"{len(sched.stage_ranks)} pipeline stages need at least as many "
+                             f"layers; the {cfg.preset} preset has {mcfg.n_layers}")
+        if cfg.zero == 3:
+            raise ValueError("ZeRO-3 × pipeline parallelism is not supported: ZeRO-3 frees a "
+                             "stage's parameters after each forward while a schedule keeps "
+                             f"{cfg.micro_batches} micro-batches in flight; use --zero 1 or 2")
+    elif cfg.schedule not in SCHEDULES:
+        raise ValueError(f"unknown --schedule {cfg.schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if cfg.zero == 3 and cfg.recompute != "none":
+        raise ValueError("ZeRO-3 frees parameters after forward: --recompute needs --zero ≤ 2")
+
+
+# --------------------------------------------------------------------------- building
+
+def _parts(cfg: TrainConfig, mesh: Mesh):
+    """This rank's stages {index: module}, their wrappers, the optimizers and the schedule."""
+    model = TinyLlama(cfg.model_config()).to(device())
+    if cfg.tp > 1:
+        apply_tensor_parallel(model, mesh, sequence_parallel=cfg.sp)
+    if cfg.cp > 1:
+        apply_context_parallel(model, mesh, layout=cfg.cp_layout, algorithm=cfg.cp_algorithm)
+    sched = None
+    stages = {0: model}
+    if cfg.pp > 1:
+        sched = make_schedule(cfg.schedule, cfg.pp, cfg.micro_batches,
+                              cfg.chunks if cfg.schedule == "interleaved" else 1)
+        mine = sched.stages_of(mesh.coordinate("pp"))
+        stages = {s: m for s, m in schedule_stages(model, sched).items() if s in mine}
+    replicas = mesh.group("dp", "cp") if cfg.cp > 1 else mesh.group("dp")
+    if cfg.zero:
+        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        wrappers = {s: ZeRO(m, cfg.zero, group=replicas, optimizer="adamw", lr=cfg.lr,
+                            param_dtype=dtype) for s, m in stages.items()}
+        optimizers = list(wrappers.values())
+    else:
+        wrappers = {s: DDP(m, group=replicas) for s, m in stages.items()}
+        params = [p for m in stages.values() for p in m.parameters()]
+        optimizers = [torch.optim.AdamW(params, lr=cfg.lr)]
+    return stages, wrappers, optimizers, sched, replicas
+
+
+def _batch(cfg: TrainConfig, data, step: int, mesh: Mesh):
+    """This rank's micro-batches of step `step`'s global batch: its dp share, its cp slice."""
+    if data is None:
+        tokens, targets = random_tokens(cfg.batch, cfg.seq, cfg.model_config().vocab_size,
+                                        seed=cfg.seed * 100_003 + step)
+    else:
+        tokens, targets = data.batch(cfg.batch, cfg.seq, step, cfg.seed)
+    out = []
+    for t in (tokens, targets):
+        t = t.chunk(cfg.dp)[mesh.coordinate("dp")]
+        if cfg.cp > 1:
+            t = shard_sequence(t, cfg.cp_layout, mesh.coordinate("cp"), cfg.cp)
+        out.append([m.to(device()) for m in t.chunk(cfg.micro_batches)])
+    return out
+
+
+def _step(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline):
+    """Forward and backward of one step; returns this rank's loss (None off the last stage)."""
+    if sched is not None:
+        return run_schedule(sched, stages, tokens, targets, timeline=timeline,
+                            group_ranks=mesh.peers("pp"), data_parallel=wrappers)["loss"]
+    model, wrapper = stages[0], wrappers[0]
+    loss = 0.0
+    for i, (x, y) in enumerate(zip(tokens, targets)):
+        last = i == len(tokens) - 1
+        with contextlib.nullcontext() if last else wrapper.no_sync(), \
+                (timeline.span("FB", mb=i) if timeline else contextlib.nullcontext()):
+            micro = model.loss(x, y) / len(tokens)
+            micro.backward()
+        loss += micro.item()
+    return loss
+
+
+def _state_bytes(stages, wrappers, optimizers, cfg) -> int:
+    if cfg.zero:
+        return sum(sum(w.memory().values()) for w in wrappers.values())
+    return sum(param_bytes(m) + grad_bytes(m) for m in stages.values()) + \
+        sum(optimizer_state_bytes(o) for o in optimizers)
+
+
+def _peak_flops(cfg: TrainConfig) -> tuple[float, str]:
+    """The peak MFU is measured against: given, an H100's dense BF16 on a GPU, or this core's
+    measured fp32 matmul rate on a CPU."""
+    if cfg.peak_tflops:
+        return cfg.peak_tflops * 1e12, f"{cfg.peak_tflops:g} TFLOP/s (given)"
+    if device().type == "cuda":
+        return 989e12, "989 TFLOP/s (H100 SXM dense BF16)"
+    a = torch.randn(256, 256)
+    a @ a
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.1:
+        a @ a
+        n += 1
+    rate = _max_over_ranks([2 * 256 ** 3 * n / (time.perf_counter() - t0)])[0]  # one peak for all
+    return rate, f"{rate / 1e9:.1f} GFLOP/s per rank (fp32 matmul, one thread, the fastest rank)"
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+# --------------------------------------------------------------------------- the loop
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Train on this rank (inside `launch.run` or under torchrun); returns one record per step
+    (the same on every rank): step, loss (global mean), seconds, tokens/s, MFU, HFU, the
+    busiest rank's state and activation bytes, bytes sent per collective (busiest rank)."""
+    check_config(cfg, dist.get_world_size())
+    mesh = Mesh(device().type, **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
+    stages, wrappers, optimizers, sched, _ = _parts(cfg, mesh)
+    data = TextData() if cfg.data == "text" else None
+    peak, peak_text = _peak_flops(cfg)
+    n_params, tokens_per_step = param_count(cfg.model_config()), cfg.batch * cfg.seq
+    hw_recompute = "full" if cfg.recompute == "full" else "none"
+    rank0 = dist.get_rank() == 0
+    bar = None
+    if rank0 and cfg.progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=cfg.steps, desc=_describe(cfg), file=sys.stdout)
+    records, log = [], open(cfg.log, "w") if rank0 and cfg.log else None
+    try:
+        for step in range(cfg.steps):
+            tokens, targets = _batch(cfg, data, step, mesh)
+            tl = Timeline() if cfg.trace and step == cfg.steps - 1 else None
+            dist.barrier()
+            t0 = time.perf_counter()
+            with Ledger() as led, SavedActivations() as act:
+                loss = _step(cfg, stages, wrappers, sched, mesh, tokens, targets, tl)
+                for opt in optimizers:
+                    opt.step()
+            seconds = time.perf_counter() - t0
+            state = _state_bytes(stages, wrappers, optimizers, cfg)
+            for opt in optimizers:
+                opt.zero_grad()
+            total = torch.tensor([0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0],
+                                 dtype=torch.float64)
+            dist.all_reduce(total)
+            sent = {op: s["sent_bytes"] for op, s in led.summary().items()}
+            busiest = _max_over_ranks([seconds, state, act.peak] + [sent.get(op, 0) for op in OPS])
+            rec = {"step": step, "loss": total[0].item() / total[1].item(), "seconds": busiest[0],
+                   "tokens_per_s": tokens_per_step / busiest[0],
+                   "mfu": model_flops(n_params, tokens_per_step) / (busiest[0] * cfg.world_size * peak),
+                   "hfu": hardware_flops(n_params, tokens_per_step, hw_recompute)
+                   / (busiest[0] * cfg.world_size * peak),
+                   "state_bytes": int(busiest[1]), "activation_bytes": int(busiest[2]),
+                   "sent_bytes": {op: int(b) for op, b in zip(OPS, busiest[3:]) if b}}
+            records.append(rec)
+            if log:
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+            if bar:
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                bar.update()
+            if tl is not None:
+                events = gather(tl)
+                if rank0:
+                    to_chrome_trace(events, cfg.trace)
+    finally:
+        if bar:
+            bar.close()
+        if log:
+            log.close()
+    if rank0 and cfg.progress:
+        last = records[-1]
+        print(f"{n_params:,} parameters; peak {peak_text}; last step: loss {last['loss']:.4f}, "
+              f"{last['tokens_per_s']:,.0f} tokens/s, MFU {last['mfu']:.3f}, HFU {last['hfu']:.3f}",
+              flush=True)
+    return records
+
+
+def _describe(cfg: TrainConfig) -> str:
+    dims = [f"{d}{getattr(cfg, d)}" for d in ("dp", "pp", "cp", "tp") if getattr(cfg, d) > 1]
+    extra = (["sp"] if cfg.sp else []) + ([f"zero{cfg.zero}"] if cfg.zero else [])
+    return "×".join(dims or ["1 rank"]) + (" " + " ".join(extra) if extra else "")
+
+
+# --------------------------------------------------------------------------- command line
+
+HELP = {
+    "dp": "data-parallel replicas (each sees batch/dp sequences)",
+    "tp": "tensor-parallel ranks (heads, FFN and vocabulary split)",
+    "pp": "pipeline stages (the layers split by depth)",
+    "cp": "context-parallel ranks (the sequence split; attention by --cp-algorithm)",
+    "sp": "sequence parallelism inside tensor parallelism (norms and residuals split too)",
+    "zero": "0: DDP; 1, 2, 3: ZeRO stage (optimizer state / + gradients / + parameters sharded)",
+    "schedule": "pipeline schedule: " + ", ".join(s for s in SCHEDULES if s != "dualpipe"),
+    "chunks": "model chunks per rank for --schedule interleaved",
+    "micro_batches": "micro-batches per step (pipelined, or accumulated without a pipeline)",
+    "batch": "global batch in sequences per step", "seq": "tokens per sequence",
+    "steps": "optimizer steps", "preset": "model size: " + ", ".join(PRESETS),
+    "recompute": "activation recomputation: none, selective or full",
+    "precision": "fp32, or bf16 compute with fp32 master weights (needs --zero ≥ 1)",
+    "cp_algorithm": "context-parallel attention: " + ", ".join(ALGORITHMS),
+    "cp_layout": "who holds which tokens: " + ", ".join(LAYOUTS),
+    "data": "text (the shipped text, byte tokens) or random tokens",
+    "lr": "AdamW learning rate", "seed": "seed of the weights and the data",
+    "peak_tflops": "peak per rank for MFU (default: H100 dense BF16 on GPUs, measured on CPUs)",
+    "log": "write one JSON object per step to this file (under torchrun: --log-file)",
+    "trace": "write a Perfetto/Chrome trace of the last step to this file",
+    "progress": "show a progress bar and a summary (--no-progress: quiet)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m picolib.train", description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local ranks to start (default: the product of the degrees); ignored under torchrun")
+    p.add_argument("--backend", default="auto", help="auto, gloo or nccl")
+    for f in fields(TrainConfig):
+        flags = ["--" + f.name.replace("_", "-")]
+        if f.name == "log":   # torchrun reads "--log" as an abbreviation of its own --log-dir
+            flags.append("--log-file")
+        if f.type in ("bool", bool):
+            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=HELP[f.name])
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+            p.add_argument(*flags, type=kind, default=f.default, help=HELP[f.name])
+    return p
+
+
+def main(argv=None) -> list[dict]:
+    args = vars(build_parser().parse_args(argv))
+    nproc, backend = args.pop("nproc"), args.pop("backend")
+    cfg = TrainConfig(**args)
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        from .launch import init_from_env
+        check_config(cfg, int(os.environ["WORLD_SIZE"]))
+        init_from_env(backend)
+        return train(cfg)
+    nproc = cfg.world_size if nproc is None else nproc
+    check_config(cfg, nproc)
+    from . import train as this   # by reference, so the ranks import it
+    from .launch import run
+    return run(this.train, nproc, cfg, backend=backend, timeout=max(120.0, 10.0 * cfg.steps))[0]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The 5-D trainer (lesson 10): every configuration's loss curve equals one process's on the
+same seed (5 AdamW steps; fp32; |Δloss| ≤ 2e-5 — the summation orders of replicas, shards
+and micro-batches differ), bad configurations are refused before any process starts, the
+log has one JSON object per step, and `torchrun` with two agents gives the same curve."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from picolib.launch import run
+from picolib.train import TrainConfig, check_config, main, train
+
+STEPS = 5
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _losses(nproc, **options):
+    cfg = TrainConfig(steps=STEPS, progress=False, **options)
+    check_config(cfg, nproc)
+    return [r["loss"] for r in run(train, nproc, cfg, timeout=240)[0]]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _losses(1, micro_batches=2)
+
+
+COMBINATIONS = {
+    "dp4 DDP": (4, dict(dp=4)),
+    "dp4 ZeRO-3": (4, dict(dp=4, zero=3)),
+    "dp2×tp2 ZeRO-1": (4, dict(dp=2, tp=2, zero=1)),
+    "dp2×tp2+SP ZeRO-2": (4, dict(dp=2, tp=2, sp=True, zero=2)),
+    "tp2×pp2 1F1B": (4, dict(tp=2, pp=2)),
+    "dp2×pp2 ZeRO-1 ZB-H1": (4, dict(dp=2, pp=2, zero=1, schedule="zb_h1")),
+    "dp2×cp2 ring": (4, dict(dp=2, cp=2)),
+    "cp2×tp2+SP Ulysses": (4, dict(cp=2, tp=2, sp=True, cp_algorithm="ulysses")),
+    "pp2×cp2 all-gather": (4, dict(pp=2, cp=2, cp_algorithm="allgather")),
+    "dp2×pp2×tp2+SP ZeRO-1": (8, dict(dp=2, pp=2, tp=2, sp=True, zero=1)),
+    "dp2×cp2×tp2 ZeRO-2": (8, dict(dp=2, cp=2, tp=2, zero=2)),
+    "pp2×dp2×cp2 interleaved": (8, dict(pp=2, dp=2, cp=2, schedule="interleaved")),
+}
+
+
+@pytest.mark.parametrize("name", COMBINATIONS)
+def test_configuration_equals_one_process(name, reference):
+    nproc, options = COMBINATIONS[name]
+    got = _losses(nproc, micro_batches=2, **options)
+    assert max(abs(g - r) for g, r in zip(got, reference, strict=True)) <= 2e-5, (got, reference)
+    assert got[-1] < got[0]                                  # and it learns
+
+
+def test_bf16_with_fp32_master_follows_the_fp32_curve(reference):
+    got = _losses(2, dp=2, zero=1, precision="bf16", micro_batches=2)
+    assert max(abs(g - r) for g, r in zip(got, reference)) < 0.05 and got != reference
+
+
+BAD = [
+    (dict(dp=3), 4, r"the mesh dp=3 has 3 ranks, but the world has 4"),
+    (dict(tp=3), 3, r"n_heads=4 .*3|3.*n_heads"),
+    (dict(cp=2, seq=30), 2, r"sequence length 30 must divide by 4"),
+    (dict(cp=8, cp_algorithm="ulysses", seq=32), 8, r"4 query heads .* over cp=8"),
+    (dict(pp=8, micro_batches=8), 8, r"8 pipeline stages need at least as many layers; the tiny preset has 4"),
+    (dict(dp=2, batch=6, micro_batches=2), 2, r"batch of 6 sequences must divide into dp=2 replicas × 2"),
+    (dict(pp=2, zero=3), 2, r"ZeRO-3 × pipeline parallelism is not supported"),
+    (dict(schedule="gpipe2", pp=2), 2, r"unknown schedule 'gpipe2'"),
+    (dict(sp=True), 1, r"--sp .* needs --tp ≥ 2"),
+    (dict(precision="bf16"), 1, r"add --zero 1, 2 or 3"),
+    (dict(preset="huge"), 1, r"unknown preset 'huge'"),
+    (dict(pp=2, schedule="dualpipe", micro_batches=4), 2, r"DualPipe keeps two"),
+]
+
+
+@pytest.mark.parametrize("options, world, message", BAD, ids=[m[:30] for _, _, m in BAD])
+def test_bad_configuration_is_refused_naming_the_numbers(options, world, message):
+    with pytest.raises(ValueError, match=message):
+        check_config(TrainConfig(**options), world)
+
+
+def test_command_line_refuses_before_starting_ranks_and_logs_json(tmp_path):
+    with pytest.raises(ValueError, match="the world has 4"):
+        main(["--nproc", "4", "--dp", "2", "--no-progress"])
+    log = tmp_path / "log.jsonl"
+    records = main(["--dp", "2", "--steps", "3", "--log", str(log), "--no-progress",
+                    "--trace", str(tmp_path / "trace.json")])
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2]
+    assert [r["loss"] for r in lines] == [r["loss"] for r in records]
+    assert lines[0]["sent_bytes"]["all_reduce"] > 0 and lines[0]["state_bytes"] > 0
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_agents_equal_one_node(tmp_path):
+    """Two agents on this machine (--nnodes 2, c10d rendezvous on 127.0.0.1), 2 ranks each,
+    dp2×tp2: the same loss curve as the same configuration from `launch.run`."""
+    want = _losses(4, dp=2, tp=2)
+    port, log = _free_port(), tmp_path / "log.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "picolib",
+           "-m", "picolib.train", "--dp", "2", "--tp", "2", "--steps", str(STEPS), "--no-progress",
+           "--log-file", str(log)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    agents = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = []
+    for a in agents:
+        try:
+            outputs.append(a.communicate(timeout=240)[0])
+        finally:
+            a.kill()
+    assert all(a.returncode == 0 for a in agents), "\n".join(o[-3000:] for o in outputs)
+    got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert max(abs(g - w) for g, w in zip(got, want, strict=True)) <= 2e-5, (got, want)
