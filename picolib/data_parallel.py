@@ -21,7 +21,10 @@ Two versions, as in the lesson:
      shared with ZeRO, picolib/flat.py): accumulation steps skip the communication;
      gradients add up in the buckets and the next synchronised backward averages the sum;
   6. a NaN or inf gradient makes every rank raise FloatingPointError at the end of that
-     backward, naming the ranks whose own gradient it was (picolib/flat.py).
+     backward, naming the ranks whose own gradient it was (picolib/flat.py);
+  7. `groups={param: group}`: parameters whose replicas are only some of the ranks (the
+     experts under expert parallelism, lesson 09) are summed over their own group and
+     still divided by the size of the whole group.
 """
 from __future__ import annotations
 
@@ -82,10 +85,11 @@ def assign_buckets(nbytes: list[int], cap: int) -> list[list[int]]:
 
 
 class _Bucket:
-    """A flat gradient buffer for a few parameters; their `.grad`s are views into it."""
+    """A flat gradient buffer for a few parameters; their `.grad`s are views into it.
+    `group`: where its all-reduce runs (None: the wrapper's group)."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], names: list[str]):
-        self.index, self.params, self.names = index, params, names
+    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], group=None):
+        self.index, self.params, self.names, self.group = index, params, names, group
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                   device=params[0].device)
         self.views, offset = [], 0
@@ -129,13 +133,19 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
       its issue or the end of the previous one, whichever is later; the span shows that
       time, and the wait sleeps until the emulated link is idle (the real all-reduces
       are waited for too).
+    - `groups`: {parameter: process group} for parameters replicated on only some of the
+      ranks (experts: their edp group, `picolib.expert_parallel.expert_gradient_groups`).
+      Their buckets all-reduce over that group, still divided by the size of `group`
+      (each replica's gradient already sums the tokens of the ranks it served); they are
+      broadcast from that group's first rank. With `groups`, a step's finite-check adds one
+      one-element all-reduce over `group`, so every rank reaches the same verdict.
 
     Call `ddp(x)` or `ddp.module.<method>(...)`: the forward pass itself is not changed.
     """
 
     def __init__(self, module: nn.Module, group=None,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, overlap: bool = True,
-                 timeline=None):
+                 timeline=None, groups: dict | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, not {type(module).__name__}")
@@ -152,17 +162,24 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         self.world = group_size(group)  # raises before any collective
         self.module, self.group = module, group
         self.bucket_cap_bytes, self.overlap, self.timeline = bucket_cap_bytes, overlap, timeline
-        broadcast_from_first_rank([*module.parameters(), *module.buffers()], group)
+        groups = dict(groups or {})
+        own = {id(p): g for p, g in groups.items()}
+        broadcast_from_first_rank([*(p for p in module.parameters() if id(p) not in own),
+                                   *module.buffers()], group)
+        for g in dict.fromkeys(own.values()):   # same order on every rank: the module's order
+            broadcast_from_first_rank([p for p in module.parameters() if own.get(id(p)) is g], g)
 
         # backward produces gradients roughly from the last layer to the first
         named = named[::-1]
         self.buckets: list[_Bucket] = []
-        for dtype in dict.fromkeys(p.dtype for _, p in named):  # one dtype per buffer
-            same = [(n, p) for n, p in named if p.dtype == dtype]
+        keys = dict.fromkeys((p.dtype, own.get(id(p))) for _, p in named)
+        for dtype, g in keys:  # one dtype and one group per buffer
+            same = [(n, p) for n, p in named if p.dtype == dtype and own.get(id(p)) is g]
             sizes = [p.numel() * p.element_size() for _, p in same]
             for idx in assign_buckets(sizes, bucket_cap_bytes):
                 self.buckets.append(_Bucket(len(self.buckets), [same[i][1] for i in idx],
-                                            [same[i][0] for i in idx]))
+                                            [same[i][0] for i in idx], g))
+        self._partial = bool(own)
         self._slot = {}  # parameter → (bucket, view)
         for b in self.buckets:
             for p, view in zip(b.params, b.views):
@@ -205,7 +222,8 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         bucket.local_bad = ~is_finite(bucket.buffer)   # for the error message only
         bucket.buffer.div_(self.world)  # sum of (grad / N) = mean
         bucket.issued = time.perf_counter()
-        bucket.work = comm.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        group = self.group if bucket.group is None else bucket.group
+        bucket.work = comm.all_reduce(bucket.buffer, group=group, async_op=True)
         self._next += 1
 
     def _poll(self):
@@ -245,6 +263,14 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
             while (left := self._link_free - time.perf_counter()) > 0:
                 time.sleep(left)
         self._next, self._in_backward, self.syncs = 0, False, self.syncs + 1
+        if self._partial:   # buckets reduced over sub-groups: agree on the verdict first
+            bad = torch.stack([~is_finite(b.buffer) for b in self.buckets]).any().float().view(1)
+            comm.all_reduce(bad, op="max", group=self.group)
+            if bad.item():
+                raise FloatingPointError(f"step {self.syncs}: a gradient is NaN or inf after the "
+                                         "all-reduce (on this rank or another). Nothing was "
+                                         "updated; zero the gradients and go on, or lower the "
+                                         "learning rate")
         check_finite([b.buffer for b in self.buckets],
                      torch.stack([b.local_bad for b in self.buckets]).any(), self.syncs,
                      self.group, "all-reduce")

@@ -1,0 +1,142 @@
+"""Checks for lesson 09 (mixture of experts, expert parallelism).
+
+- `check_top_k_capacity(fn)`: `fn(scores, k, cap)` → (choice (T, k), keep (T, k) bool): the
+  k highest scores per token, and which assignments fit `cap` slots per expert (first
+  choices of every token before second choices, earlier tokens first; `cap=None`: all).
+- `check_sort_by_expert(fn)`: `fn(choice, n_experts)` → (order, counts, inverse): the flat
+  assignments (t·k + j) in expert order (token order within an expert), the assignments per
+  expert, and the permutation that undoes `order`.
+- `check_split_sizes(fn)`: `fn(counts, group=None)` on every rank of an EP group, counts (E,)
+  the rows this rank sends to each expert → (send, recv) lists of ep ints: rows to and from
+  each rank, with one `comm.all_to_all` (run on 2 and 4 ranks).
+- `check_moe_critical_batch(fn)`: `fn(dense_tokens, n_experts, top_k, bandwidth_gain)` →
+  tokens per GPU above which a MoE's data-parallel all-reduce hides behind its compute.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Ledger
+from ..moe import keep_mask, sort_by_expert
+from ._core import call_student, compare, report, run_student
+
+__all__ = ["check_top_k_capacity", "check_sort_by_expert", "check_split_sizes",
+           "check_moe_critical_batch"]
+
+
+def _scores(t, e, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(t, e, generator=g).softmax(-1)
+
+
+def check_top_k_capacity(fn) -> None:
+    """Several (T, E, k, cap), with and without drops, against picolib.moe.keep_mask."""
+    problems, checks = [], 0
+    for t, e, k, cap, seed in ((12, 4, 1, 2, 0), (12, 4, 2, 5, 1), (20, 6, 2, 4, 2), (9, 3, 3, 7, 3),
+                               (10, 5, 2, None, 4)):
+        scores = _scores(t, e, seed)
+        choice = scores.topk(k, dim=-1).indices
+        keep = keep_mask(choice, e, cap)
+        got = call_student(fn, scores.clone(), k, cap)
+        what = f"T={t} E={e} k={k} cap={cap}"
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            problems.append(f"{what}: return (choice, keep), got {type(got).__name__}")
+            continue
+        checks += 2
+        problems += compare(f"{what}: choice", got[0], choice)
+        wrong = compare(f"{what}: keep", got[1].long() if isinstance(got[1], torch.Tensor) else got[1],
+                        keep.long())
+        if wrong and isinstance(got[1], torch.Tensor) and got[1].shape == keep.shape:
+            token_major = (torch.arange(t * k).view(t, k) * 0).bool()
+            seen = torch.zeros(e, dtype=torch.long)
+            for i in range(t):                      # the common slip: token by token
+                for j in range(k):
+                    token_major[i, j] = seen[choice[i, j]] < cap
+                    seen[choice[i, j]] += 1
+            if torch.equal(got[1].bool(), token_major):
+                wrong = [wrong[0] + " — token by token: every token's first choice must come "
+                                    "before any token's second choice"]
+            elif bool(got[1].bool().all()) and not bool(keep.all()):
+                wrong = [wrong[0] + " — nothing dropped: an expert holds at most cap assignments"]
+        problems += wrong
+    report("top-k routing with capacity", problems, checks)
+
+
+def check_sort_by_expert(fn) -> None:
+    """Stable sort of the assignments by expert, the counts, and the inverse permutation."""
+    problems, checks = [], 0
+    for t, e, k, seed in ((6, 4, 1, 0), (10, 5, 2, 1), (16, 8, 3, 2)):
+        choice = _scores(t, e, seed).topk(k, dim=-1).indices
+        order, counts = sort_by_expert(choice, torch.ones_like(choice, dtype=torch.bool), e)
+        inverse = torch.argsort(order)
+        got = call_student(fn, choice.clone(), e)
+        what = f"T={t} E={e} k={k}"
+        if not isinstance(got, (tuple, list)) or len(got) != 3:
+            problems.append(f"{what}: return (order, counts, inverse)")
+            continue
+        checks += 3
+        wrong = compare(f"{what}: order", got[0], order)
+        if wrong and isinstance(got[0], torch.Tensor) and got[0].shape == order.shape and \
+                torch.equal(choice.reshape(-1)[got[0]], choice.reshape(-1)[order]):
+            wrong = [wrong[0] + " — grouped by expert, but not in token order within an expert "
+                                "(use a stable sort)"]
+        problems += wrong
+        problems += compare(f"{what}: counts", got[1], counts)
+        wrong = compare(f"{what}: inverse", got[2], inverse)
+        if wrong and isinstance(got[2], torch.Tensor) and torch.equal(got[2], order):
+            wrong = [wrong[0] + " — that is `order` itself: the inverse puts row order[i] back at i"]
+        problems += wrong
+    report("the permutation by expert and its inverse", problems, checks)
+
+
+def _split_worker(fn, all_counts):
+    r = dist.get_rank()
+    with Ledger() as led:
+        got = fn(all_counts[r].clone())
+    return got, {k: v["calls"] for k, v in led.summary().items()}
+
+
+def check_split_sizes(fn) -> None:
+    """Each rank's rows to and from every rank, from the per-expert counts (2 and 4 ranks)."""
+    problems, checks = [], 0
+    name = getattr(fn, "__name__", "your function")
+    for ep, e in ((2, 4), (4, 8)):
+        g = torch.Generator().manual_seed(ep)
+        all_counts = torch.randint(0, 6, (ep, e), generator=g)
+        all_counts[0, : e // ep] = 0                     # rank 0 sends nothing to rank 0's experts
+        rows = all_counts.view(ep, ep, e // ep).sum(-1)  # rows[i, j]: rank i → rank j
+        for r, (got, calls) in enumerate(run_student(_split_worker, ep, fn, all_counts, name=name)):
+            checks += 2
+            if not isinstance(got, (tuple, list)) or len(got) != 2:
+                problems.append(f"ep={ep} rank {r}: return (send, recv)")
+                continue
+            as_list = [[int(v) for v in (x.tolist() if isinstance(x, torch.Tensor) else x)] for x in got]
+            problems += compare(f"ep={ep} rank {r}: send", as_list[0], rows[r].tolist())
+            wrong = compare(f"ep={ep} rank {r}: recv", as_list[1], rows[:, r].tolist())
+            if wrong and as_list[1] == rows[r].tolist():
+                wrong = [wrong[0] + " — that is what this rank sends: recv comes from the others' counts"]
+            problems += wrong
+            if calls != {"all_to_all": 1}:
+                problems.append(f"ep={ep} rank {r}: picolib.comm calls {calls}, expected one all_to_all")
+    report("all-to-all split sizes", problems, checks)
+
+
+def check_moe_critical_batch(fn) -> None:
+    """dense critical tokens × E / k ÷ the bandwidth gain; DeepSeek-V3's 4,944 and two more."""
+    problems = []
+    for dense, e, k, gain in ((1236, 256, 8, 8), (1099, 64, 2, 1), (1236, 128, 4, 4)):
+        expected = dense * e / k / gain
+        got = call_student(fn, dense, e, k, gain)
+        wrong = compare(f"dense={dense} E={e} k={k} gain={gain}", got, float(expected), atol=0.5, rtol=0)
+        try:
+            ratio = float(got) / expected
+        except (TypeError, ValueError):
+            ratio = 0.0
+        if wrong and gain > 1 and abs(ratio - gain) < 1e-6:
+            wrong = [wrong[0] + " — the bandwidth gain divides the tokens needed"]
+        elif wrong and abs(ratio - (k / e) ** 2) < 1e-9:
+            wrong = [wrong[0] + " — E/k, not k/E: a MoE all-reduces E experts' weights for k "
+                                "experts' FLOPs per token"]
+        problems += wrong
+    report("MoE critical batch", problems, 3)

@@ -1,0 +1,64 @@
+"""Lesson 09's "try it": the bytes one rank sends to dispatch and combine its tokens, with
+the all-to-all and with the all-gather dispatcher, as top-k and the EP size change.
+
+    dispatch_bytes(ep, top_k, dispatcher, tokens, hidden, n_experts)   # the number
+    dispatch_bytes_bars(ep, top_k)                                      # the knob cell (bars)
+
+Evenly routed tokens (every rank sends k·T/ep rows to every rank), one forward, the
+collectives of `picolib.expert_parallel` as `picolib.comm` counts them; backward sends the
+same again. tests/test_tryit_09.py checks `dispatch_bytes` against a `Ledger` on real ranks.
+"""
+from __future__ import annotations
+
+__all__ = ["SHAPE", "dispatch_bytes", "dispatch_bytes_bars"]
+
+SHAPE = {"tokens": 4096, "hidden": 4096, "n_experts": 64, "bytes_per_element": 2}  # bf16
+
+
+def dispatch_bytes(ep: int, top_k: int, dispatcher: str = "alltoall",
+                   tokens: int = SHAPE["tokens"], hidden: int = SHAPE["hidden"],
+                   n_experts: int = SHAPE["n_experts"],
+                   bytes_per_element: int = SHAPE["bytes_per_element"]) -> int:
+    """Bytes one of `ep` ranks sends in one forward for `tokens` tokens of its own.
+
+    all-to-all: the counts ((ep−1)·E/ep int64), dispatch and combine (k·T·(ep−1)/ep rows of
+    h each way); all-gather: tokens and the reduce-scatter of the sums ((ep−1)·T rows each),
+    plus the gates (k floats), choices (k int64) and keep flags (k bytes) of every token."""
+    if n_experts % ep or top_k > n_experts or (top_k * tokens) % ep:
+        raise ValueError(f"need ep={ep} dividing n_experts={n_experts} and top_k·tokens="
+                         f"{top_k * tokens}, and top_k={top_k} ≤ n_experts")
+    b = bytes_per_element
+    if dispatcher == "alltoall":
+        return (ep - 1) * (n_experts // ep) * 8 + 2 * top_k * tokens * (ep - 1) // ep * hidden * b
+    if dispatcher == "allgather":
+        return (ep - 1) * tokens * (2 * hidden * b + top_k * (b + 8 + 1))
+    raise ValueError(f"unknown dispatcher {dispatcher!r}; known: ['alltoall', 'allgather']")
+
+
+def dispatch_bytes_bars(ep: int = 8, top_k: int = 1, ax=None) -> dict:
+    """Bars of MiB sent per rank per forward at k = 1…8 for both dispatchers (SHAPE sizes),
+    the chosen k outlined; prints and returns the chosen numbers."""
+    import matplotlib.pyplot as plt
+
+    ks = list(range(1, 9))
+    if top_k not in ks:
+        raise ValueError(f"top_k must be one of {ks}, not {top_k!r}")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 3.2))
+    for j, (name, color) in enumerate((("alltoall", "#4e79a7"), ("allgather", "#e15759"))):
+        xs = [k + 0.38 * j for k in ks]
+        bars = ax.bar(xs, [dispatch_bytes(ep, k, name) / 2**20 for k in ks], width=0.36,
+                      color=color, label=name)
+        bars[top_k - 1].set_edgecolor("black")
+        bars[top_k - 1].set_linewidth(2.5)
+    ax.set_xticks([k + 0.19 for k in ks], [f"k={k}" for k in ks])
+    ax.set_ylabel("MiB sent per rank (forward)")
+    ax.set_title(f"ep = {ep}: {SHAPE['tokens']} tokens per rank, h = {SHAPE['hidden']}, "
+                 f"{SHAPE['n_experts']} experts, bf16, even routing", fontsize=9)
+    ax.legend(frameon=False)
+    ax.figure.tight_layout()
+    plt.show()
+    a2a, ag = dispatch_bytes(ep, top_k, "alltoall"), dispatch_bytes(ep, top_k, "allgather")
+    print(f"ep={ep}, top-{top_k}: all-to-all {a2a / 2**20:,.1f} MiB, all-gather {ag / 2**20:,.1f} MiB "
+          f"per rank per forward (all-gather / all-to-all = {ag / a2a:.2f})")
+    return {"alltoall": a2a, "allgather": ag, "ratio": ag / a2a}

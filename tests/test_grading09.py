@@ -1,0 +1,97 @@
+"""Lesson 09 checks: each passes the right answer and fails plausible wrong ones."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from picolib import comm
+from picolib.grading._core import ExerciseFailed
+from picolib.grading.lesson09 import (check_moe_critical_batch, check_sort_by_expert,
+                                      check_split_sizes, check_top_k_capacity)
+from picolib.moe import keep_mask
+
+
+def top_k_capacity(scores, k, cap):
+    choice = scores.topk(k, dim=-1).indices
+    return choice, keep_mask(choice, scores.shape[1], cap)
+
+
+def token_by_token(scores, k, cap):
+    choice = scores.topk(k, dim=-1).indices
+    keep = torch.ones_like(choice, dtype=torch.bool)
+    seen = torch.zeros(scores.shape[1], dtype=torch.long)
+    for t in range(choice.shape[0]):
+        for j in range(k):
+            keep[t, j] = cap is None or seen[choice[t, j]] < cap
+            seen[choice[t, j]] += 1
+    return choice, keep
+
+
+def test_check_top_k_capacity():
+    check_top_k_capacity(top_k_capacity)
+    with pytest.raises(ExerciseFailed, match="every token's first choice must come before"):
+        check_top_k_capacity(token_by_token)
+    with pytest.raises(ExerciseFailed, match="nothing dropped"):
+        check_top_k_capacity(lambda s, k, cap: top_k_capacity(s, k, None))
+    with pytest.raises(ExerciseFailed):                       # lowest scores instead of highest
+        check_top_k_capacity(lambda s, k, cap: top_k_capacity(-s, k, cap))
+
+
+def sort_by_expert(choice, n_experts):
+    flat = choice.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    return order, torch.bincount(flat, minlength=n_experts), inverse
+
+
+def test_check_sort_by_expert():
+    check_sort_by_expert(sort_by_expert)
+    with pytest.raises(ExerciseFailed, match="that is `order` itself"):
+        check_sort_by_expert(lambda c, e: (*sort_by_expert(c, e)[:2], sort_by_expert(c, e)[0]))
+    with pytest.raises(ExerciseFailed, match="stable sort"):   # reversed within each expert
+        def unstable(c, e):
+            order, counts, _ = sort_by_expert(c, e)
+            flat = c.reshape(-1)
+            order = torch.cat([order[flat[order] == x].flip(0) for x in range(e)])
+            return order, counts, torch.argsort(order)
+        check_sort_by_expert(unstable)
+    with pytest.raises(ExerciseFailed):                        # counts without empty experts
+        check_sort_by_expert(lambda c, e: (sort_by_expert(c, e)[0], torch.bincount(c.reshape(-1)),
+                                           sort_by_expert(c, e)[2]))
+
+
+def split_sizes(counts, group=None):
+    ep = dist.get_world_size(group)
+    recv = torch.empty_like(counts)
+    comm.all_to_all(recv, counts, group=group)
+    return counts.view(ep, -1).sum(1).tolist(), recv.view(ep, -1).sum(1).tolist()
+
+
+def send_twice(counts, group=None):
+    send, _ = split_sizes(counts, group)
+    return send, send
+
+
+def gathered(counts, group=None):
+    ep = dist.get_world_size(group)
+    everything = torch.empty(ep * counts.numel(), dtype=counts.dtype)
+    comm.all_gather(everything, counts, group=group)
+    me = dist.get_rank(group)
+    rows = everything.view(ep, ep, -1).sum(-1)
+    return rows[me].tolist(), rows[:, me].tolist()
+
+
+def test_check_split_sizes():
+    check_split_sizes(split_sizes)
+    with pytest.raises(ExerciseFailed, match="recv comes from the others' counts"):
+        check_split_sizes(send_twice)
+    with pytest.raises(ExerciseFailed, match="expected one all_to_all"):   # right values, all-gather
+        check_split_sizes(gathered)
+
+
+def test_check_moe_critical_batch():
+    check_moe_critical_batch(lambda d, e, k, g: d * e / k / g)
+    with pytest.raises(ExerciseFailed, match="bandwidth gain divides"):
+        check_moe_critical_batch(lambda d, e, k, g: d * e / k)
+    with pytest.raises(ExerciseFailed, match="not k/E"):
+        check_moe_critical_batch(lambda d, e, k, g: d * k / e / g)
