@@ -1,5 +1,5 @@
 """The 5-D trainer (lesson 10): one command trains the tiny Llama on any combination of data
-(DDP or ZeRO-1/2/3), tensor (+ sequence), pipeline and context parallelism.
+(DDP or ZeRO-1/2/3), tensor (+ sequence), pipeline, context and expert parallelism.
 
     python -m picolib.train --nproc 8 --dp 2 --pp 2 --tp 2 --sp --zero 1 --micro-batches 4
     torchrun --nproc-per-node 8 -m picolib.train --dp 2 --pp 2 --tp 2 ...     # a real cluster
@@ -30,8 +30,10 @@ import torch.distributed as dist
 from .comm import Ledger
 from .context_parallel import ALGORITHMS, LAYOUTS, apply_context_parallel, check_context_parallel, shard_sequence
 from .data_parallel import DDP
+from .expert_parallel import apply_expert_parallel, expert_gradient_groups
 from .memory import SavedActivations, grad_bytes, hardware_flops, model_flops, optimizer_state_bytes, param_bytes
 from .mesh import Mesh, check_mesh
+from .moe import apply_moe, check_moe
 from .model import LlamaConfig, TextData, TinyLlama, param_count, random_tokens
 from .pipeline_parallel import run_schedule, schedule_stages
 from .pipeline_schedules import SCHEDULES, make_schedule
@@ -68,6 +70,9 @@ class TrainConfig:
     preset: str = "tiny"
     recompute: str = "none"
     precision: str = "fp32"       # "bf16": ZeRO's bf16 compute with fp32 master weights
+    experts: int = 0              # > 0: every MLP becomes a mixture of this many experts
+    top_k: int = 1
+    ep: int = 1                   # expert-parallel ranks, a block of the dp ranks
     cp_algorithm: str = "ring"
     cp_layout: str = "zigzag"
     data: str = "text"            # "text": the shipped text; "random": uniform tokens
@@ -135,6 +140,17 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
                              f"{cfg.micro_batches} micro-batches in flight; use --zero 1 or 2")
     elif cfg.schedule not in SCHEDULES:
         raise ValueError(f"unknown --schedule {cfg.schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if cfg.experts:
+        check_moe(cfg.experts, cfg.top_k, None, "softmax", cfg.ep)
+        if cfg.dp % cfg.ep:
+            raise ValueError(f"--ep {cfg.ep} must divide --dp {cfg.dp} (expert-parallel groups "
+                             "are made of data-parallel ranks)")
+        for flag, used in (("--pp", cfg.pp > 1), ("--cp", cfg.cp > 1), ("--zero", cfg.zero > 0)):
+            if used:
+                raise ValueError(f"--experts with {flag} is not supported by the trainer yet "
+                                 "(lesson 09 combines experts with DP and TP)")
+    elif cfg.ep > 1:
+        raise ValueError(f"--ep {cfg.ep} spreads experts: add --experts")
     if cfg.zero == 3 and cfg.recompute != "none":
         raise ValueError("ZeRO-3 frees parameters after forward: --recompute needs --zero ≤ 2")
 
@@ -148,6 +164,12 @@ def _parts(cfg: TrainConfig, mesh: Mesh):
         apply_tensor_parallel(model, mesh, sequence_parallel=cfg.sp)
     if cfg.cp > 1:
         apply_context_parallel(model, mesh, layout=cfg.cp_layout, algorithm=cfg.cp_algorithm)
+    expert_groups = {}
+    if cfg.experts and cfg.ep > 1:
+        apply_expert_parallel(model, mesh, n_experts=cfg.experts, top_k=cfg.top_k, ep=cfg.ep)
+        expert_groups = expert_gradient_groups(model)
+    elif cfg.experts:
+        apply_moe(model, n_experts=cfg.experts, top_k=cfg.top_k)
     sched = None
     stages = {0: model}
     if cfg.pp > 1:
@@ -162,7 +184,7 @@ def _parts(cfg: TrainConfig, mesh: Mesh):
                             param_dtype=dtype) for s, m in stages.items()}
         optimizers = list(wrappers.values())
     else:
-        wrappers = {s: DDP(m, group=replicas) for s, m in stages.items()}
+        wrappers = {s: DDP(m, group=replicas, groups=expert_groups) for s, m in stages.items()}
         params = [p for m in stages.values() for p in m.parameters()]
         optimizers = [torch.optim.AdamW(params, lr=cfg.lr)]
     return stages, wrappers, optimizers, sched, replicas
@@ -302,7 +324,8 @@ def train(cfg: TrainConfig) -> list[dict]:
 
 def _describe(cfg: TrainConfig) -> str:
     dims = [f"{d}{getattr(cfg, d)}" for d in ("dp", "pp", "cp", "tp") if getattr(cfg, d) > 1]
-    extra = (["sp"] if cfg.sp else []) + ([f"zero{cfg.zero}"] if cfg.zero else [])
+    extra = (["sp"] if cfg.sp else []) + ([f"zero{cfg.zero}"] if cfg.zero else []) + \
+        ([f"{cfg.experts} experts top-{cfg.top_k} ep{cfg.ep}"] if cfg.experts else [])
     return "×".join(dims or ["1 rank"]) + (" " + " ".join(extra) if extra else "")
 
 
@@ -322,6 +345,8 @@ HELP = {
     "steps": "optimizer steps", "preset": "model size: " + ", ".join(PRESETS),
     "recompute": "activation recomputation: none, selective or full",
     "precision": "fp32, or bf16 compute with fp32 master weights (needs --zero ≥ 1)",
+    "experts": "mixture of experts: this many SwiGLU experts per MLP (0: dense)",
+    "top_k": "experts per token", "ep": "expert-parallel ranks (a block of the dp ranks)",
     "cp_algorithm": "context-parallel attention: " + ", ".join(ALGORITHMS),
     "cp_layout": "who holds which tokens: " + ", ".join(LAYOUTS),
     "data": "text (the shipped text, byte tokens) or random tokens",

@@ -53,6 +53,16 @@ def test_configuration_equals_one_process(name, reference):
     assert got[-1] < got[0]                                  # and it learns
 
 
+@pytest.mark.parametrize("nproc, options", [(4, dict(dp=4, ep=2)), (4, dict(dp=2, tp=2, ep=2))],
+                         ids=["dp4 ep2", "dp2×tp2 ep2"])
+def test_experts_equal_one_process_holding_all_of_them(nproc, options):
+    """Each rank's micro-batch is one token group of the MoE (its balancing loss), so the
+    reference runs the same groups as micro-batches: dp·m of them, in the same order."""
+    want = _losses(1, experts=4, top_k=2, micro_batches=options["dp"])
+    got = _losses(nproc, experts=4, top_k=2, **options)
+    assert max(abs(g - r) for g, r in zip(got, want, strict=True)) <= 2e-5, (got, want)
+
+
 def test_bf16_with_fp32_master_follows_the_fp32_curve(reference):
     got = _losses(2, dp=2, zero=1, precision="bf16", micro_batches=2)
     assert max(abs(g - r) for g, r in zip(got, reference)) < 0.05 and got != reference
@@ -71,6 +81,11 @@ BAD = [
     (dict(precision="bf16"), 1, r"add --zero 1, 2 or 3"),
     (dict(preset="huge"), 1, r"unknown preset 'huge'"),
     (dict(pp=2, schedule="dualpipe", micro_batches=4), 2, r"DualPipe keeps two"),
+    (dict(dp=2, experts=3, ep=2), 2, r"n_experts=3 does not divide by the ep size 2"),
+    (dict(experts=2, top_k=3), 1, r"top_k=3 is larger than n_experts=2"),
+    (dict(dp=3, batch=6, experts=4, ep=2), 3, r"--ep 2 must divide --dp 3"),
+    (dict(dp=2, ep=2), 2, r"add --experts"),
+    (dict(dp=2, pp=2, experts=4), 4, r"--experts with --pp is not supported"),
 ]
 
 
