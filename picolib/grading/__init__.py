@@ -19,6 +19,7 @@ from .lesson04 import (check_conjugate_pair, check_parallel_head, check_shards,
 from .lesson05 import (check_gather_sequence, check_reduce_scatter_sequence,
                        check_sp_activation_bytes, check_tokens_per_day)
 from .lesson06 import check_merge_partials, check_ring_pairs, check_zigzag_positions
+from .lesson08 import check_dp_slicer, check_pipeline_latency, check_slice_mask
 from .lesson09 import (check_moe_critical_batch, check_sort_by_expert, check_split_sizes,
                        check_top_k_capacity)
 from .lesson07 import check_bubble, check_broken_schedules, check_one_f_one_b
@@ -37,5 +38,6 @@ __all__ = [
     "check_tokens_per_day",
     "check_merge_partials", "check_ring_pairs", "check_zigzag_positions",
     "check_bubble", "check_broken_schedules", "check_one_f_one_b",
+    "check_dp_slicer", "check_pipeline_latency", "check_slice_mask",
     "check_moe_critical_batch", "check_sort_by_expert", "check_split_sizes", "check_top_k_capacity",
 ]

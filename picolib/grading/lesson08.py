@@ -1,0 +1,127 @@
+"""Checks for lesson 08 (TeraPipe).
+
+- `check_pipeline_latency(fn)`: `fn(slices, cost, K)` → the step time of a slicing on K
+  stages, `cost(l, c)` the time of a slice of l tokens after c tokens of context; graded
+  against lesson 07's simulator playing the schedule (not against the formula).
+- `check_dp_slicer(fn)`: `fn(seq, K, cost)` → (slices, T) minimising Σtᵢ + (K−1)·max tᵢ;
+  T must be the optimum (found by exhaustive search) and the slices must reach it.
+- `check_slice_mask(fn)`: `fn(slices, i)` → the bool mask (lᵢ, cᵢ + lᵢ) of which keys the
+  queries of slice i attend to (its cached context and itself, causally); graded against
+  the attention the model really computes.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+
+from ..model import attention_core
+from ..terapipe import TeraPipePlan, simulate_plan
+from ..timeline import makespan
+from ._core import call_student, compare, report
+
+__all__ = ["check_pipeline_latency", "check_dp_slicer", "check_slice_mask"]
+
+
+def _table(n, seed):
+    """A positive cost t(l, c) on n tokens that grows with the context (random steps)."""
+    rng = random.Random(seed)
+    base = {l: rng.uniform(1, 3) * l ** 0.8 for l in range(1, n + 1)}
+    grow = {l: rng.uniform(0.05, 0.6) for l in range(1, n + 1)}
+    return lambda l, c: round(base[l] + grow[l] * l * c / n, 6)
+
+
+def _compositions(n):
+    for cuts in itertools.product((0, 1), repeat=n - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def _simulated(slices, cost, K):
+    return makespan(simulate_plan(TeraPipePlan(slices, K, K), cost))
+
+
+def check_pipeline_latency(fn) -> None:
+    """Random slicings of up to 10 tokens, K = 1..5 stages, context-dependent costs, and
+    the worked example (3, 3, 2) on K = 3 with t = l."""
+    problems, checks = [], 0
+    cases = [((3, 3, 2), lambda l, c: float(l), 3)]
+    for seed in range(12):
+        rng = random.Random(seed)
+        n = rng.randint(2, 10)
+        slices = rng.choice(list(_compositions(n)))
+        cases.append((slices, _table(n, seed), rng.randint(1, 5)))
+    for slices, cost, K in cases:
+        checks += 1
+        problems += compare(f"latency of slices {list(slices)} on K={K} stages",
+                            call_student(fn, slices, cost, K), _simulated(slices, cost, K))
+    report("pipeline latency of a slicing", problems[:6], checks)
+
+
+def _value(slices, cost, K):
+    t, ctx = [], 0
+    for length in slices:
+        t.append(cost(length, ctx))
+        ctx += length
+    return sum(t) + (K - 1) * max(t)
+
+
+def check_dp_slicer(fn) -> None:
+    """Sequences of 1..9 tokens, K = 1..6 stages, random context-growing cost tables: the
+    returned T is the optimum over every slicing, and the returned slices reach it."""
+    problems, checks = [], 0
+    for seed in range(14):
+        rng = random.Random(50 + seed)
+        n, K = rng.randint(1, 9), rng.randint(1, 6)
+        cost = _table(n, 50 + seed)
+        best = min(_value(s, cost, K) for s in _compositions(n))
+        got = call_student(fn, n, K, cost)
+        checks += 1
+        try:
+            slices, T = got
+            slices = tuple(int(x) for x in slices)
+        except (TypeError, ValueError):
+            problems.append(f"seq={n}, K={K}: expected (slices, T), got {got!r}")
+            continue
+        if sum(slices) != n or min(slices, default=0) < 1:
+            problems.append(f"seq={n}, K={K}: slices {list(slices)} must be positive and sum to {n}")
+            continue
+        problems += compare(f"seq={n}, K={K}: T", T, best, atol=1e-6, rtol=1e-9)
+        problems += compare(f"seq={n}, K={K}: Σt + (K−1)·max t of your slices {list(slices)}",
+                            _value(slices, cost, K), best, atol=1e-6, rtol=1e-9)
+    report("DP slicer", problems[:6], checks)
+
+
+def _model_mask(slices, i):
+    """The mask the model really applies to slice i: key j is attended by query row r when
+    the output row moves with value j (∂y_r/∂v_j = softmax weight, exactly 0 when masked)."""
+    start, length = sum(slices[:i]), slices[i]
+    keys = start + length
+    q = torch.randn(1, 1, length, 4, dtype=torch.float64)
+    k = torch.randn(1, 1, keys, 4, dtype=torch.float64)
+    v = torch.randn(1, 1, keys, 4, dtype=torch.float64, requires_grad=True)
+    y = attention_core(q, k, v)
+    out = torch.zeros(length, keys, dtype=torch.bool)
+    for row in range(length):
+        (gv,) = torch.autograd.grad(y[0, 0, row].sum(), v, retain_graph=True)
+        out[row] = gv[0, 0].abs().sum(-1) > 0
+    return out
+
+
+def check_slice_mask(fn) -> None:
+    """Several slicings, every slice: the student's mask against the keys each query of the
+    slice really attends to (gradients through the model's attention_core)."""
+    problems, checks = [], 0
+    for slices in ((3, 3, 2), (4,), (1, 1, 1), (2, 5, 1), (5, 3)):
+        for i in range(len(slices)):
+            want = _model_mask(slices, i)
+            got = call_student(fn, slices, i)
+            checks += 1
+            if not isinstance(got, torch.Tensor):
+                problems.append(f"slices {list(slices)}, slice {i}: expected a bool tensor, "
+                                f"got {type(got).__name__}")
+                continue
+            problems += compare(f"slices {list(slices)}, slice {i}: mask", got.bool().float(),
+                                want.float())
+    report("attention mask of a slice", problems[:6], checks)

@@ -1,0 +1,338 @@
+"""TeraPipe: token-level pipeline parallelism (Li et al., ICML 2021; lesson 08).
+
+With one sequence per step a micro-batch pipeline has nothing to fill its stages with:
+stage k waits for stages 0..k−1, the bubble is (p − 1)/1. TeraPipe cuts the *sequence*
+into slices l₁…l_M that flow through the stages one after another, like micro-batches:
+
+    plan = TeraPipePlan(slices=(96, 64, 48, 48), n_stages=4, n_layers=8)   # checked here
+    stage = terapipe_stage(TinyLlama(cfg), plan, rank)                     # on every rank
+    out = run_terapipe(plan, stage, tokens, targets, timeline=tl)
+
+A token attends to every token before it, so a stage keeps the keys and values of the
+slices it has already run (`KVCache`): slice i's attention core (`CachedAttentionCore`)
+attends to [cached K/V of slices < i, its own K/V]. Layer j at token t needs layer j − 1 at
+*all* tokens ≤ t, which the cache holds. The cached K/V enter slice i's graph as leaves;
+their gradients collect there while later slices run backward, and are handed to the slice
+that produced them when its own backward runs: backward goes in reverse slice order, so
+when slice i's turn comes every later slice has added its share. The schedule is GPipe's
+over the slices (all forwards, then all backwards in reverse); with n_micro micro-batches
+each one is sliced the same way and has its own cache. One slice and m micro-batches is
+plain GPipe. Which slicing is fastest is `picolib.terapipe_slicer`'s question.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm
+from .model import AttentionCore, TinyLlama, attention_core, repeat_kv
+from .pipeline_parallel import split_stages
+from .pipeline_schedules import Op, Schedule
+from .pipeline_simulator import simulate, validate
+from .terapipe_slicer import check_slices
+
+__all__ = ["TeraPipePlan", "KVCache", "CachedAttentionCore", "use_kv_cache", "terapipe_stage",
+           "run_terapipe", "plan_costs", "simulate_plan", "measure_costs", "FORWARD_SHARE"]
+
+FORWARD_SHARE = 1 / 3     # emulated costs: forward ⅓ of t(l, c), backward ⅔ (backward ≈ 2× forward)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One slice of one micro-batch: what the pipeline schedules (its `number` is the op's mb)."""
+    number: int
+    mb: int
+    index: int     # slice index within the micro-batch
+    start: int     # its first token = the context before it
+    length: int
+
+
+@dataclass(frozen=True)
+class TeraPipePlan:
+    """A sequence cut into `slices`, run through `n_stages` stages of an `n_layers` model,
+    for each of `n_micro` micro-batches; `seq`, if given, is the sequence length the slices
+    must add up to. Checked on construction, before any rank starts."""
+    slices: tuple
+    n_stages: int
+    n_layers: int
+    n_micro: int = 1
+    seq: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "slices", check_slices(self.slices, self.seq))
+        object.__setattr__(self, "seq", sum(self.slices))
+        if not 1 <= self.n_stages <= self.n_layers:
+            raise ValueError(f"{self.n_stages} stages for {self.n_layers} layers: need "
+                             "1 ≤ stages ≤ layers (a stage holds at least one layer)")
+        if self.n_layers % self.n_stages:
+            raise ValueError(f"{self.n_layers} layers do not split evenly into "
+                             f"{self.n_stages} stages")
+        if self.n_micro < 1:
+            raise ValueError(f"n_micro={self.n_micro}: need at least one micro-batch")
+
+    @property
+    def units(self) -> list[Unit]:
+        """Micro-batch by micro-batch, slice by slice: the forward order."""
+        out = []
+        for mb in range(self.n_micro):
+            start = 0
+            for i, length in enumerate(self.slices):
+                out.append(Unit(len(out), mb, i, start, length))
+                start += length
+        return out
+
+    def schedule(self) -> Schedule:
+        """GPipe over the units: every rank runs all forwards, then all backwards in reverse
+        (a slice's backward needs the gradients of its K/V from every later slice)."""
+        n = len(self.units)
+        ops = [[Op("F", r, u) for u in range(n)] + [Op("BW", r, u) for u in reversed(range(n))]
+               for r in range(self.n_stages)]
+        return validate(Schedule("terapipe", n, tuple(range(self.n_stages)), ops))
+
+
+# --------------------------------------------------------------------------- the K/V cache
+
+class KVCache:
+    """The keys and values of the slices one stage has run for one sequence, per layer.
+
+    Each slice's K/V are kept as *leaves* (detached, requiring grad): later slices attend
+    to them and their gradients collect in `.grad`. `produced` pairs each leaf with the
+    tensor it was cut from, so the producing slice's backward can pass that gradient on."""
+
+    def __init__(self):
+        self.keys: dict = {}      # core -> [leaf per slice]
+        self.values: dict = {}
+        self.produced: list = []  # (tensor in the producing slice's graph, its leaf)
+
+    def past(self, core):
+        return self.keys.get(core, []), self.values.get(core, [])
+
+    def keep(self, core, k, v):
+        for store, t in ((self.keys, k), (self.values, v)):
+            leaf = t.detach().requires_grad_(t.requires_grad)
+            store.setdefault(core, []).append(leaf)
+            if t.requires_grad:
+                self.produced.append((t, leaf))
+
+    def take_produced(self) -> list:
+        out, self.produced = self.produced, []
+        return out
+
+    def truncate(self, n_slices: int) -> None:
+        """Forget every slice after the first `n_slices` (for timing one slice repeatedly)."""
+        for store in (self.keys, self.values):
+            for core in store:
+                del store[core][n_slices:]
+
+
+def causal_attention(q, k, v, impl: str):
+    """Attention of the last s_q positions over s_k ≥ s_q keys (earlier context + own).
+    SDPA's is_causal aligns the mask top-left, so a longer context needs the mask written."""
+    if impl == "eager" or k.shape[2] == q.shape[2]:
+        return attention_core(q, k, v, impl)
+    s_q, s_k = q.shape[2], k.shape[2]
+    mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class CachedAttentionCore(nn.Module):
+    """A TeraPipe stage's attention core: the slice's queries attend to the cached K/V of
+    the earlier slices of the same sequence and to its own (causal). The executor sets
+    `cache` to that sequence's KVCache around each forward."""
+
+    def __init__(self, impl: str = "eager"):
+        super().__init__()
+        self.impl, self.cache = impl, None
+
+    def forward(self, q, k, v):
+        if self.cache is None:
+            raise RuntimeError("CachedAttentionCore needs a KVCache: run it through run_terapipe")
+        past_k, past_v = self.cache.past(self)
+        keys = torch.cat([*past_k, k], dim=2) if past_k else k
+        values = torch.cat([*past_v, v], dim=2) if past_v else v
+        self.cache.keep(self, k, v)
+        n_rep = q.shape[1] // k.shape[1]         # GQA: K/V heads arrive unrepeated
+        return causal_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), self.impl)
+
+
+def use_kv_cache(model: TinyLlama) -> list[CachedAttentionCore]:
+    """Swap every block's attention core for a CachedAttentionCore, in place."""
+    if model.cfg.recompute != "none":
+        raise ValueError(f"recompute={model.cfg.recompute!r}: recomputing in backward would "
+                         "run the attention core again and cache its K/V twice; use 'none'")
+    cores = []
+    for block in model.blocks:
+        old = block.attn.core
+        if not isinstance(old, CachedAttentionCore):
+            if type(old) is not AttentionCore:
+                raise ValueError(f"block attention core is a {type(old).__name__}; TeraPipe "
+                                 "replaces only the plain AttentionCore")
+            block.attn.core = CachedAttentionCore(old.impl)
+        cores.append(block.attn.core)
+    return cores
+
+
+def terapipe_stage(model: TinyLlama, plan: TeraPipePlan, rank: int) -> TinyLlama:
+    """Stage `rank` of `plan` (split_stages of lesson 07), with K/V-caching cores."""
+    if len(model.blocks) != plan.n_layers:
+        raise ValueError(f"the plan is for {plan.n_layers} layers, the model has {len(model.blocks)}")
+    if plan.seq > model.cfg.max_seq:
+        raise ValueError(f"a {plan.seq}-token sequence needs max_seq ≥ {plan.seq} "
+                         f"(the config has {model.cfg.max_seq})")
+    stage = split_stages(model, plan.n_stages)[rank]
+    use_kv_cache(stage)
+    return stage
+
+
+class _SliceRunner:
+    """Forward and backward of one slice on one stage, with a cache per micro-batch."""
+
+    def __init__(self, stage: TinyLlama, n_micro: int):
+        self.stage, self.cores = stage, [b.attn.core for b in stage.blocks]
+        if not all(isinstance(c, CachedAttentionCore) for c in self.cores):
+            raise ValueError("the stage's attention cores do not cache K/V: build it with "
+                             "terapipe_stage (or use_kv_cache)")
+        self.caches = [KVCache() for _ in range(n_micro)]
+        self.saved: dict = {}
+
+    def forward(self, key, mb: int, start: int, x):
+        cache = self.caches[mb]
+        for core in self.cores:
+            core.cache = cache
+        try:
+            y = self.stage(x, positions=range(start, start + x.shape[1]))
+        finally:
+            for core in self.cores:
+                core.cache = None
+        self.saved[key] = (x, cache.take_produced())
+        return y
+
+    def backward(self, key, y, dy):
+        """∂L/∂y = dy for the slice's output, plus the gradients later slices left on its
+        K/V leaves; returns ∂L/∂x (None where x needs none)."""
+        x, produced = self.saved.pop(key)
+        pairs = [(t, leaf.grad) for t, leaf in produced if leaf.grad is not None]
+        torch.autograd.backward([y] + [t for t, _ in pairs], [dy] + [g for _, g in pairs])
+        return x.grad
+
+
+def run_terapipe(plan: TeraPipePlan, stage: TinyLlama, tokens, targets, timeline=None,
+                 cost=None, group=None, group_ranks=None) -> dict:
+    """This rank's part of one TeraPipe step. `tokens`, `targets`: the whole batch (B, S),
+    given on every rank; B is cut into n_micro micro-batches, S into the plan's slices.
+    The loss is the mean over all B·S tokens, so gradients equal one process's (they
+    accumulate in the stage's `.grad`). `cost(l, c)`: seconds of a slice for cost emulation
+    on `timeline` (forward FORWARD_SHARE of it, backward the rest). `group_ranks[r]`:
+    the global rank of pipeline rank r. Returns {"loss": the loss on the last rank, else None}."""
+    me = dist.get_rank()
+    me = group_ranks.index(me) if group_ranks else me
+    glob = (lambda r: group_ranks[r]) if group_ranks else (lambda r: r)
+    p, first, last = plan.n_stages, me == 0, me == plan.n_stages - 1
+    if (stage.embed is not None) != first or (stage.lm_head is not None) != last:
+        raise ValueError(f"rank {me} of {p}: its stage {'must' if first else 'must not'} embed "
+                         f"and {'must' if last else 'must not'} end in the head")
+    if tokens.shape != targets.shape or tokens.dim() != 2 or tokens.shape[1] != plan.seq:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} must "
+                         f"both be (batch, {plan.seq}) for slices {list(plan.slices)}")
+    if tokens.shape[0] % plan.n_micro:
+        raise ValueError(f"batch {tokens.shape[0]} does not split into {plan.n_micro} micro-batches")
+    toks, tgts = tokens.chunk(plan.n_micro), targets.chunk(plan.n_micro)
+    like = next(stage.parameters())
+    runner, saved, pending, total = _SliceRunner(stage, plan.n_micro), {}, [], None
+
+    def span(kind, u):
+        if timeline is None:
+            return contextlib.nullcontext()
+        t = None if cost is None else cost(u.length, u.start)
+        share = None if t is None else (FORWARD_SHARE if kind == "F" else 1 - FORWARD_SHARE) * t
+        label = str(u.index) if plan.n_micro == 1 else f"{u.mb}.{u.index}"
+        return timeline.span(kind, cost=share, stage=me, mb=u.number, slice=u.index,
+                             micro=u.mb, label=label)
+
+    def receive(u, src):
+        buf = torch.empty(stage.hidden_shape(toks[u.mb].shape[0], u.length),
+                          dtype=like.dtype, device=like.device)
+        comm.recv(buf, glob(src), group=group)
+        return buf
+
+    ok = False
+    try:
+        for u in plan.units:
+            x = (toks[u.mb][:, u.start:u.start + u.length] if first
+                 else receive(u, me - 1).requires_grad_())
+            with span("F", u):
+                y = runner.forward(u.number, u.mb, u.start, x)
+                if last:   # each slice's mean loss, weighted by its share of the tokens
+                    y = stage.loss_fn(y, tgts[u.mb][:, u.start:u.start + u.length])
+                    y = y * (u.length / (plan.seq * plan.n_micro))
+                    total = y.detach() + (0 if total is None else total)
+            saved[u.number] = y
+            if not last:
+                pending.append((comm.isend(y.detach(), glob(me + 1), group=group), y))
+        for u in reversed(plan.units):
+            dy = None if last else receive(u, me + 1)
+            with span("BW", u):
+                dx = runner.backward(u.number, saved.pop(u.number), dy)
+            if not first:
+                pending.append((comm.isend(dx, glob(me - 1), group=group), dx))
+        ok = True
+    finally:
+        if ok:
+            for work, _ in pending:
+                work.wait()
+    return {"loss": total}
+
+
+# --------------------------------------------------------------------------- costs
+
+def plan_costs(plan: TeraPipePlan, cost) -> dict:
+    """{"F": {unit: seconds}, "BW": {...}}: the emulated op costs of the plan's units."""
+    t = {u.number: float(cost(u.length, u.start)) for u in plan.units}
+    return {"F": {k: FORWARD_SHARE * v for k, v in t.items()},
+            "BW": {k: (1 - FORWARD_SHARE) * v for k, v in t.items()}}
+
+
+def simulate_plan(plan: TeraPipePlan, cost) -> list[dict]:
+    """The plan's schedule on ideal devices (lesson 07's simulator), op costs from `cost`:
+    timeline events, for plot_gantt and makespan."""
+    c = plan_costs(plan, cost)
+    return simulate(plan.schedule(), lambda op: c["F" if op.kind == "F" else "BW"][op.mb])
+
+
+def measure_costs(model: TinyLlama, lengths, contexts, layers: int = 1, batch: int = 1,
+                  repeats: int = 3, seed: int = 0) -> list[tuple[int, int, float]]:
+    """Time forward + backward of a slice of l tokens after c tokens of context on a stage
+    of `layers` blocks of `model` (no embedding, no head): [(l, c, seconds)] for every pair
+    with l + c ≤ max_seq, the fastest of `repeats` runs (other processes on the machine can
+    only add time). The backward includes the gradients into the cached context."""
+    stage = model.part(range(layers), embed=False, head=False)
+    use_kv_cache(stage)
+    runner = _SliceRunner(stage, 1)
+    g = torch.Generator().manual_seed(seed)
+    h, out = model.cfg.hidden, []
+    for c in contexts:
+        runner.caches = [KVCache()]
+        if c:
+            runner.forward("context", 0, 0, torch.randn(batch, c, h, generator=g).requires_grad_())
+        kept = 1 if c else 0
+        for length in lengths:
+            if c + length > model.cfg.max_seq:
+                continue
+            x = torch.randn(batch, length, h, generator=g).requires_grad_()
+            dy = torch.randn(batch, length, h, generator=g)
+            times = []
+            for _ in range(repeats + 1):          # the first one warms up
+                t0 = time.perf_counter()
+                y = runner.forward("slice", 0, c, x)
+                runner.backward("slice", y, dy)
+                times.append(time.perf_counter() - t0)
+                runner.caches[0].truncate(kept)
+            out.append((length, c, min(times[1:])))
+    stage.zero_grad(set_to_none=True)
+    return out

@@ -1,0 +1,86 @@
+"""Lesson 08 checks: each accepts a correct answer and rejects plausible wrong ones."""
+import pytest
+import torch
+
+from picolib.grading._core import ExerciseFailed
+from picolib.grading.lesson08 import check_dp_slicer, check_pipeline_latency, check_slice_mask
+
+
+def _stub(*args):
+    raise NotImplementedError
+
+
+def _costs(slices, cost):
+    t, ctx = [], 0
+    for length in slices:
+        t.append(cost(length, ctx))
+        ctx += length
+    return t
+
+
+def latency(slices, cost, K):
+    t = _costs(slices, cost)
+    return sum(t) + (K - 1) * max(t)
+
+
+def test_pipeline_latency_check():
+    check_pipeline_latency(latency)
+    with pytest.raises(ExerciseFailed, match=r"\[3, 3, 2\] on K=3 stages: got 8.0, expected 14"):
+        check_pipeline_latency(lambda s, cost, K: sum(_costs(s, cost)))        # the published "T = 8"
+    with pytest.raises(ExerciseFailed, match="latency"):
+        check_pipeline_latency(lambda s, cost, K: latency(s, lambda l, c: cost(l, 0), K))  # no context
+    with pytest.raises(ExerciseFailed, match="latency"):
+        check_pipeline_latency(lambda s, cost, K: sum(_costs(s, cost)) + K * max(_costs(s, cost)))
+    with pytest.raises(ExerciseFailed, match="not written yet"):
+        check_pipeline_latency(_stub)
+
+
+def dp(seq, K, cost):
+    best = (float("inf"), None)
+    caps = sorted({cost(k, i) for k in range(1, seq + 1) for i in range(seq - k + 1)})
+    for cap in caps:
+        S, last = [0.0] + [float("inf")] * seq, [0] * (seq + 1)
+        for i in range(1, seq + 1):
+            for k in range(1, i + 1):
+                t = cost(k, i - k)
+                if t <= cap and S[i - k] + t < S[i]:
+                    S[i], last[i] = S[i - k] + t, k
+        if S[seq] + (K - 1) * cap < best[0]:
+            cuts, i = [], seq
+            while i:
+                cuts.append(last[i])
+                i -= last[i]
+            best = (S[seq] + (K - 1) * cap, cuts[::-1])
+    return best[1], best[0]
+
+
+def test_dp_slicer_check():
+    check_dp_slicer(dp)
+    with pytest.raises(ExerciseFailed, match="DP slicer"):
+        check_dp_slicer(lambda seq, K, cost: ([1] * seq, latency([1] * seq, cost, K)))   # finest cut
+    with pytest.raises(ExerciseFailed, match="DP slicer"):
+        check_dp_slicer(lambda seq, K, cost: ([seq], latency([seq], cost, K)))           # no cut
+    with pytest.raises(ExerciseFailed, match="DP slicer"):                             # Σt only
+        check_dp_slicer(lambda seq, K, cost: (lambda s: (s, sum(_costs(s, cost))))(dp(seq, 1, cost)[0]))
+    with pytest.raises(ExerciseFailed, match="must be positive and sum"):
+        check_dp_slicer(lambda seq, K, cost: ([seq, 1], 0.0))
+    with pytest.raises(ExerciseFailed, match="not written yet"):
+        check_dp_slicer(_stub)
+
+
+def mask(slices, i):
+    start, length = sum(slices[:i]), slices[i]
+    return torch.ones(length, start + length, dtype=torch.bool).tril(start)
+
+
+def test_slice_mask_check():
+    check_slice_mask(mask)
+    with pytest.raises(ExerciseFailed, match="shape"):                       # no cached context
+        check_slice_mask(lambda s, i: torch.ones(s[i], s[i], dtype=torch.bool).tril())
+    with pytest.raises(ExerciseFailed, match="values differ"):               # SDPA's top-left causal
+        check_slice_mask(lambda s, i: torch.ones(s[i], sum(s[:i + 1]), dtype=torch.bool).tril())
+    with pytest.raises(ExerciseFailed, match="values differ"):               # only token t−1 and t
+        check_slice_mask(lambda s, i: mask(s, i) & ~torch.ones(s[i], sum(s[:i + 1]), dtype=torch.bool)
+                         .tril(sum(s[:i]) - 2))
+    with pytest.raises(ExerciseFailed, match="not written yet"):
+        check_slice_mask(_stub)
