@@ -35,7 +35,8 @@ import torch
 
 from .model import repeat_kv, upcast
 
-__all__ = ["merge", "block_forward", "block_backward", "visible", "unmasked_scores", "count",
+__all__ = ["merge", "block_forward", "block_backward", "add_block_grads", "visible",
+           "unmasked_scores", "count",
            "ChunkedAttention", "chunked_attention"]
 
 
@@ -126,20 +127,26 @@ class ChunkedAttention(torch.autograd.Function):
         delta = (do * upcast(out)).sum(-1)
         dq = torch.zeros_like(q, dtype=do.dtype)
         dk, dv = (torch.zeros_like(t, dtype=do.dtype) for t in (k, v))
-        chunk = q.shape[2] // len(q_ids)
-        for qi, i in enumerate(q_ids):
-            rows = slice(qi * chunk, (qi + 1) * chunk)
-            for ki, j in enumerate(k_ids):
-                kind = visible(i, j)
-                if kind is None:
-                    continue
-                cols = slice(ki * chunk, (ki + 1) * chunk)
-                g = block_backward(do[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
-                                   lse[:, :, rows], delta[:, :, rows], kind == "diagonal")
-                dq[:, :, rows] += g[0]
-                dk[:, :, cols] += g[1]
-                dv[:, :, cols] += g[2]
+        add_block_grads(do, q, k, v, lse, delta, q_ids, k_ids, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def add_block_grads(do, q, k, v, lse, delta, q_ids, k_ids, dq, dk, dv) -> None:
+    """Add every visible block's gradients into dq (query chunks `q_ids`) and dk, dv (key
+    chunks `k_ids`), all chunks of one size."""
+    c = q.shape[2] // len(q_ids)
+    for qi, i in enumerate(q_ids):
+        rows = slice(qi * c, (qi + 1) * c)
+        for ki, j in enumerate(k_ids):
+            kind = visible(i, j)
+            if kind is None:
+                continue
+            cols = slice(ki * c, (ki + 1) * c)
+            g = block_backward(do[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                               lse[:, :, rows], delta[:, :, rows], kind == "diagonal")
+            dq[:, :, rows] += g[0]
+            dk[:, :, cols] += g[1]
+            dv[:, :, cols] += g[2]
 
 
 def count(work: dict | None, kind: str, c: int) -> None:

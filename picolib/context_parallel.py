@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .blockwise_attention import (block_backward, block_forward, chunked_attention, count, merge,
+from .blockwise_attention import (add_block_grads, block_forward, chunked_attention, count, merge,
                                   unmasked_scores, visible)
 from .mappings import all_gather_to_region
 from .mesh import dim_group
@@ -162,7 +162,6 @@ class _RingAttention(torch.autograd.Function):
         group, layout = ctx.group, ctx.layout
         n, me, right, left = _neighbours(group)
         mine = chunk_ids(layout, me, n)
-        c = q.shape[2] // len(mine)
         do = upcast(dout)
         delta = (do * upcast(out)).sum(-1)
         dq = torch.zeros_like(q, dtype=do.dtype)
@@ -173,19 +172,7 @@ class _RingAttention(torch.autograd.Function):
                 kv_work, incoming = _hop(kv, right, left, group)
             theirs = chunk_ids(layout, src, n)
             dkv = torch.zeros_like(kv, dtype=do.dtype)   # this rank's share of src's dK/dV
-            for a, i in enumerate(mine):
-                rows = slice(a * c, (a + 1) * c)
-                for b, j in enumerate(theirs):
-                    kind = visible(i, j)
-                    if kind is None:
-                        continue
-                    cols = slice(b * c, (b + 1) * c)
-                    g = block_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                                       kv[1][:, :, cols], lse[:, :, rows], delta[:, :, rows],
-                                       kind == "diagonal")
-                    dq[:, :, rows] += g[0]
-                    dkv[0][:, :, cols] += g[1]
-                    dkv[1][:, :, cols] += g[2]
+            add_block_grads(do, q, kv[0], kv[1], lse, delta, mine, theirs, dq, dkv[0], dkv[1])
             if arriving is not None:             # the shares of the ranks src has passed
                 arriving[0].wait()
                 dkv += arriving[1]
@@ -255,26 +242,18 @@ def _heads_to_seq(x, group):
     return recv.movedim(0, 1).reshape(b, n * hn, s // n, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _SeqHeads(torch.autograd.Function):
+    """Sequence-sharded → head-sharded (`to_heads`) or back; the backward is the other way."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
+        back = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return back(grad.contiguous(), ctx.group), None, None
 
 
 def ulysses_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | None = None):
@@ -289,9 +268,9 @@ def ulysses_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | 
     kv_heads = k.shape[1]
     # one all-to-all for all three: head group j of q, k and v side by side goes to rank j
     qkv = torch.cat([t.unflatten(1, (n, t.shape[1] // n)) for t in (q, k, v)], 2).flatten(1, 2)
-    q, k, v = _SeqToHeads.apply(qkv, group).split((a // n, kv_heads // n, kv_heads // n), 1)
+    q, k, v = _SeqHeads.apply(qkv, group, True).split((a // n, kv_heads // n, kv_heads // n), 1)
     all_ids = [i for r in range(n) for i in chunk_ids(layout, r, n)]
-    return _HeadsToSeq.apply(chunked_attention(q, k, v, all_ids, all_ids, work), group)
+    return _SeqHeads.apply(chunked_attention(q, k, v, all_ids, all_ids, work), group, False)
 
 
 # ------------------------------------------------------------------ the transform
