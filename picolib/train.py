@@ -27,20 +27,19 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
+from . import checkpoint
 from .comm import Ledger
-from .context_parallel import ALGORITHMS, LAYOUTS, apply_context_parallel, check_context_parallel, shard_sequence
-from .data_parallel import DDP
-from .expert_parallel import apply_expert_parallel, expert_gradient_groups
+from .compose import build
+from .context_parallel import ALGORITHMS, LAYOUTS, check_context_parallel, shard_sequence
 from .memory import SavedActivations, grad_bytes, hardware_flops, model_flops, optimizer_state_bytes, param_bytes
 from .mesh import Mesh, check_mesh
-from .moe import apply_moe, check_moe
-from .model import LlamaConfig, TextData, TinyLlama, param_count, random_tokens
-from .pipeline_parallel import run_schedule, schedule_stages
+from .model import LlamaConfig, TextData, param_count, random_tokens
+from .moe import check_moe
+from .pipeline_parallel import run_schedule
 from .pipeline_schedules import SCHEDULES, make_schedule
 from .rank import device
-from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from .tensor_parallel import check_tensor_parallel
 from .timeline import Timeline, gather, to_chrome_trace
-from .zero import ZeRO
 
 __all__ = ["PRESETS", "TrainConfig", "check_config", "train", "main"]
 
@@ -81,6 +80,9 @@ class TrainConfig:
     peak_tflops: float | None = None
     log: str | None = None
     trace: str | None = None
+    save: str | None = None       # checkpoint folder (torch.distributed.checkpoint)
+    save_every: int = 0           # also save every this many steps (0: only at the end)
+    resume: str | None = None     # continue from this checkpoint, on any mesh
     progress: bool = True
 
     @property
@@ -149,46 +151,17 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
             if used:
                 raise ValueError(f"--experts with {flag} is not supported by the trainer yet "
                                  "(lesson 09 combines experts with DP and TP)")
+        if cfg.save or cfg.resume:
+            raise ValueError("checkpoints of expert layers are not supported by the trainer yet")
     elif cfg.ep > 1:
         raise ValueError(f"--ep {cfg.ep} spreads experts: add --experts")
+    if cfg.save_every < 0:
+        raise ValueError(f"--save-every must be ≥ 0, not {cfg.save_every}")
     if cfg.zero == 3 and cfg.recompute != "none":
         raise ValueError("ZeRO-3 frees parameters after forward: --recompute needs --zero ≤ 2")
 
 
 # --------------------------------------------------------------------------- building
-
-def _parts(cfg: TrainConfig, mesh: Mesh):
-    """This rank's stages {index: module}, their wrappers, the optimizers and the schedule."""
-    model = TinyLlama(cfg.model_config()).to(device())
-    if cfg.tp > 1:
-        apply_tensor_parallel(model, mesh, sequence_parallel=cfg.sp)
-    if cfg.cp > 1:
-        apply_context_parallel(model, mesh, layout=cfg.cp_layout, algorithm=cfg.cp_algorithm)
-    expert_groups = {}
-    if cfg.experts and cfg.ep > 1:
-        apply_expert_parallel(model, mesh, n_experts=cfg.experts, top_k=cfg.top_k, ep=cfg.ep)
-        expert_groups = expert_gradient_groups(model)
-    elif cfg.experts:
-        apply_moe(model, n_experts=cfg.experts, top_k=cfg.top_k)
-    sched = None
-    stages = {0: model}
-    if cfg.pp > 1:
-        sched = make_schedule(cfg.schedule, cfg.pp, cfg.micro_batches,
-                              cfg.chunks if cfg.schedule == "interleaved" else 1)
-        mine = sched.stages_of(mesh.coordinate("pp"))
-        stages = {s: m for s, m in schedule_stages(model, sched).items() if s in mine}
-    replicas = mesh.group("dp", "cp") if cfg.cp > 1 else mesh.group("dp")
-    if cfg.zero:
-        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        wrappers = {s: ZeRO(m, cfg.zero, group=replicas, optimizer="adamw", lr=cfg.lr,
-                            param_dtype=dtype) for s, m in stages.items()}
-        optimizers = list(wrappers.values())
-    else:
-        wrappers = {s: DDP(m, group=replicas, groups=expert_groups) for s, m in stages.items()}
-        params = [p for m in stages.values() for p in m.parameters()]
-        optimizers = [torch.optim.AdamW(params, lr=cfg.lr)]
-    return stages, wrappers, optimizers, sched, replicas
-
 
 def _batch(cfg: TrainConfig, data, step: int, mesh: Mesh):
     """This rank's micro-batches of step `step`'s global batch: its dp share, its cp slice."""
@@ -261,7 +234,9 @@ def train(cfg: TrainConfig) -> list[dict]:
     busiest rank's state and activation bytes, bytes sent per collective (busiest rank)."""
     check_config(cfg, dist.get_world_size())
     mesh = Mesh(device().type, **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
-    stages, wrappers, optimizers, sched, _ = _parts(cfg, mesh)
+    resume = checkpoint.load(cfg.resume, cfg.model_config()) if cfg.resume else None
+    stages, wrappers, optimizers, sched, _ = build(cfg, mesh, resume)
+    start = resume[3] if resume else 0
     data = TextData() if cfg.data == "text" else None
     peak, peak_text = _peak_flops(cfg)
     n_params, tokens_per_step = param_count(cfg.model_config()), cfg.batch * cfg.seq
@@ -270,10 +245,10 @@ def train(cfg: TrainConfig) -> list[dict]:
     bar = None
     if rank0 and cfg.progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=cfg.steps, desc=_describe(cfg), file=sys.stdout)
+        bar = tqdm(total=cfg.steps, initial=start, desc=_describe(cfg), file=sys.stdout)
     records, log = [], open(cfg.log, "w") if rank0 and cfg.log else None
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             tokens, targets = _batch(cfg, data, step, mesh)
             tl = Timeline() if cfg.trace and step == cfg.steps - 1 else None
             dist.barrier()
@@ -305,6 +280,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             if bar:
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 bar.update()
+            if cfg.save and (step == cfg.steps - 1 or cfg.save_every and (step + 1) % cfg.save_every == 0):
+                checkpoint.save(cfg.save, stages, wrappers, optimizers, bool(cfg.zero), step + 1)
             if tl is not None:
                 events = gather(tl)
                 if rank0:
@@ -355,6 +332,9 @@ HELP = {
     "log": "write one JSON object per step to this file (under torchrun: --log-file)",
     "trace": "write a Perfetto/Chrome trace of the last step to this file",
     "progress": "show a progress bar and a summary (--no-progress: quiet)",
+    "save": "write a checkpoint (torch.distributed.checkpoint) to this folder at the end",
+    "save_every": "also write it every this many steps (0: only at the end)",
+    "resume": "continue from this checkpoint folder, on this or any other mesh",
 }
 
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _losses(nproc, **options):
-    cfg = TrainConfig(steps=STEPS, progress=False, **options)
+    cfg = TrainConfig(**{"steps": STEPS, "progress": False, **options})
     check_config(cfg, nproc)
     return [r["loss"] for r in run(train, nproc, cfg, timeout=240)[0]]
 
@@ -135,3 +135,24 @@ def test_two_torchrun_agents_equal_one_node(tmp_path):
     assert all(a.returncode == 0 for a in agents), "\n".join(o[-3000:] for o in outputs)
     got = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     assert max(abs(g - w) for g, w in zip(got, want, strict=True)) <= 2e-5, (got, want)
+
+
+def test_resume_continues_the_loss_curve_exactly(tmp_path):
+    """Three steps, save, three more from the checkpoint = six straight (ZeRO-1, dp2×tp2)."""
+    options = dict(dp=2, tp=2, zero=1, micro_batches=2)
+    straight = _losses(4, **options, steps=6)
+    first = _losses(4, **options, steps=3, save=str(tmp_path / "ckpt"))
+    rest = _losses(4, **options, steps=6, resume=str(tmp_path / "ckpt"))
+    assert first == straight[:3]
+    assert max(abs(a - b) for a, b in zip(rest, straight[3:], strict=True)) <= 1e-6, (rest, straight)
+
+
+@pytest.mark.parametrize("nproc, options", [(4, dict(tp=4)), (4, dict(pp=2, tp=2)), (1, {}),
+                                            (2, dict(dp=2, zero=2))],
+                         ids=["tp4", "pp2×tp2", "one process", "dp2 ZeRO-2"])
+def test_resume_on_another_mesh(tmp_path, nproc, options):
+    """Saved at dp2×tp2 with DDP, resumed elsewhere: the one-process curve goes on."""
+    want = _losses(1, micro_batches=2, steps=6)
+    _losses(4, dp=2, tp=2, micro_batches=2, steps=3, save=str(tmp_path / "ckpt"))
+    rest = _losses(nproc, micro_batches=2, steps=6, resume=str(tmp_path / "ckpt"), **options)
+    assert max(abs(a - b) for a, b in zip(rest, want[3:], strict=True)) <= 2e-5, (rest, want)
