@@ -1,0 +1,210 @@
+"""Accelerators, their networks, and what a collective costs on them (lesson 11).
+
+What: presets of real systems (peak FLOP/s, memory, the bandwidth of each network level)
+and the cost models lesson 00 taught — the ring and the tree under the α–β model, in-network
+reduction (SHARP), the hierarchical all-reduce of a switched fat tree — plus the
+compute/communication rooflines that follow: how many tokens per GPU each kind of
+parallelism needs before its communication hides behind its matmuls.
+Why: a plan for thousands of GPUs is arithmetic on these numbers; keeping them in one
+place, with their sources, lets lesson 11 check every figure it states.
+
+Sources. Peaks are *dense* (no 2:4 sparsity), from NVIDIA's datasheets: H100 SXM 989 TFLOP/s
+BF16 and 1,979 FP8 (3,958 is FP8 with sparsity), 80 GB HBM3 at 3.35 TB/s; H200 the same
+peaks with 141 GB at 4.8 TB/s; GB200 NVL72 180 PFLOP/s BF16 and 360 FP8 dense per 72 GPUs
+(2.5 and 5 PFLOP/s each), 186 GB HBM3e per GPU at 8 TB/s. Networks: the H100 SuperPod as
+the GPU chapter of *How to Scale Your Model* (the JAX scaling book) describes it — 18
+NVLink-4 links × 25 GB/s = 450 GB/s per GPU inside an 8-GPU node; one 400 Gb/s InfiniBand
+link (50 GB/s) per GPU to 8 leaf switches per 32-node scalable unit; 16 spine switches over
+4 units; a switch carries 64 × 25 GB/s = 1.6 TB/s. NVLink 5 (Blackwell): 900 GB/s per GPU,
+72 GPUs in one NVLink domain on NVL72. Bandwidths are per direction.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .comm import ring_sent_bytes
+
+__all__ = ["Level", "Hardware", "PRESETS", "hardware", "ring_time", "tree_all_reduce_time",
+           "sharp_all_reduce_time", "all_reduce_bandwidth", "hierarchical_all_reduce_time",
+           "critical_tokens_dp", "critical_tokens_moe", "tp_ffn_threshold", "max_tp_degree",
+           "pp_min_stage_params", "ALPHA"]
+
+ALPHA = 5e-6   # seconds per ring step: an assumption (lesson 00's), not a measurement
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of a switched network: `gpus` under one unit, each GPU's bandwidth to the
+    unit's switches, and the unit's total switch bandwidth (all bytes/s, one direction)."""
+    name: str
+    gpus: int
+    per_gpu: float
+    total: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A GPU and its network. `levels[0]` is the node (NVLink domain)."""
+    name: str
+    bf16: float            # dense peak FLOP/s
+    fp8: float             # dense peak FLOP/s
+    memory: float          # HBM bytes
+    hbm_bandwidth: float   # bytes/s
+    levels: tuple
+
+    @property
+    def node(self) -> int:
+        return self.levels[0].gpus
+
+    def peak(self, precision: str) -> float:
+        """Dense peak for the matmul precision: "bf16" (also fp32 mixed with bf16 compute) or "fp8"."""
+        if precision not in ("bf16", "fp8", "fp32"):
+            raise ValueError(f"precision must be 'bf16', 'fp8' or 'fp32', not {precision!r}")
+        return self.fp8 if precision == "fp8" else self.bf16
+
+    def link(self, n_gpus: int, stride: int = 1) -> float:
+        """Per-GPU bandwidth of a group of `n_gpus` spaced `stride` apart: NVLink while the
+        group stays inside one node, the slowest level it reaches otherwise."""
+        span = n_gpus * stride
+        return min(lv.per_gpu for lv in self.levels if lv is self.levels[0] or span > self._below(lv))
+
+    def _below(self, level: Level) -> int:
+        i = self.levels.index(level)
+        return 1 if i == 0 else self.levels[i - 1].gpus
+
+
+_NVLINK4, _NVLINK5, _IB = 18 * 25e9, 18 * 50e9, 400e9 / 8
+_SWITCH = 64 * 25e9
+PRESETS = {
+    "H100-SXM": Hardware("H100-SXM", 989e12, 1979e12, 80e9, 3.35e12, (
+        Level("node", 8, _NVLINK4, min(8 * _NVLINK4, 4 * _SWITCH)),
+        Level("leaf", 256, _IB, min(256 * _IB, 8 * _SWITCH)),
+        Level("spine", 1024, _IB / 2, min(32 * 16 * 2 * _IB, 16 * _SWITCH)))),
+}
+PRESETS["H200-SXM"] = Hardware("H200-SXM", 989e12, 1979e12, 141e9, 4.8e12, PRESETS["H100-SXM"].levels)
+# NVL72 racks joined by one 400 Gb/s NIC per GPU in a non-blocking fat tree (assumed)
+PRESETS["GB200-NVL72"] = Hardware("GB200-NVL72", 2.5e15, 5e15, 186e9, 8e12, (
+    Level("node", 72, _NVLINK5, 72 * _NVLINK5), Level("scale-out", 2**17, _IB, 2**17 * _IB)))
+
+
+def hardware(name: "str | Hardware") -> Hardware:
+    """A preset by name (or a Hardware as it is); a clear error for an unknown name."""
+    if isinstance(name, Hardware):
+        return name
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware {name!r}; presets: {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+# --------------------------------------------------------------------------- collectives
+
+def _check(nbytes, n, bandwidth, alpha):
+    if nbytes < 0 or n < 1 or bandwidth <= 0 or alpha < 0:
+        raise ValueError(f"need nbytes ≥ 0, n ≥ 1, bandwidth > 0, alpha ≥ 0; got "
+                         f"nbytes={nbytes}, n={n}, bandwidth={bandwidth}, alpha={alpha}")
+
+
+def ring_time(op: str, nbytes: float, n: int, bandwidth: float, alpha: float = ALPHA) -> float:
+    """α–β time of a ring collective (lesson 00): steps·α + bytes one rank sends / W.
+    Reduce-scatter and all-gather take N−1 steps, all-reduce 2(N−1)."""
+    _check(nbytes, n, bandwidth, alpha)
+    steps = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}
+    if op not in steps:
+        raise ValueError(f"op must be one of {sorted(steps)}, not {op!r}")
+    return steps[op] * (n - 1) * alpha + ring_sent_bytes(op, int(nbytes), n) / bandwidth
+
+
+def tree_all_reduce_time(nbytes: float, n: int, bandwidth: float, alpha: float = ALPHA) -> float:
+    """α–β time of a (double binary) tree all-reduce, as NCCL runs across nodes: a reduce up
+    and a broadcast down, 2⌈log₂N⌉ steps of latency, and each rank sends about 2B (B up its
+    tree, B down; two trees with swapped roles keep every link busy)."""
+    _check(nbytes, n, bandwidth, alpha)
+    if n == 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * alpha + 2 * nbytes / bandwidth
+
+
+def sharp_all_reduce_time(nbytes: float, n: int, bandwidth: float, alpha: float = ALPHA) -> float:
+    """In-network reduction (NVLink SHARP): every GPU sends B to the switch once and receives
+    the reduced B: B/W plus two steps of latency (lesson 00: 2(N−1)/N faster than a ring)."""
+    _check(nbytes, n, bandwidth, alpha)
+    return 0.0 if n == 1 else 2 * alpha + nbytes / bandwidth
+
+
+def all_reduce_bandwidth(hw: "str | Hardware", n_gpus: int, inner: int = 1) -> float:
+    """Effective all-reduce bandwidth (bytes/s per GPU, B/T) of a group of `n_gpus` GPUs
+    spaced `inner` apart (the model-parallel ranks between them) over a switched tree with
+    in-network reduction, as the scaling book models it: level i (S_i GPUs under a unit of
+    total bandwidth W_i) takes B·S_i / (max(inner, S_{i−1})·W_i), the slowest level the group
+    reaches sets the time. H100, inner 1: node 450 GB/s, leaf 400 GB/s, spine 6.4 TB/s."""
+    hw = hardware(hw)
+    if n_gpus < 1 or inner < 1:
+        raise ValueError(f"need n_gpus ≥ 1 and inner ≥ 1, got {n_gpus}, {inner}")
+    span, below, worst = n_gpus * inner, 1, math.inf
+    for lv in hw.levels:
+        if span > below:
+            worst = min(worst, max(inner, below) * lv.total / lv.gpus)
+        below = lv.gpus
+    if span > hw.levels[-1].gpus:   # beyond the top level: as the top level
+        worst = min(worst, max(inner, hw.levels[-1].gpus) * hw.levels[-1].total / hw.levels[-1].gpus)
+    return worst
+
+
+def hierarchical_all_reduce_time(nbytes: float, hw: "str | Hardware", n_gpus: int,
+                                 inner: int = 1) -> float:
+    """B / `all_reduce_bandwidth`: reduce inside the node, then the leaf, then the spine,
+    the levels overlapped, the slowest one setting the pace (latency ignored)."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be ≥ 0, not {nbytes}")
+    return 0.0 if n_gpus == 1 else nbytes / all_reduce_bandwidth(hw, n_gpus, inner)
+
+
+# --------------------------------------------------------------------------- rooflines
+
+def critical_tokens_dp(hw: "str | Hardware", n_gpus: int, inner: int = 1, fsdp: bool = False,
+                       precision: str = "bf16") -> float:
+    """Tokens per GPU above which data parallelism is compute-bound (backward of a layer with
+    D·F weights): T_math = 2·2·2·B·D·F/(X·C) against T_comm = 2·2·D·F/W (bf16 gradients,
+    all-reduce with in-network reduction) → B/X > C/(2W). FSDP (ZeRO-3) moves twice the
+    bytes (all-gather + reduce-scatter of weights and gradients): twice the tokens."""
+    c = hardware(hw).peak(precision)
+    return (2 if fsdp else 1) * c / (2 * all_reduce_bandwidth(hw, n_gpus, inner))
+
+
+def critical_tokens_moe(hw: "str | Hardware", n_gpus: int, n_experts: int, top_k: int,
+                        ep: int = 1, fsdp: bool = False, precision: str = "bf16") -> float:
+    """Tokens per GPU for a mixture of experts under DP × EP: each token uses k of E experts
+    but the all-reduce carries all E (per EP group 1/ep of them, spaced ep apart):
+    B/X > E·C/(2·k·W) with W the all-reduce bandwidth for inner = ep."""
+    if min(n_experts, top_k, ep) < 1 or top_k > n_experts:
+        raise ValueError(f"need 1 ≤ top_k ≤ n_experts and ep ≥ 1; got {top_k}, {n_experts}, {ep}")
+    base = critical_tokens_dp(hw, n_gpus, inner=ep, fsdp=fsdp, precision=precision)
+    return base * n_experts / top_k
+
+
+def tp_ffn_threshold(hw: "str | Hardware", tp: int, precision: str = "bf16") -> float:
+    """TP of degree Y inside a node is compute-bound while F > C·(Y−1)/W, i.e. Y < F / T with
+    T = C·(Y−1)/(Y·W) (all-gather + reduce-scatter of the activation per matmul pair against
+    its F/Y share of the FLOPs). H100 at Y = 8: T = 989e12·7/(8·450e9) ≈ 1,923."""
+    hw = hardware(hw)
+    if tp < 2:
+        raise ValueError(f"tp must be ≥ 2 to communicate, not {tp}")
+    return hw.peak(precision) * (tp - 1) / (tp * hw.link(tp))
+
+
+def max_tp_degree(hw: "str | Hardware", ffn_hidden: int, precision: str = "bf16") -> int:
+    """The largest Y ≤ the node size for which Y < F / tp_ffn_threshold(Y) (1 if none)."""
+    hw = hardware(hw)
+    ok = [y for y in range(2, hw.node + 1) if y < ffn_hidden / tp_ffn_threshold(hw, y, precision)]
+    return max(ok, default=1)
+
+
+def pp_min_stage_params(hw: "str | Hardware", hidden: int, precision: str = "bf16",
+                        across_nodes: bool = True) -> float:
+    """Pipeline parallelism sends one (tokens, h) activation forward and its gradient back per
+    stage boundary (2·2h bytes per token in bf16) against 6·N_stage FLOPs per token: the
+    tokens cancel, and the stage is compute-bound while N_stage > 4h·C/(6W)."""
+    hw = hardware(hw)
+    w = hw.levels[1].per_gpu if across_nodes and len(hw.levels) > 1 else hw.levels[0].per_gpu
+    return 4 * hidden * hw.peak(precision) / (6 * w)

@@ -1,0 +1,174 @@
+"""Every planner formula against numbers worked out by hand in the test (from the spec
+sheets' link counts and the model's shape, not by calling the formula), and the errors
+for bad input (picolib/hardware.py, picolib/planner.py, picolib/plan_search.py)."""
+import math
+
+import pytest
+
+from picolib.hardware import (PRESETS, Hardware, all_reduce_bandwidth, critical_tokens_dp,
+                              critical_tokens_moe, hardware, hierarchical_all_reduce_time,
+                              max_tp_degree, pp_min_stage_params, ring_time,
+                              sharp_all_reduce_time, tp_ffn_threshold, tree_all_reduce_time)
+from picolib.model import LlamaConfig
+from picolib.plan_search import active_params, describe, search, step_time
+from picolib.planner import (LLAMA3_70B, LLAMA3_405B, MoE, Parallelism, in_flight, layer_numel,
+                             memory, rank_units, stage_layers, traffic)
+
+H100 = PRESETS["H100-SXM"]
+
+
+def test_presets_state_dense_peaks_and_the_superpod_links():
+    assert (H100.bf16, H100.fp8, H100.memory) == (989e12, 1979e12, 80e9)
+    assert PRESETS["H200-SXM"].memory == 141e9 and PRESETS["H200-SXM"].bf16 == 989e12
+    gb = PRESETS["GB200-NVL72"]
+    assert (gb.bf16, gb.fp8, gb.node) == (180e15 / 72, 360e15 / 72, 72)   # rack totals / 72
+    # node: 18 NVLink-4 links of 25 GB/s per GPU, 8 GPUs; leaf: 8 switches × 64 ports × 25 GB/s
+    assert [lv.total for lv in H100.levels] == [8 * 18 * 25e9, 8 * 64 * 25e9, 16 * 64 * 25e9]
+    assert H100.link(8) == 450e9 and H100.link(16) == 50e9 and H100.link(2, stride=8) == 50e9
+
+
+def test_collective_times_by_hand():
+    b, w, a = 1e9, 450e9, 5e-6
+    assert ring_time("all_reduce", b, 8, w, alpha=0) == pytest.approx(2 * 7 / 8 * b / w)
+    assert ring_time("all_gather", b, 8, w, alpha=a) == pytest.approx(7 * a + 7 / 8 * b / w)
+    assert tree_all_reduce_time(b, 16, w, alpha=a) == pytest.approx(2 * 4 * a + 2 * b / w)
+    assert sharp_all_reduce_time(b, 8, w, alpha=0) == pytest.approx(b / w)
+    # the ring's bytes over SHARP's on 8 GPUs: 1.75 (lesson 00's measured ratio)
+    assert ring_time("all_reduce", b, 8, w, 0) / sharp_all_reduce_time(b, 8, w, 0) == pytest.approx(1.75)
+    assert ring_time("all_reduce", b, 1, w) == 0 and sharp_all_reduce_time(b, 1, w) == 0
+
+
+def test_hierarchical_all_reduce_is_set_by_the_leaf():
+    assert all_reduce_bandwidth(H100, 8) == pytest.approx(3.6e12 / 8)
+    leaf = 8 * 64 * 25e9 / 32                     # 8 leaf switches shared by 32 nodes
+    assert all_reduce_bandwidth(H100, 1024) == pytest.approx(leaf) == pytest.approx(400e9)
+    assert hierarchical_all_reduce_time(4e9, H100, 1024) == pytest.approx(4e9 / 400e9)
+    # 64-way model parallelism inside: the leaf carries 1/8 of the bytes per GPU pair
+    assert all_reduce_bandwidth(H100, 32, inner=64) == pytest.approx(64 * 12.8e12 / 256)
+
+
+def test_critical_batches_of_the_source_and_its_corrections():
+    assert critical_tokens_dp(H100, 8) == pytest.approx(989e12 / (2 * 450e9))       # ≈ 1,099
+    assert round(critical_tokens_dp(H100, 1024)) == round(989e12 / 800e9) == 1236
+    assert critical_tokens_dp(H100, 1024, fsdp=True) == pytest.approx(989e12 / 400e9)  # ≈ 2,472
+    # DeepSeek-like MoE: 256 experts, 8 active, 64-way EP across 8 nodes: 1236.25·256/8/8
+    assert critical_tokens_moe(H100, 32, 256, 8, ep=64) == pytest.approx(989e12 / 800e9 * 256 / 8 / 8)
+    assert tp_ffn_threshold(H100, 8) == pytest.approx(989e12 * 7 / (8 * 450e9))      # ≈ 1,923
+    published = Hardware("898", 898e12, 898e12, 80e9, 1, H100.levels)
+    assert round(tp_ffn_threshold(published, 8)) == 1746
+    assert max_tp_degree(H100, 16384) == 8 and 16384 / 1923 < 9
+    assert max_tp_degree(H100, 8192) == 4            # 8192/1923 = 4.3; 8192/1648 (Y=4 → 3/4) = 4.97
+    # GB200: twice the bandwidth but 2.5× the FLOPs: the DP bound rises, it does not halve
+    assert critical_tokens_dp("GB200-NVL72", 72) == pytest.approx(2.5e15 / (2 * 900e9))
+    assert pp_min_stage_params(H100, 8192) == pytest.approx(4 * 8192 * 989e12 / (6 * 50e9))
+
+
+def test_llama3_70b_shapes_and_lesson_05_activations():
+    h, f, kv, d = 8192, 28672, 8, 128
+    assert layer_numel(LLAMA3_70B, 8) == 2 * h * h // 8 + 2 * h * 1 * d + 3 * h * f // 8 + 2 * h
+    block = 2 * h * h + 2 * h * kv * d + 3 * h * f + 2 * h
+    assert sum(rank_units(LLAMA3_70B, Parallelism())) == 2 * 128256 * h + h + 80 * block
+    # TP8+SP, 4k tokens, PP4 (20 layers a stage), 1F1B: stage 0 holds 4 micro-batches of
+    # 20 × 34·s·h/8 bytes (lesson 05: 4 × 2.85 = 11.4 GB)
+    par = Parallelism(tp=8, sp=True, pp=4, micro_batches=8, dp=20, zero=1)
+    assert memory(LLAMA3_70B, par, pp_rank=0)["activations"] == 4 * 20 * 34 * 4096 * h // 8
+    mem = memory(LLAMA3_70B, par, pp_rank=1)
+    padded = -(-layer_numel(LLAMA3_70B, 8) // 20) * 20     # ZeRO pads each block for 20 ranks
+    assert (mem["params"], mem["grads"]) == (2 * 20 * padded, 2 * 20 * padded)
+    assert mem["optimizer"] == (4 + 8) * 20 * padded // 20  # fp32 master + Adam, 1/20 each
+
+
+def test_zero2_accumulating_holds_whole_gradients():
+    psi = sum(rank_units(LLAMA3_70B, Parallelism(tp=8)))
+    padded = sum(-(-u // 16) * 16 for u in rank_units(LLAMA3_70B, Parallelism(tp=8)))
+    one = memory(LLAMA3_70B, Parallelism(tp=8, dp=16, zero=2))
+    four = memory(LLAMA3_70B, Parallelism(tp=8, dp=16, zero=2, micro_batches=4))
+    assert one["grads"] == 2 * padded // 16 and four["grads"] == 2 * psi + 2 * padded // 16
+
+
+def test_stage_layers_and_in_flight():
+    assert stage_layers(80, 4) == [20] * 4
+    assert stage_layers(126, 16) == [7] + [8] * 14 + [7]          # Llama 3 405B's split
+    assert in_flight("1f1b", 4, 8) == [4, 3, 2, 1]                 # p − r on rank r
+    assert in_flight("afab", 4, 3) == [3, 3, 3, 3]                 # all m
+    assert in_flight("1f1b", 4, 2) == [2, 2, 2, 1]                 # never more than m
+
+
+def test_traffic_by_hand():
+    cfg = LlamaConfig(vocab_size=64, hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+    par = Parallelism(pp=4, micro_batches=8, micro_batch_size=2, seq=16, precision="fp32")
+    act = 2 * 16 * 32 * 4
+    assert [traffic(cfg, par, r)["pp"] for r in range(4)] == [8 * act, 16 * act, 16 * act, 8 * act]
+    psi = sum(rank_units(cfg, Parallelism()))
+    dp = Parallelism(dp=4, precision="fp32")
+    assert traffic(cfg, dp)["dp"] == 2 * 3 * psi * 4 // 4              # ring all-reduce, fp32
+    assert traffic(cfg, dp.replace(zero=3))["dp"] == 3 * 3 * psi * 4 // 4   # psi divides by 4
+    tp = Parallelism(tp=2, seq=16, micro_batch_size=2)                  # bf16 activations
+    x = 2 * 16 * 32 * 2
+    loss = 3 * 2 * (2 * 16 * 4) // 2
+    assert traffic(cfg, tp)["tp"] == (4 * 4 + 2) * (2 * x // 2) + loss
+    moe = MoE(n_experts=8, top_k=2, expert_ffn=16)
+    ep = Parallelism(dp=4, ep=4, seq=16, micro_batch_size=2)
+    # 4 layers × (dispatch, combine) × (forward, backward) of k·tokens·h·2 bytes, 3/4 leaving;
+    # plus each forward's counts: 3 other ranks × 2 local experts × 8 bytes, 4 layers
+    assert traffic(cfg, ep, moe=moe)["ep"] == 4 * 4 * 2 * (2 * 16) * 32 * 2 * 3 // 4 + 4 * 3 * 2 * 8
+
+
+def test_step_time_without_communication_is_the_assumed_efficiency():
+    t = step_time(LLAMA3_70B, Parallelism(seq=4096, micro_batches=4), "H100-SXM", efficiency=0.5)
+    n = active_params(LLAMA3_70B)
+    assert t["compute"] == pytest.approx(6 * n * 4 * 4096 / (989e12 * 0.5))
+    assert t["mfu"] == pytest.approx(0.5) and t["bubble"] == 0
+    full = step_time(LLAMA3_70B, Parallelism(seq=4096, recompute="full"), efficiency=0.5)
+    assert full["mfu"] == pytest.approx(0.5 * 6 / 8)          # HFU stays, MFU falls
+    piped = step_time(LLAMA3_70B, Parallelism(pp=4, micro_batches=8), efficiency=0.5)
+    assert piped["bubble"] == pytest.approx(piped["compute"] * 3 / 8)
+
+
+def test_search_finds_plans_that_fit_fastest_first():
+    found = search(LLAMA3_405B, 16384, 2048, 8192, top=3)
+    assert found and all(r["memory"]["total"] <= 0.9 * 80e9 for r in found)
+    times = [r["time"]["seconds"] for r in found]
+    assert times == sorted(times)
+    whole = search(LLAMA3_405B, 16384, 2048, 8192, top=1, usable=1.0)[0]
+    best = whole["par"]
+    assert (best.tp, best.pp, best.dp) == (8, 16, 128)       # the configuration Llama 3 reports
+    assert 0.9 * 80e9 < whole["memory"]["total"] <= 80e9     # ... over a 10% headroom
+    assert whole["time"]["seconds"] < times[0]
+    assert "TP8+SP PP16" in describe(LLAMA3_405B, best)
+    assert search(LLAMA3_405B, 8, 8, 8192) == []               # 405B on one node: nothing fits
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: hardware("H300"), "unknown hardware 'H300'"),
+    (lambda: memory(LLAMA3_70B, Parallelism(tp=3)), "tp=3 must divide n_heads=64"),
+    (lambda: memory(LLAMA3_70B, Parallelism(tp=16, dp=4, ep=3), moe=MoE(8, 2, 64)),
+     "ep=3 must divide n_experts=8"),
+    (lambda: memory(LLAMA3_70B, Parallelism(dp=0)), "dp must be a positive integer, not 0"),
+    (lambda: memory(LLAMA3_70B, Parallelism(seq=-4)), "seq must be a positive integer, not -4"),
+    (lambda: memory(LLAMA3_70B, Parallelism(zero=4)), "zero must be 0"),
+    (lambda: memory(LLAMA3_70B, Parallelism(zero=3, pp=2, micro_batches=2)), "ZeRO-3 with pp > 1"),
+    (lambda: memory(LLAMA3_70B, Parallelism(pp=100)), "fewer than the pp·v=100"),
+    (lambda: memory(LLAMA3_70B, Parallelism(tp=8, sp=True, seq=4100)), "seq=4100 must divide by 8"),
+    (lambda: memory(LLAMA3_70B, Parallelism(ep=2, dp=2)), "ep=2 needs a MoE"),
+    (lambda: memory(LLAMA3_70B, Parallelism(precision="fp16")), "precision must be"),
+    (lambda: memory(LLAMA3_70B, Parallelism(pp=4, schedule="interleaved", v=2, micro_batches=6)),
+     "multiple of p"),
+    (lambda: ring_time("all_reduce", -1, 8, 450e9), "nbytes=-1"),
+    (lambda: ring_time("all_reduce", 1, 8, 0), "bandwidth=0"),
+    (lambda: search(LLAMA3_70B, 0, 8, 4096), "must be positive"),
+    (lambda: step_time(LLAMA3_70B, Parallelism(), efficiency=0), "efficiency"),
+])
+def test_bad_input_names_what_is_wrong(call, message):
+    with pytest.raises(ValueError, match=re_escape(message)):
+        call()
+
+
+def re_escape(s):
+    import re
+    return re.escape(s)
+
+
+def test_numbers_are_finite_for_every_preset():
+    for name in PRESETS:
+        assert math.isfinite(critical_tokens_dp(name, 4096)) and tp_ffn_threshold(name, 8) > 0
