@@ -22,8 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import comm
-from .flat import views
 from .mappings import gather_along
 from .tensor_parallel import ColumnParallelLinear, ParallelAttention, RowParallelLinear
 from .vocab_parallel import VocabParallelEmbedding
@@ -68,13 +66,8 @@ def _whole(t: torch.Tensor, layout) -> torch.Tensor:
 def _zero_flat(wrapper, key: str | None) -> dict[str, torch.Tensor]:
     """{name: tensor} of a ZeRO wrapper's masters (key None) or optimizer state `key`,
     all-gathered from the shards (a collective over its group)."""
-    out = {}
-    for u in wrapper.units:
-        shard = u.master if key is None else u.state[key]
-        flat = torch.empty(u.full.numel(), device=shard.device)
-        comm.all_gather(flat, shard.contiguous(), group=wrapper.group)
-        out.update({n: v.clone() for n, (_, v) in zip(u.names, views(flat, u.params))})
-    return out
+    return {n: t for u in wrapper.units
+            for n, t in u.gather(u.master if key is None else u.state[key], wrapper.group).items()}
 
 
 def _local_state(stage, wrapper, optimizer, zero: bool) -> tuple[dict, dict, int]:

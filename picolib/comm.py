@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 __all__ = ["Record", "Ledger", "ring_sent_bytes", "all_reduce", "reduce_scatter", "all_gather",
            "broadcast", "all_to_all", "send", "recv", "isend", "exchange", "barrier",
-           "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
+           "ring_neighbours", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
@@ -254,7 +254,8 @@ def barrier(group=None):
 
 # ------------------------------------------------------------------- picolib's own rings
 
-def _ring_neighbours(group):
+def ring_neighbours(group):
+    """(N, this rank's index, the global ranks of its right and left neighbours) in `group`'s ring."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
     to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     return n, me, to_global((me + 1) % n), to_global((me - 1) % n)
@@ -307,7 +308,7 @@ def _ring_chunks(tensor, n: int, op: str) -> list[torch.Tensor]:
 def ring_reduce_scatter(tensor, group=None) -> torch.Tensor:
     """Sum over ranks, rank r keeps chunk r (returned). `tensor.numel()` must divide by N; it
     is used as scratch space."""
-    n, me, right, left = _ring_neighbours(group)
+    n, me, right, left = ring_neighbours(group)
     chunks = _ring_chunks(tensor, n, "ring_reduce_scatter")
     with _ring_record("reduce_scatter", _bytes(tensor), group) as rec:
         rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group)
@@ -316,7 +317,7 @@ def ring_reduce_scatter(tensor, group=None) -> torch.Tensor:
 
 def ring_all_gather(shard, group=None) -> torch.Tensor:
     """Concatenate every rank's `shard` in rank order, passing chunks around the ring."""
-    n, me, right, left = _ring_neighbours(group)
+    n, me, right, left = ring_neighbours(group)
     out = torch.empty(n * shard.numel(), dtype=shard.dtype, device=shard.device)
     chunks = list(out.chunk(n))
     chunks[me].copy_(shard.reshape(-1))
@@ -327,7 +328,7 @@ def ring_all_gather(shard, group=None) -> torch.Tensor:
 
 def ring_all_reduce(tensor, group=None) -> torch.Tensor:
     """In place sum over ranks = ring reduce-scatter followed by ring all-gather."""
-    n, me, right, left = _ring_neighbours(group)
+    n, me, right, left = ring_neighbours(group)
     chunks = _ring_chunks(tensor, n, "ring_all_reduce")
     with _ring_record("all_reduce", _bytes(tensor), group) as rec:
         rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from .comm import ring_neighbours
 from .blockwise_attention import (add_block_grads, block_forward, chunked_attention, count, merge,
                                   unmasked_scores, visible)
 from .mappings import all_gather_to_region
@@ -112,12 +113,6 @@ def check_context_parallel(cfg: LlamaConfig, cp: int, algorithm: str = "ring",
 
 # ------------------------------------------------------------------ ring attention
 
-def _neighbours(group):
-    n, me = dist.get_world_size(group), dist.get_rank(group)
-    glob = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    return n, me, glob((me + 1) % n), glob((me - 1) % n)
-
-
 def _hop(buf, right, left, group):
     """Post: send `buf` to the right neighbour, receive the left one's into a new buffer."""
     incoming = torch.empty_like(buf)
@@ -127,7 +122,7 @@ def _hop(buf, right, left, group):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, work, timeline):
-        n, me, right, left = _neighbours(group)
+        n, me, right, left = ring_neighbours(group)
         mine = chunk_ids(layout, me, n)
         qs = q.chunk(len(mine), 2)
         o = [qc.new_zeros(qc.shape, dtype=upcast(qc).dtype) for qc in qs]
@@ -160,7 +155,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, layout = ctx.group, ctx.layout
-        n, me, right, left = _neighbours(group)
+        n, me, right, left = ring_neighbours(group)
         mine = chunk_ids(layout, me, n)
         do = upcast(dout)
         delta = (do * upcast(out)).sum(-1)

@@ -194,11 +194,16 @@ class ShardedUnit:
         for p in self.params:
             p.grad = None
 
+    def gather(self, shard: torch.Tensor, group) -> dict[str, torch.Tensor]:
+        """{name: fp32 tensor}: a flat shard of every rank (the master, or an optimizer
+        state), gathered and cut back into the parameters' shapes (a collective)."""
+        flat = torch.empty(self.full.numel(), device=shard.device)
+        comm.all_gather(flat, shard.contiguous(), group=group)
+        return {name: view.clone() for name, (_, view) in zip(self.names, views(flat, self.params))}
+
     def gather_master(self, group) -> dict[str, torch.Tensor]:
         """{name: fp32 tensor}: the masters of all ranks, gathered (a collective)."""
-        flat = torch.empty(self.full.numel(), device=self.master.device)
-        comm.all_gather(flat, self.master, group=group)
-        return {name: view.clone() for name, (_, view) in zip(self.names, views(flat, self.params))}
+        return self.gather(self.master, group)
 
     def update(self, optimizer: str, step: int, hp: dict):
         """The optimizer step on the master shard, copied into the compute-dtype shard."""
