@@ -1,34 +1,153 @@
-"""One rank's part of a 5-D configuration (lesson 10): the transforms applied to the one
-model in the documented order (docs/design.md) — tensor (+ sequence) parallel, context
-parallel, experts, pipeline stages — then DDP or ZeRO over the ranks that hold the same
-weights (dp × cp), and the optimizer. `picolib.train` runs what `build` returns.
+"""A 5-D configuration (lesson 10): what it is (`TrainConfig`), whether it can run
+(`check_config`, before any process starts), and one rank's part of it (`build`): the
+transforms applied to the one model in the documented order (docs/design.md) — tensor
+(+ sequence) parallel, context parallel, experts, pipeline stages — then DDP or ZeRO over the
+ranks that hold the same weights (dp × cp), and the optimizer. `picolib.train` runs it.
 
 Resuming from a checkpoint (`picolib.checkpoint`) starts from the whole model and the whole
 optimizer state, and cuts both exactly as a fresh start cuts the weights.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from .checkpoint import STATE
-from .context_parallel import apply_context_parallel
+from .context_parallel import LAYOUTS, apply_context_parallel, check_context_parallel
 from .data_parallel import DDP
 from .expert_parallel import apply_expert_parallel, expert_gradient_groups
 from .flat import shard_bounds
-from .mesh import Mesh
-from .model import TinyLlama
-from .moe import apply_moe
+from .mesh import Mesh, check_mesh
+from .model import LlamaConfig, TinyLlama
+from .moe import apply_moe, check_moe
 from .pipeline_parallel import schedule_stages
-from .pipeline_schedules import make_schedule
+from .pipeline_schedules import SCHEDULES, make_schedule
 from .rank import device
-from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from .zero import ZeRO
 
-__all__ = ["transform", "build"]
+__all__ = ["PRESETS", "TrainConfig", "check_config", "transform", "build"]
+
+PRESETS = {  # model shapes: a few hundred thousand to a few million parameters
+    "tiny": dict(hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64),
+    "small": dict(hidden=64, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=192),
+    "base": dict(hidden=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=768),
+}
 
 
-def transform(model: TinyLlama, cfg, mesh: Mesh):
+@dataclass
+class TrainConfig:
+    """One training run; every field is a command-line option (`--help`)."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sp: bool = False
+    zero: int = 0                 # 0: DDP; 1, 2, 3: ZeRO stage
+    schedule: str = "1f1b"
+    chunks: int = 2               # v for the interleaved schedule
+    micro_batches: int = 1
+    batch: int = 8                # global batch (sequences per step)
+    seq: int = 32
+    steps: int = 10
+    preset: str = "tiny"
+    recompute: str = "none"
+    precision: str = "fp32"       # "bf16": ZeRO's bf16 compute with fp32 master weights
+    experts: int = 0              # > 0: every MLP becomes a mixture of this many experts
+    top_k: int = 1
+    ep: int = 1                   # expert-parallel ranks, a block of the dp ranks
+    cp_algorithm: str = "ring"
+    cp_layout: str = "zigzag"
+    data: str = "text"            # "text": the shipped text; "random": uniform tokens
+    lr: float = 1e-3
+    seed: int = 0
+    peak_tflops: float | None = None
+    log: str | None = None
+    trace: str | None = None
+    save: str | None = None       # checkpoint folder (torch.distributed.checkpoint)
+    save_every: int = 0           # also save every this many steps (0: only at the end)
+    resume: str | None = None     # continue from this checkpoint, on any mesh
+    progress: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def model_config(self) -> LlamaConfig:
+        return LlamaConfig(**PRESETS[self.preset], max_seq=max(self.seq, 16), seed=self.seed,
+                           recompute=self.recompute)
+
+
+def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
+    """Refuse a configuration before any process starts, naming the numbers."""
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {sorted(PRESETS)}")
+    check_mesh(cfg.world_size if world_size is None else world_size,
+               **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
+    for name in ("batch", "seq", "steps", "micro_batches", "chunks"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(cfg, name)}")
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero must be 0 (DDP), 1, 2 or 3, not {cfg.zero}")
+    if cfg.data not in ("text", "random"):
+        raise ValueError(f"--data must be 'text' or 'random', not {cfg.data!r}")
+    if cfg.precision not in ("fp32", "bf16"):
+        raise ValueError(f"--precision must be fp32 or bf16, not {cfg.precision!r}")
+    if cfg.precision == "bf16" and cfg.zero == 0:
+        raise ValueError("--precision bf16 keeps fp32 master weights in ZeRO: add --zero 1, 2 or 3")
+    mcfg = cfg.model_config()
+    if cfg.tp > 1:
+        check_tensor_parallel(mcfg, cfg.tp)
+    if cfg.sp and cfg.tp == 1:
+        raise ValueError("--sp (sequence parallelism) splits the sequence over tp: it needs --tp ≥ 2")
+    local_seq = cfg.seq // cfg.cp
+    if cfg.sp and (cfg.seq % cfg.cp or local_seq % cfg.tp):
+        raise ValueError(f"with --sp each rank's {cfg.seq}/{cfg.cp} tokens must divide by tp={cfg.tp}")
+    if cfg.cp > 1:
+        if cfg.cp_layout not in LAYOUTS:
+            raise ValueError(f"unknown --cp-layout {cfg.cp_layout!r}; known: {list(LAYOUTS)}")
+        check_context_parallel(mcfg, cfg.cp, cfg.cp_algorithm, cfg.cp_layout, tp=cfg.tp, seq=cfg.seq)
+    per_replica = cfg.dp * cfg.micro_batches
+    if cfg.batch % per_replica:
+        raise ValueError(f"the batch of {cfg.batch} sequences must divide into dp={cfg.dp} "
+                         f"replicas × {cfg.micro_batches} micro-batches")
+    if cfg.pp > 1:
+        if cfg.schedule == "dualpipe":
+            raise ValueError("the trainer runs one copy of each stage; DualPipe keeps two "
+                             "(lesson 07 runs it): choose another --schedule")
+        v = cfg.chunks if cfg.schedule == "interleaved" else 1
+        sched = make_schedule(cfg.schedule, cfg.pp, cfg.micro_batches, v)
+        if len(sched.stage_ranks) > mcfg.n_layers:
+            raise ValueError(f"{len(sched.stage_ranks)} pipeline stages need at least as many "
+                             f"layers; the {cfg.preset} preset has {mcfg.n_layers}")
+        if cfg.zero == 3:
+            raise ValueError("ZeRO-3 × pipeline parallelism is not supported: ZeRO-3 frees a "
+                             "stage's parameters after each forward while a schedule keeps "
+                             f"{cfg.micro_batches} micro-batches in flight; use --zero 1 or 2")
+    elif cfg.schedule not in SCHEDULES:
+        raise ValueError(f"unknown --schedule {cfg.schedule!r}; choose one of {sorted(SCHEDULES)}")
+    if cfg.experts:
+        check_moe(cfg.experts, cfg.top_k, None, "softmax", cfg.ep)
+        if cfg.dp % cfg.ep:
+            raise ValueError(f"--ep {cfg.ep} must divide --dp {cfg.dp} (expert-parallel groups "
+                             "are made of data-parallel ranks)")
+        for flag, used in (("--pp", cfg.pp > 1), ("--cp", cfg.cp > 1), ("--zero", cfg.zero > 0)):
+            if used:
+                raise ValueError(f"--experts with {flag} is not supported by the trainer yet "
+                                 "(lesson 09 combines experts with DP and TP)")
+        if cfg.save or cfg.resume:
+            raise ValueError("checkpoints of expert layers are not supported by the trainer yet")
+    elif cfg.ep > 1:
+        raise ValueError(f"--ep {cfg.ep} spreads experts: add --experts")
+    if cfg.save_every < 0:
+        raise ValueError(f"--save-every must be ≥ 0, not {cfg.save_every}")
+    if cfg.zero == 3 and cfg.recompute != "none":
+        raise ValueError("ZeRO-3 frees parameters after forward: --recompute needs --zero ≤ 2")
+
+
+def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
     """The transforms in their order; returns this rank's stages {index: module}, the schedule
     and the expert gradient groups."""
     if cfg.tp > 1:
@@ -51,7 +170,7 @@ def transform(model: TinyLlama, cfg, mesh: Mesh):
     return stages, sched, expert_groups
 
 
-def build(cfg, mesh: Mesh, resume=None):
+def build(cfg: TrainConfig, mesh: Mesh, resume=None):
     """This rank's stages {index: module}, their wrappers, the optimizers and the schedule;
     with `resume` = checkpoint.load(...), the weights and optimizer state it holds."""
     model = TinyLlama(cfg.model_config())
