@@ -8,7 +8,8 @@ open a `Ledger` around a training step and read back what moved:
     ledger.total("sent_bytes")      # bytes this rank put on the wire
 
 Each record holds the op, the group size, the payload bytes (the full buffer of the
-collective), the bytes this rank sends under the standard algorithm, and the wall time.
+collective), the bytes this rank sends under the standard algorithm, the wall time and the
+global ranks taking part (the trainer sorts traffic into DP, TP, PP, CP and EP by them).
 
 Two kinds of implementation:
 - the *native* ones call torch.distributed (gloo's or NCCL's own algorithms). Their
@@ -47,6 +48,7 @@ class Record:
     seconds: float | None    # wall time; for async ops, from issue to the end of wait()
     measured: bool = False   # True when sent_bytes was counted, not computed
     meta: dict = field(default_factory=dict)
+    ranks: tuple = ()        # the global ranks taking part (point-to-point: this rank, the peer)
 
 
 class Ledger:
@@ -131,10 +133,17 @@ class _Timed:
         return self._work.is_completed()
 
 
-def _native(op, call, nbytes, group, async_op, rank_in_group=0, root=0, meta=None):
+def _members(group, peer: int | None = None) -> tuple:
+    if peer is not None:
+        return dist.get_rank(), peer
+    return tuple(dist.get_process_group_ranks(group) if group is not None
+                 else range(dist.get_world_size()))
+
+
+def _native(op, call, nbytes, group, async_op, rank_in_group=0, root=0, meta=None, peer=None):
     n = dist.get_world_size(group)
     rec = Record(op, n, nbytes, ring_sent_bytes(op, nbytes, n, rank_in_group, root), None,
-                 meta=meta or {})
+                 meta=meta or {}, ranks=_members(group, peer))
     Ledger._add(rec)
     t0 = time.perf_counter()
     work = call(async_op)
@@ -182,7 +191,7 @@ def all_to_all(output, input, group=None, output_split_sizes=None, input_split_s
         me = dist.get_rank(group)
         row = input[0:1].numel() * input.element_size() if input.dim() else input.element_size()
         sent = sum(s for j, s in enumerate(input_split_sizes) if j != me) * row
-    rec = Record("all_to_all", n, _bytes(input), sent, None)
+    rec = Record("all_to_all", n, _bytes(input), sent, None, ranks=_members(group))
     Ledger._add(rec)
     t0 = time.perf_counter()
     work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
@@ -194,7 +203,8 @@ def all_to_all(output, input, group=None, output_split_sizes=None, input_split_s
 
 def send(tensor, dst: int, group=None):
     """Blocking point-to-point send to global rank `dst`."""
-    return _native("send", lambda a: dist.send(tensor, dst, group), _bytes(tensor), group, False)
+    return _native("send", lambda a: dist.send(tensor, dst, group), _bytes(tensor), group, False,
+                   peer=dst)
 
 
 def isend(tensor, dst: int, group=None):
@@ -202,14 +212,15 @@ def isend(tensor, dst: int, group=None):
     receiver has it. Messages to one peer arrive in the order they were posted. Keep
     `tensor` unchanged until then."""
     rec = Record("send", dist.get_world_size(group), _bytes(tensor), _bytes(tensor), None,
-                 meta={"peer": dst})
+                 meta={"peer": dst}, ranks=_members(group, dst))
     Ledger._add(rec)
     return _Timed(dist.isend(tensor, dst, group), rec, time.perf_counter())
 
 
 def recv(tensor, src: int, group=None):
     """Blocking point-to-point receive from global rank `src`, into `tensor`."""
-    return _native("recv", lambda a: dist.recv(tensor, src, group), _bytes(tensor), group, False)
+    return _native("recv", lambda a: dist.recv(tensor, src, group), _bytes(tensor), group, False,
+                   peer=src)
 
 
 class _Exchange:
@@ -237,8 +248,10 @@ def exchange(sends=(), recvs=(), group=None, async_op: bool = False):
     ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
     n = dist.get_world_size(group)
-    recs = [Record("send", n, _bytes(t), _bytes(t), None, meta={"peer": p}) for t, p in sends]
-    recs += [Record("recv", n, _bytes(t), 0, None, meta={"peer": p}) for t, p in recvs]
+    recs = [Record("send", n, _bytes(t), _bytes(t), None, meta={"peer": p},
+                   ranks=_members(group, p)) for t, p in sends]
+    recs += [Record("recv", n, _bytes(t), 0, None, meta={"peer": p},
+                    ranks=_members(group, p)) for t, p in recvs]
     for r in recs:
         Ledger._add(r)
     t0 = time.perf_counter()
@@ -271,7 +284,7 @@ def _ring_step(send_buf, recv_buf, right, left, group):
 @contextmanager
 def _ring_record(op, nbytes, group):
     rec = Record(op, dist.get_world_size(group), nbytes, 0, None, measured=True,
-                 meta={"algorithm": "ring"})
+                 meta={"algorithm": "ring"}, ranks=_members(group))
     t0 = time.perf_counter()
     yield rec
     rec.seconds = time.perf_counter() - t0

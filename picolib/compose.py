@@ -21,7 +21,7 @@ from .expert_parallel import apply_expert_parallel, expert_gradient_groups
 from .flat import shard_bounds
 from .mesh import Mesh, check_mesh
 from .model import LlamaConfig, TinyLlama
-from .moe import apply_moe, check_moe
+from .moe import apply_moe, aux_loss_in_backward, check_moe
 from .pipeline_parallel import schedule_stages
 from .pipeline_schedules import SCHEDULES, make_schedule
 from .rank import device
@@ -133,10 +133,13 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         if cfg.dp % cfg.ep:
             raise ValueError(f"--ep {cfg.ep} must divide --dp {cfg.dp} (expert-parallel groups "
                              "are made of data-parallel ranks)")
-        for flag, used in (("--pp", cfg.pp > 1), ("--cp", cfg.cp > 1), ("--zero", cfg.zero > 0)):
-            if used:
-                raise ValueError(f"--experts with {flag} is not supported by the trainer yet "
-                                 "(lesson 09 combines experts with DP and TP)")
+        if cfg.cp > 1:
+            raise ValueError("--experts with --cp is not supported by the trainer yet: each cp "
+                             "rank would balance its slice of the sequence on its own")
+        if cfg.zero == 3 and cfg.ep > 1:
+            raise ValueError(f"--zero 3 gathers each block over all dp={cfg.dp} replicas, but "
+                             f"with --ep {cfg.ep} a block's experts differ between them: use "
+                             "--zero 1 or 2")
         if cfg.save or cfg.resume:
             raise ValueError("checkpoints of expert layers are not supported by the trainer yet")
     elif cfg.ep > 1:
@@ -160,6 +163,8 @@ def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
         expert_groups = expert_gradient_groups(model)
     elif cfg.experts:
         apply_moe(model, n_experts=cfg.experts, top_k=cfg.top_k)
+    if cfg.experts:     # a stage's balancing loss cannot reach the last stage's loss
+        aux_loss_in_backward(model, scale=1 / cfg.micro_batches)
     sched = None
     stages = {0: model}
     if cfg.pp > 1:
@@ -181,7 +186,7 @@ def build(cfg: TrainConfig, mesh: Mesh, resume=None):
     if cfg.zero:
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         wrappers = {s: ZeRO(m, cfg.zero, group=replicas, optimizer="adamw", lr=cfg.lr,
-                            param_dtype=dtype) for s, m in stages.items()}
+                            param_dtype=dtype, groups=expert_groups) for s, m in stages.items()}
         optimizers = list(wrappers.values())
     else:
         wrappers = {s: DDP(m, group=replicas, groups=expert_groups) for s, m in stages.items()}

@@ -115,6 +115,7 @@ class ExpertParallelMoE(MoE):
         self.router, self.shared = moe.router, moe.shared
         self.experts = torch.nn.ModuleList(moe.experts[r * self.n_local:(r + 1) * self.n_local])
         self.aux_loss = self.load = self.dropped = None
+        self.aux_weight = 0.0     # > 0: the backward adds the aux loss (aux_loss_in_backward)
 
     def dispatch_combine(self, x, routing: Routing):
         if self.dispatcher == "allgather":

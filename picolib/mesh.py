@@ -56,6 +56,7 @@ class Mesh:
         mesh.group("tp")         # the ProcessGroup of this rank's TP row
         mesh.group("dp", "cp")   # the ranks that share everything but dp and cp
         mesh.peers("pp")         # global ranks along pp through this rank, in order
+        mesh.spanned([0, 1, 3])  # the dimensions along which these global ranks differ
     """
 
     def __init__(self, device_type: str = "cpu", **sizes: int):
@@ -100,6 +101,14 @@ class Mesh:
     def peers(self, name: str) -> list[int]:
         """Global ranks along `name` through this rank, ordered by their coordinate."""
         return dist.get_process_group_ranks(self.group(name))
+
+
+    def spanned(self, ranks) -> tuple[str, ...]:
+        """The dimensions along which the global `ranks` differ: ("tp",) for a TP group,
+        ("dp", "cp") for the replicas of a dp × cp run, ("pp",) for two neighbouring stages."""
+        grid = self.device_mesh.mesh
+        coords = [(grid == r).nonzero()[0].tolist() for r in ranks]
+        return tuple(d for i, d in enumerate(DIMS) if len({c[i] for c in coords}) > 1)
 
 
 def dim_group(mesh_or_group, name: str):

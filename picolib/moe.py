@@ -30,7 +30,9 @@ process with `token_groups` = the number of data-parallel ranks is the exact ref
 
 `apply_moe(model, n_experts=, top_k=, ...)` turns every block's MLP of a TinyLlama into a
 MoE layer in place and makes the model's loss part add `aux_weight` · Σ aux losses
-(`MoELoss`); weights come from the model's seed alone.
+(`MoELoss`); weights come from the model's seed alone. Under pipeline parallelism a stage's
+aux losses never reach the last stage's loss: `aux_loss_in_backward(model, scale)` makes
+each layer's backward add the aux loss's gradient itself instead (`AuxLossGradient`).
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ import torch.nn.functional as F
 from .model import SwiGLU, TinyLlama
 
 __all__ = ["ROUTERS", "check_moe", "capacity", "keep_mask", "sort_by_expert", "run_experts",
-           "balancing_loss", "Routing", "Expert", "Router", "MoE", "MoELoss", "moe_layers",
-           "apply_moe"]
+           "balancing_loss", "Routing", "Expert", "Router", "MoE", "MoELoss", "AuxLossGradient",
+           "aux_loss_in_backward", "moe_layers", "apply_moe"]
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -181,6 +183,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(hidden, expert_hidden) for _ in range(n_experts))
         self.shared = Expert(hidden, shared_hidden) if shared_hidden else None
         self.aux_loss = self.load = self.dropped = None
+        self.aux_weight = 0.0     # > 0: the backward adds the aux loss (aux_loss_in_backward)
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -221,6 +224,8 @@ class MoE(nn.Module):
         out = torch.cat(outs)
         if self.shared is not None:
             out = out + self.shared(tokens)
+        if self.aux_weight:
+            out = AuxLossGradient.apply(out, self.aux_loss, self.aux_weight)
         return out.view(x.shape)
 
     @torch.no_grad()
@@ -253,6 +258,35 @@ class MoELoss(nn.Module):
         if self.aux_weight:
             loss = loss + self.aux_weight * sum(m.aux_loss for m in self.layers)
         return loss
+
+
+class AuxLossGradient(torch.autograd.Function):
+    """The identity on a MoE layer's output, whose backward also gives the layer's aux loss
+    the gradient `weight`: the same gradients as adding weight · aux_loss to the final loss,
+    where the final loss is out of reach (on another pipeline stage)."""
+
+    @staticmethod
+    def forward(ctx, out, aux_loss, weight: float):
+        ctx.weight = weight
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_full((), ctx.weight), None
+
+
+def aux_loss_in_backward(model: nn.Module, scale: float = 1.0) -> None:
+    """Stop adding the balancing loss to `model.loss`; each MoE layer's backward adds its
+    gradient instead, with weight aux_weight · `scale` (`scale`: what the caller multiplies
+    each loss by, e.g. 1/m over m micro-batches). Needed before cutting the model into
+    pipeline stages; the reported loss is then the language-model loss alone."""
+    loss = model.loss_fn
+    if not isinstance(loss, MoELoss):
+        raise ValueError("aux_loss_in_backward needs a model made MoE by apply_moe or "
+                         "apply_expert_parallel")
+    for m in loss.layers:
+        m.aux_weight = loss.aux_weight * scale
+    loss.aux_weight = 0.0
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -11,8 +11,9 @@ how lesson 10 checks a configuration. The transforms run in the documented order
 or ZeRO over the ranks that hold the same weights (dp × cp).
 
 Each step logs the global mean loss, tokens/s, MFU and HFU against a stated peak, the memory
-of the busiest rank and the bytes it sent by collective; `--log FILE` writes them as one JSON
-object per line, `--trace FILE` a Perfetto/Chrome trace of the last step.
+of the busiest rank and the bytes it sent by collective and by kind (DP, TP, PP, CP, EP);
+`--log FILE` writes them as one JSON object per line, `--trace FILE` a Perfetto/Chrome trace
+of the last step.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from .timeline import Timeline, gather, to_chrome_trace
 __all__ = ["PRESETS", "TrainConfig", "check_config", "train", "main"]
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
+KINDS = ("DP", "TP", "PP", "CP", "EP", "other")
 
 
 # --------------------------------------------------------------------------- a step
@@ -103,6 +105,29 @@ def _peak_flops(cfg: TrainConfig) -> tuple[float, str]:
     return rate, f"{rate / 1e9:.1f} GFLOP/s per rank (fp32 matmul, one thread, the fastest rank)"
 
 
+def traffic_kind(op: str, dims: tuple[str, ...], replicas: bool = False) -> str:
+    """Which parallelism a collective belongs to, from the mesh dimensions its ranks span;
+    `replicas`: its group is the one gradients are averaged over (dp, or dp × cp) — DP.
+    Inside dp, all-to-alls are EP's and the rest the experts' gradients (DP)."""
+    if replicas:
+        return "DP"
+    if dims == ("dp",):
+        return "EP" if op == "all_to_all" else "DP"
+    return dims[0].upper() if len(dims) == 1 else "other"
+
+
+def _sent_by_kind(ledger: Ledger, mesh: Mesh, replicas, known: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    replica_ranks = set(dist.get_process_group_ranks(replicas))
+    for r in ledger.records:
+        key = (r.op, r.ranks)
+        if key not in known:
+            gradients = r.op not in ("send", "recv") and set(r.ranks) == replica_ranks
+            known[key] = traffic_kind(r.op, mesh.spanned(r.ranks), gradients)
+        out[known[key]] = out.get(known[key], 0) + r.sent_bytes
+    return out
+
+
 def _max_over_ranks(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -114,11 +139,12 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 def train(cfg: TrainConfig) -> list[dict]:
     """Train on this rank (inside `launch.run` or under torchrun); returns one record per step
     (the same on every rank): step, loss (global mean), seconds, tokens/s, MFU, HFU, the
-    busiest rank's state and activation bytes, bytes sent per collective (busiest rank)."""
+    busiest rank's state and activation bytes, bytes sent per collective and per kind of
+    parallelism (DP, TP, PP, CP, EP; each the busiest rank's)."""
     check_config(cfg, dist.get_world_size())
     mesh = Mesh(device().type, **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
     resume = checkpoint.load(cfg.resume, cfg.model_config()) if cfg.resume else None
-    stages, wrappers, optimizers, sched, _ = build(cfg, mesh, resume)
+    stages, wrappers, optimizers, sched, replicas = build(cfg, mesh, resume)
     start = resume[3] if resume else 0
     data = TextData() if cfg.data == "text" else None
     peak, peak_text = _peak_flops(cfg)
@@ -129,7 +155,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     if rank0 and cfg.progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=cfg.steps, initial=start, desc=_describe(cfg), file=sys.stdout)
-    records, log = [], open(cfg.log, "w") if rank0 and cfg.log else None
+    records, log, kinds = [], open(cfg.log, "w") if rank0 and cfg.log else None, {}
     try:
         for step in range(start, cfg.steps):
             tokens, targets = _batch(cfg, data, step, mesh)
@@ -148,14 +174,17 @@ def train(cfg: TrainConfig) -> list[dict]:
                                  dtype=torch.float64)
             dist.all_reduce(total)
             sent = {op: s["sent_bytes"] for op, s in led.summary().items()}
-            busiest = _max_over_ranks([seconds, state, act.peak] + [sent.get(op, 0) for op in OPS])
+            by_kind = _sent_by_kind(led, mesh, replicas, kinds)
+            busiest = _max_over_ranks([seconds, state, act.peak] + [sent.get(op, 0) for op in OPS]
+                                      + [by_kind.get(k, 0) for k in KINDS])
             rec = {"step": step, "loss": total[0].item() / total[1].item(), "seconds": busiest[0],
                    "tokens_per_s": tokens_per_step / busiest[0],
                    "mfu": model_flops(n_params, tokens_per_step) / (busiest[0] * cfg.world_size * peak),
                    "hfu": hardware_flops(n_params, tokens_per_step, hw_recompute)
                    / (busiest[0] * cfg.world_size * peak),
                    "state_bytes": int(busiest[1]), "activation_bytes": int(busiest[2]),
-                   "sent_bytes": {op: int(b) for op, b in zip(OPS, busiest[3:]) if b}}
+                   "sent_bytes": {op: int(b) for op, b in zip(OPS, busiest[3:3 + len(OPS)]) if b},
+                   "sent_bytes_by_kind": {k: int(b) for k, b in zip(KINDS, busiest[3 + len(OPS):]) if b}}
             records.append(rec)
             if log:
                 log.write(json.dumps(rec) + "\n")

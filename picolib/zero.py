@@ -28,6 +28,10 @@ all-gathers: any other interleaving could deadlock a rank that visits the units 
 another order (the price: a unit finished before the last all-gather keeps its full
 gradient until then).
 
+Parameters replicated on only some of the ranks (experts under expert parallelism: their
+edp group) get `groups={param: group}` (stages 1-2): they form units of their own, sharded
+and reduced over their group, and still averaged over `group`'s size like the rest.
+
 Accumulation: inside `no_sync()` (or after `set_requires_gradient_sync(False)`) backward
 only accumulates, through autograd, into full gradients (stages 2-3 too, until the
 reduce-scatter); the step's last backward (or `step()`) reduce-scatters the sum once. A NaN or inf gradient makes every rank raise FloatingPointError in `step()`,
@@ -53,7 +57,7 @@ __all__ = ["ZeRO", "shard_bounds", "padded_numel", "unit_numels", "zero_memory_b
 
 class ZeRO(GradientSyncSwitch):
     """ZeRO(model, stage, group=None, optimizer="adam", lr=1e-3, *, param_dtype=torch.float32,
-    units=None, prefetch=True, timeline=None, **hyperparameters)
+    units=None, prefetch=True, timeline=None, groups=None, **hyperparameters)
 
     Wraps `model` — call it as usual — and is its optimizer: `loss.backward();
     zero.step(); zero.zero_grad()`; gradients are averaged over `group` (None: the default
@@ -62,11 +66,14 @@ class ZeRO(GradientSyncSwitch):
     leftover parameters form the root unit). Frozen parameters and buffers are copied
     from the group's first rank. `timeline`: a picolib Timeline that gets F, B (stage 3),
     all_gather and reduce_scatter spans; a cost in `timeline.emulate` is slept.
+    `groups`: {parameter: process group} for parameters replicated on only some of the
+    ranks (module docstring; stages 1-2).
     """
 
     def __init__(self, model: nn.Module, stage: int, group=None, optimizer: str = "adam",
                  lr: float = 1e-3, *, param_dtype=torch.float32, units=None,
-                 prefetch: bool = True, timeline=None, **hyperparameters):
+                 prefetch: bool = True, timeline=None, groups: dict | None = None,
+                 **hyperparameters):
         if isinstance(stage, bool) or stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage!r}")
         hp = optimizer_hyperparameters(optimizer, lr, hyperparameters)
@@ -75,6 +82,9 @@ class ZeRO(GradientSyncSwitch):
         devices = sorted({str(p.device) for p in model.parameters() if p.requires_grad})
         if len(devices) != 1:
             raise ValueError(f"all parameters must be on one device; found {devices}")
+        if groups and stage == 3:
+            raise ValueError("ZeRO-3 gathers every unit over one group: parameters with "
+                             "groups of their own (experts) need stage 1 or 2")
         if stage == 3 and getattr(getattr(model, "cfg", None), "recompute", "none") != "none":
             raise ValueError("ZeRO-3 frees parameters after forward: recompute is not supported")
         self.n = group_size(group)   # before any collective
@@ -82,8 +92,14 @@ class ZeRO(GradientSyncSwitch):
         self.prefetch, self.timeline, self.hp = prefetch, timeline, hp
         self.steps, self._sync, self._pending, self._t = 0, True, [], 0.0
         with torch.no_grad():
-            self.units = [ShardedUnit(m, named, stage, group, param_dtype, optimizer, hp)
-                          for m, named in split_units(model, units)]
+            own = {id(p): g for p, g in (groups or {}).items()}
+            self.units, self._groups, self._scales = [], [], []
+            for m, named in split_units(model, units):
+                for g, part in _by_group(named, own):
+                    self.units.append(ShardedUnit(m, part, stage, group if g is None else g,
+                                                  param_dtype, optimizer, hp))
+                    self._groups.append(group if g is None else g)
+                    self._scales.append(1.0 if g is None else group_size(g) / self.n)
             owned = {id(p) for u in self.units for p in u.params}
             rest = [p for p in model.parameters() if id(p) not in owned] + list(model.buffers())
             if rest:
@@ -221,7 +237,9 @@ class ZeRO(GradientSyncSwitch):
         # raise together (only finite gradients whose sum overflows the dtype — 3e38 in
         # fp32, 6.5e4 in fp16 — would reach one rank alone).
         flat[u.starts] = torch.where(bad, torch.nan, flat[u.starts])
-        handle = comm.reduce_scatter(u.grad, flat, op="avg", group=self.group, async_op=True)
+        if self._scales[i] != 1.0:     # a sub-group's average, made an average over `group`
+            flat.mul_(self._scales[i])
+        handle = comm.reduce_scatter(u.grad, flat, op="avg", group=self._groups[i], async_op=True)
         self._pending.append((handle, time.perf_counter(), i, flat))
         if self.stage > 1:
             self._drain(keep=1)   # at most two full gradient buckets alive at once
@@ -256,7 +274,7 @@ class ZeRO(GradientSyncSwitch):
         u = self.units[i]
         u.update(self.opt, self.steps, self.hp)
         if self.stage < 3:
-            return (comm.all_gather(u.full, u.shard, group=self.group, async_op=True),
+            return (comm.all_gather(u.full, u.shard, group=self._groups[i], async_op=True),
                     time.perf_counter(), i)
 
     def zero_grad(self):
@@ -280,7 +298,8 @@ class ZeRO(GradientSyncSwitch):
     def gather_parameters(self) -> dict[str, torch.Tensor]:
         """{name: fp32 tensor} of the whole model, from the masters. A collective: every
         rank of the group calls it."""
-        return {name: t for u in self.units for name, t in u.gather_master(self.group).items()}
+        return {name: t for u, g in zip(self.units, self._groups)
+                for name, t in u.gather_master(g).items()}
 
     # ------------------------------------------------------------------ timeline
     def _wait(self, handle, name, t0, i):
@@ -305,6 +324,15 @@ class ZeRO(GradientSyncSwitch):
                 end = time.perf_counter()
         lane = {"all_gather": "gather", "reduce_scatter": "reduce"}.get(name, "compute")
         tl.add(name, t0, end, lane=lane, **meta)["emulated"] = cost is not None
+
+
+def _by_group(named, groups: dict):
+    """Split one unit's (name, param) list by the parameters' own groups: [(None: `group`'s
+    part, ...), (g, its part), ...] in order of first appearance, empty parts dropped."""
+    parts: dict = {}
+    for name, p in named:
+        parts.setdefault(groups.get(id(p)), []).append((name, p))
+    return sorted(parts.items(), key=lambda kv: kv[0] is not None)
 
 
 def _tensors(out):

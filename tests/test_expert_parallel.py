@@ -20,6 +20,7 @@ from picolib.mesh import Mesh
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.moe import MoE, apply_moe
 from picolib.tensor_parallel import apply_tensor_parallel
+from picolib.zero import ZeRO
 
 H, E, F = 16, 8, 24
 CASES = [(k, cf, shared) for k in (1, 2) for cf in (None, 1.0) for shared in (False, True)]
@@ -223,6 +224,40 @@ def test_the_expert_gradients_are_summed_over_edp_only():
     assert [r[0] for r in results] == [[[0, 2]], [[1, 3]], [[0, 2]], [[1, 3]]]
     assert [r[1] for r in results] == [0, 1, 0, 1]
     assert all(r[2] == [False, True] for r in results)
+
+
+def _zero_sgd_step(stage, lr, scale_expert_groups):
+    """One SGD step of dp4×ep2 under ZeRO with the experts' own groups; returns the
+    largest distance of this rank's weights from the reference's (cut like this rank's)."""
+    mesh = Mesh(dp=4)
+    model = apply_expert_parallel(TinyLlama(CFG), mesh, ep=2, top_k=2, **MOE)
+    groups = expert_gradient_groups(model)
+    zero = ZeRO(model, stage, mesh.group("dp"), optimizer="sgd", lr=lr, groups=groups)
+    if not scale_expert_groups:      # the mistake: average the experts over edp alone
+        zero._scales = [1.0] * len(zero._scales)
+    tokens, targets = (t.chunk(4)[mesh.coordinate("dp")] for t in random_tokens(BATCH, SEQ, 64, seed=5))
+    model.loss(tokens, targets).backward()
+    zero.step()
+    ref = apply_moe(TinyLlama(CFG), top_k=2, token_groups=4, **MOE)
+    ref.loss(*random_tokens(BATCH, SEQ, 64, seed=5)).backward()
+    want = {n: p.detach() - lr * p.grad for n, p in ref.named_parameters()}
+    r = model.blocks[0].mlp.ep_rank
+    err = 0.0
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            head, rest = name.split(".mlp.experts.")
+            i, tail = rest.split(".", 1)
+            name = f"{head}.mlp.experts.{2 * r + int(i)}.{tail}"
+        err = max(err, (p.detach() - want[name]).abs().max().item())
+    return err
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_shards_the_experts_over_their_own_replicas(stage):
+    """ZeRO(groups=): the experts' units are reduce-scattered over edp and still averaged
+    over all dp = 4 ranks; SGD shows a wrong average (Adam would hide a constant factor)."""
+    assert max(run(_zero_sgd_step, 4, stage, 0.5, True, timeout=120)) < 1e-6
+    assert min(run(_zero_sgd_step, 4, stage, 0.5, False, timeout=120)) > 1e-4
 
 
 # ------------------------------------------------------------------ bad input

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from picolib.model import LlamaConfig, SwiGLU, TinyLlama, random_tokens
-from picolib.moe import (MoE, Router, apply_moe, balancing_loss, capacity, check_moe, keep_mask,
-                         moe_layers, sort_by_expert)
+from picolib.moe import (MoE, Router, apply_moe, aux_loss_in_backward, balancing_loss, capacity,
+                         check_moe, keep_mask, moe_layers, sort_by_expert)
 
 H = 16
 
@@ -116,6 +116,29 @@ def test_apply_moe_adds_the_aux_loss_to_the_models_loss():
     assert all(p.grad is not None for p in model.parameters())
     with pytest.raises(ValueError, match="has MoE layers already"):
         apply_moe(model, n_experts=4, top_k=1)
+
+
+def test_aux_loss_in_backward_gives_the_gradients_of_the_loss_with_it():
+    """What pipeline stages need: the layers add the aux loss's gradient in backward (scaled
+    like the loss, here by 1/3); every gradient equals backward through loss + w·aux."""
+    cfg = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48)
+    tokens, targets = random_tokens(2, 8, 64)
+    want = apply_moe(TinyLlama(cfg), n_experts=4, top_k=2, aux_weight=0.5)
+    (want.loss(tokens, targets) / 3).backward()
+    got = apply_moe(TinyLlama(cfg), n_experts=4, top_k=2, aux_weight=0.5)
+    aux_loss_in_backward(got, scale=1 / 3)
+    loss = got.loss(tokens, targets)
+    assert abs(loss.item() - F.cross_entropy(got(tokens).flatten(0, 1), targets.flatten()).item()) < 1e-6
+    (loss / 3).backward()
+    router = dict(got.named_parameters())["blocks.0.mlp.router.weight"]
+    for (name, p), q in zip(want.named_parameters(), got.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    without = apply_moe(TinyLlama(cfg), n_experts=4, top_k=2, aux_weight=0.0)
+    (without.loss(tokens, targets) / 3).backward()
+    assert not torch.allclose(dict(without.named_parameters())["blocks.0.mlp.router.weight"].grad,
+                              router.grad)                     # the aux loss's part is there
+    with pytest.raises(ValueError, match="needs a model made MoE"):
+        aux_loss_in_backward(TinyLlama(cfg))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -53,12 +53,22 @@ def test_configuration_equals_one_process(name, reference):
     assert got[-1] < got[0]                                  # and it learns
 
 
-@pytest.mark.parametrize("nproc, options", [(4, dict(dp=4, ep=2)), (4, dict(dp=2, tp=2, ep=2))],
-                         ids=["dp4 ep2", "dp2×tp2 ep2"])
-def test_experts_equal_one_process_holding_all_of_them(nproc, options):
+EXPERTS = {
+    "dp4 ep2": (4, dict(dp=4, ep=2)),
+    "dp2×tp2 ep2": (4, dict(dp=2, tp=2, ep=2)),
+    "dp4 ep2 ZeRO-2": (4, dict(dp=4, ep=2, zero=2)),
+    "dp2×pp2 ep2 ZeRO-1 (DeepSeek-V3 style)": (4, dict(dp=2, pp=2, ep=2, zero=1, micro_batches=2)),
+    "dp2×pp2×tp2 ep2 ZeRO-1": (8, dict(dp=2, pp=2, tp=2, ep=2, zero=1, micro_batches=2)),
+}
+
+
+@pytest.mark.parametrize("name", EXPERTS)
+def test_experts_equal_one_process_holding_all_of_them(name):
     """Each rank's micro-batch is one token group of the MoE (its balancing loss), so the
-    reference runs the same groups as micro-batches: dp·m of them, in the same order."""
-    want = _losses(1, experts=4, top_k=2, micro_batches=options["dp"])
+    reference runs the same groups as micro-batches: dp·m of them, in the same order. The
+    balancing loss reaches the gradients through each layer's backward (pipeline stages)."""
+    nproc, options = EXPERTS[name]
+    want = _losses(1, experts=4, top_k=2, micro_batches=options["dp"] * options.get("micro_batches", 1))
     got = _losses(nproc, experts=4, top_k=2, **options)
     assert max(abs(g - r) for g, r in zip(got, want, strict=True)) <= 2e-5, (got, want)
 
@@ -85,7 +95,8 @@ BAD = [
     (dict(experts=2, top_k=3), 1, r"top_k=3 is larger than n_experts=2"),
     (dict(dp=3, batch=6, experts=4, ep=2), 3, r"--ep 2 must divide --dp 3"),
     (dict(dp=2, ep=2), 2, r"add --experts"),
-    (dict(dp=2, pp=2, experts=4), 4, r"--experts with --pp is not supported"),
+    (dict(dp=2, cp=2, experts=4), 4, r"--experts with --cp is not supported"),
+    (dict(dp=2, ep=2, zero=3, experts=4), 2, r"--zero 3 gathers each block over all dp=2 .* --ep 2"),
 ]
 
 
@@ -106,6 +117,22 @@ def test_command_line_refuses_before_starting_ranks_and_logs_json(tmp_path):
     assert [r["loss"] for r in lines] == [r["loss"] for r in records]
     assert lines[0]["sent_bytes"]["all_reduce"] > 0 and lines[0]["state_bytes"] > 0
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize("nproc, options, want", [
+    (4, dict(dp=2, pp=2), {"all_reduce": ("DP",), "send": ("PP",)}),
+    (4, dict(tp=2, cp=2), {"all_reduce": ("TP", "DP"), "send": ("CP",)}),
+    (4, dict(dp=4, ep=2, experts=4, top_k=2), {"all_to_all": ("EP",), "all_reduce": ("DP",)}),
+], ids=["dp2×pp2", "tp2×cp2 ring", "dp4 ep2"])
+def test_traffic_by_kind_agrees_with_traffic_by_collective(nproc, options, want):
+    """Sorting by the mesh dimensions a collective's ranks span (DP, TP, PP, CP, EP) against
+    sorting by the collective's name: each op's bytes are the sum of its kinds' (every rank
+    of these configurations sends the same)."""
+    cfg = TrainConfig(steps=1, progress=False, micro_batches=2, **options)
+    rec = run(train, nproc, cfg, timeout=120)[0][0]
+    kinds = rec["sent_bytes_by_kind"]
+    assert sorted(kinds) == sorted(k for ks in want.values() for k in ks)
+    assert {op: sum(kinds[k] for k in ks) for op, ks in want.items()} == rec["sent_bytes"]
 
 
 def _free_port():
