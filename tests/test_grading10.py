@@ -1,0 +1,103 @@
+"""Lesson 10 checks: each passes a right answer and fails the stub and plausible wrong ones
+(the order turned round, a stride off by one dimension, a forgotten dimension, ZeRO without
+padding, the wrong pipeline stage, shards over dp alone)."""
+import pytest
+
+from picolib.grading import ExerciseFailed
+from picolib.grading.lesson10 import check_mesh_coordinates, check_mesh_groups, check_state_bytes
+
+DIMS = ("pp", "dp", "cp", "tp")
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+def coordinates(rank, sizes, order=DIMS):
+    out = {}
+    for d in reversed(order):            # the innermost dimension changes fastest
+        out[d] = rank % sizes[d]
+        rank //= sizes[d]
+    return {d: out[d] for d in DIMS}
+
+
+def rank_of(coords, sizes, order=DIMS):
+    rank = 0
+    for d in order:
+        rank = rank * sizes[d] + coords[d]
+    return rank
+
+
+def test_mesh_coordinates():
+    check_mesh_coordinates(coordinates, rank_of)
+    with pytest.raises(ExerciseFailed, match="not written yet"):
+        check_mesh_coordinates(stub, rank_of)
+    backwards = tuple(reversed(DIMS))     # tp outermost: "column-major"
+    with pytest.raises(ExerciseFailed, match="the order is turned round"):
+        check_mesh_coordinates(lambda r, s: coordinates(r, s, backwards),
+                               lambda c, s: rank_of(c, s, backwards))
+
+    def off_by_one(rank, sizes):          # each stride includes its own dimension
+        out, stride = {}, 1
+        for d in reversed(DIMS):
+            stride *= sizes[d]
+            out[d] = rank // stride % sizes[d]
+        return {d: out[d] for d in DIMS}
+    with pytest.raises(ExerciseFailed, match="DeviceMesh gave"):
+        check_mesh_coordinates(off_by_one, rank_of)
+    with pytest.raises(ExerciseFailed, match=r"rank_of\(.*'cp': 1"):   # cp left out
+        check_mesh_coordinates(coordinates, lambda c, s: rank_of(c, s, ("pp", "dp", "tp")))
+
+
+def groups_of(rank, sizes, replica_order=("dp", "cp"), order=DIMS):
+    me = coordinates(rank, sizes, order)
+    out = {d: [rank_of({**me, d: i}, sizes, order) for i in range(sizes[d])] for d in DIMS}
+    a, b = replica_order
+    out["dp_cp"] = [rank_of({**me, a: i, b: j}, sizes, order)
+                    for i in range(sizes[a]) for j in range(sizes[b])]
+    return out
+
+
+def test_mesh_groups():
+    check_mesh_groups(groups_of)
+    with pytest.raises(ExerciseFailed, match="not written yet"):
+        check_mesh_groups(stub)
+    with pytest.raises(ExerciseFailed, match=r"dp_cp: got .*\(the right ranks in the wrong order\)"):
+        check_mesh_groups(lambda r, s: groups_of(r, s, replica_order=("cp", "dp")))
+    with pytest.raises(ExerciseFailed, match="tp: got"):
+        check_mesh_groups(lambda r, s: groups_of(r, s, order=tuple(reversed(DIMS))))
+    with pytest.raises(ExerciseFailed, match="expected a dict with keys"):
+        check_mesh_groups(lambda r, s: {d: g for d, g in groups_of(r, s).items() if d != "dp_cp"})
+
+
+def state_bytes(cfg, dp, tp, pp, cp, zero, pad=True, stages=None, shard_over_cp=True,
+                zero2_sharded_grads=True, embed_split=True):
+    h, d, v = cfg.hidden, cfg.head_dim, cfg.vocab_size
+    block = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * d * h // tp + 3 * h * cfg.ffn_hidden // tp + 2 * h
+    table = v * h // tp if embed_split else v * h
+    n = dp * cp if shard_over_cp else dp
+
+    def on_stage(s):
+        root = (table if s == 0 else 0) + (h + table if s == pp - 1 else 0)
+        units = ([root] if root else []) + [block] * (cfg.n_layers // pp)
+        full = sum(-(-u // n) * n for u in units) if zero and pad else sum(units)
+        shard = full // n
+        grads = shard if zero >= 2 and (zero2_sharded_grads or zero == 3) else full
+        return 4 * (shard if zero == 3 else full) + 4 * grads + 8 * (shard if zero else full)
+    return max(on_stage(s) for s in (range(pp) if stages is None else stages))
+
+
+def test_state_bytes():
+    check_state_bytes(state_bytes)
+    with pytest.raises(ExerciseFailed, match="not written yet"):
+        check_state_bytes(stub)
+    with pytest.raises(ExerciseFailed, match="ZeRO pads each unit"):
+        check_state_bytes(lambda cfg, **k: state_bytes(cfg, **k, pad=False))
+    with pytest.raises(ExerciseFailed, match="the busiest rank is the last pipeline stage"):
+        check_state_bytes(lambda cfg, **k: state_bytes(cfg, **k, stages=[0]))
+    with pytest.raises(ExerciseFailed, match="ZeRO shards over dp × cp"):
+        check_state_bytes(lambda cfg, **k: state_bytes(cfg, **k, shard_over_cp=False))
+    with pytest.raises(ExerciseFailed, match="only its shard of the gradients"):
+        check_state_bytes(lambda cfg, **k: state_bytes(cfg, **k, zero2_sharded_grads=False))
+    with pytest.raises(ExerciseFailed, match="dp=3, tp=2, zero=1: got"):  # the tables not split by tp
+        check_state_bytes(lambda cfg, **k: state_bytes(cfg, **k, embed_split=False))
