@@ -133,9 +133,6 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         if cfg.dp % cfg.ep:
             raise ValueError(f"--ep {cfg.ep} must divide --dp {cfg.dp} (expert-parallel groups "
                              "are made of data-parallel ranks)")
-        if cfg.cp > 1:
-            raise ValueError("--experts with --cp is not supported by the trainer yet: each cp "
-                             "rank would balance its slice of the sequence on its own")
         if cfg.zero == 3 and cfg.ep > 1:
             raise ValueError(f"--zero 3 gathers each block over all dp={cfg.dp} replicas, but "
                              f"with --ep {cfg.ep} a block's experts differ between them: use "
@@ -164,7 +161,8 @@ def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
     elif cfg.experts:
         apply_moe(model, n_experts=cfg.experts, top_k=cfg.top_k)
     if cfg.experts:     # a stage's balancing loss cannot reach the last stage's loss
-        aux_loss_in_backward(model, scale=1 / cfg.micro_batches)
+        aux_loss_in_backward(model, scale=1 / cfg.micro_batches,
+                             group=mesh.group("cp") if cfg.cp > 1 else None)
     sched = None
     stages = {0: model}
     if cfg.pp > 1:

@@ -28,6 +28,8 @@ the experts' gradients over edp only, and still divides by dp: the expert on one
 received the tokens of all ep ranks of its group (`expert_gradient_groups` gives DDP that
 mapping). Under tensor parallelism the attention is split over tp and the MoE runs whole
 on every tp rank of an EP rank (the ep groups of different tp coordinates are disjoint).
+Under context parallelism each cp coordinate has its own ep groups, and the cp ranks hold
+the same experts: edp spans cp too, and DDP/ZeRO divide by dp × cp like the rest.
 
 Token groups: each rank's micro-batch is one group for capacity and the balancing loss
 (picolib.moe), so the reference is one process with `token_groups` = dp.
@@ -116,6 +118,7 @@ class ExpertParallelMoE(MoE):
         self.experts = torch.nn.ModuleList(moe.experts[r * self.n_local:(r + 1) * self.n_local])
         self.aux_loss = self.load = self.dropped = None
         self.aux_weight = 0.0     # > 0: the backward adds the aux loss (aux_loss_in_backward)
+        self.stats_group = None   # the ranks sharing each token group (aux_loss_in_backward)
 
     def dispatch_combine(self, x, routing: Routing):
         if self.dispatcher == "allgather":
@@ -166,18 +169,19 @@ def all_to_all_bytes(routings, n_experts: int, hidden: int,
 
 
 def expert_groups(mesh: Mesh, ep: int):
-    """(ep group, edp group) of this rank: the dp ranks cut into consecutive blocks of ep
-    (the EP groups) and the ranks at the same place in every block (expert-data-parallel).
+    """(ep group, edp group) of this rank: each dp row of the mesh cut into consecutive
+    blocks of ep (the EP groups), and the ranks at the same place in every block of every
+    cp coordinate (expert-data-parallel: context-parallel ranks hold the same experts too).
     Every rank must call it (it makes process groups)."""
     dp = mesh.size("dp")
     if dp % ep:
         raise ValueError(f"the ep size {ep} must divide dp={dp} (EP groups are made of dp ranks)")
-    grid = mesh.device_mesh.mesh.movedim(1, -1).reshape(-1, dp)     # every dp row of the mesh
-    me = dist.get_rank()
-    mine = {}
-    for row in grid.tolist():
-        blocks = [row[i:i + ep] for i in range(0, dp, ep)]
-        for kind, groups in (("ep", blocks), ("edp", [list(col) for col in zip(*blocks)])):
+    grid = mesh.device_mesh.mesh                                     # (pp, dp, cp, tp)
+    me, mine = dist.get_rank(), {}
+    for plane in grid.permute(0, 3, 1, 2).reshape(-1, dp, grid.shape[2]):   # (dp, cp) per pp, tp
+        blocks = [col[i:i + ep] for col in plane.T.tolist() for i in range(0, dp, ep)]
+        edp = [sorted(plane[j::ep].reshape(-1).tolist()) for j in range(ep)]
+        for kind, groups in (("ep", blocks), ("edp", edp)):
             for ranks in groups:
                 g = dist.new_group(ranks)                            # every rank, same order
                 if me in ranks:

@@ -40,6 +40,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -107,13 +108,26 @@ def run_experts(experts, x_sorted: torch.Tensor, counts) -> torch.Tensor:
     return torch.cat([expert(c) for expert, c in zip(experts, chunks, strict=True)])
 
 
-def balancing_loss(scores: torch.Tensor, choice: torch.Tensor, n_experts: int) -> torch.Tensor:
+def balancing_loss(scores: torch.Tensor, choice: torch.Tensor, n_experts: int,
+                   group=None) -> torch.Tensor:
     """Switch/GShard load-balancing loss E · Σ_e f_e · P_e: f_e the fraction of the
     assignments (before drops) that chose e, P_e the mean of e's score (normalised to
-    sum 1 per token). Only P carries a gradient; 1 when both are uniform."""
-    f = torch.bincount(choice.reshape(-1), minlength=n_experts).to(scores.dtype) / choice.numel()
-    p = (scores / scores.sum(-1, keepdim=True)).mean(0)
-    return n_experts * (f * p).sum()
+    sum 1 per token). Only P carries a gradient; 1 when both are uniform. `group`: the
+    ranks holding the rest of this token group (context parallelism cuts its sequences):
+    f and P are taken over all of them; P's all-reduce passes each rank the gradient of its
+    own tokens only, so the caller weights the loss by the group's size (the replicas'
+    average divides by it)."""
+    if group is None:
+        f = torch.bincount(choice.reshape(-1), minlength=n_experts).to(scores.dtype) / choice.numel()
+        p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        return n_experts * (f * p).sum()
+    from . import comm
+    from .mappings import reduce_from_region
+    counts = torch.bincount(choice.reshape(-1), minlength=n_experts).to(scores.dtype)
+    comm.all_reduce(counts, group=group)
+    tokens = choice.shape[0] * dist.get_world_size(group)
+    p = reduce_from_region((scores / scores.sum(-1, keepdim=True)).sum(0), group) / tokens
+    return n_experts * (counts / (tokens * choice.shape[1]) * p).sum()
 
 
 class Routing(NamedTuple):
@@ -184,6 +198,7 @@ class MoE(nn.Module):
         self.shared = Expert(hidden, shared_hidden) if shared_hidden else None
         self.aux_loss = self.load = self.dropped = None
         self.aux_weight = 0.0     # > 0: the backward adds the aux loss (aux_loss_in_backward)
+        self.stats_group = None   # the ranks sharing each token group (aux_loss_in_backward)
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -217,7 +232,7 @@ class MoE(nn.Module):
         for group in tokens.chunk(self.token_groups):
             routing = self.route(group)
             outs.append(self.dispatch_combine(group, routing))
-            aux.append(balancing_loss(routing.scores, routing.choice, self.n_experts))
+            aux.append(balancing_loss(routing.scores, routing.choice, self.n_experts, self.stats_group))
             load = load + torch.bincount(routing.choice.reshape(-1), minlength=self.n_experts)
             dropped += int((~routing.keep).sum())
         self.aux_loss, self.load, self.dropped = torch.stack(aux).mean(), load, dropped
@@ -275,17 +290,20 @@ class AuxLossGradient(torch.autograd.Function):
         return grad, grad.new_full((), ctx.weight), None
 
 
-def aux_loss_in_backward(model: nn.Module, scale: float = 1.0) -> None:
+def aux_loss_in_backward(model: nn.Module, scale: float = 1.0, group=None) -> None:
     """Stop adding the balancing loss to `model.loss`; each MoE layer's backward adds its
     gradient instead, with weight aux_weight · `scale` (`scale`: what the caller multiplies
     each loss by, e.g. 1/m over m micro-batches). Needed before cutting the model into
-    pipeline stages; the reported loss is then the language-model loss alone."""
+    pipeline stages; the reported loss is then the language-model loss alone. `group`: the
+    context-parallel ranks, which hold parts of the same sequences: each token group's
+    statistics are summed over them (`balancing_loss`)."""
     loss = model.loss_fn
     if not isinstance(loss, MoELoss):
         raise ValueError("aux_loss_in_backward needs a model made MoE by apply_moe or "
                          "apply_expert_parallel")
     for m in loss.layers:
-        m.aux_weight = loss.aux_weight * scale
+        m.aux_weight = loss.aux_weight * scale * (dist.get_world_size(group) if group else 1)
+        m.stats_group = group
     loss.aux_weight = 0.0
 
 

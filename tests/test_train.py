@@ -59,6 +59,8 @@ EXPERTS = {
     "dp4 ep2 ZeRO-2": (4, dict(dp=4, ep=2, zero=2)),
     "dp2×pp2 ep2 ZeRO-1 (DeepSeek-V3 style)": (4, dict(dp=2, pp=2, ep=2, zero=1, micro_batches=2)),
     "dp2×pp2×tp2 ep2 ZeRO-1": (8, dict(dp=2, pp=2, tp=2, ep=2, zero=1, micro_batches=2)),
+    "dp2×cp2 ep2": (4, dict(dp=2, cp=2, ep=2, micro_batches=2)),
+    "dp2×cp2×tp2 ep2 ZeRO-1": (8, dict(dp=2, cp=2, tp=2, ep=2, zero=1, micro_batches=2)),
 }
 
 
@@ -66,7 +68,8 @@ EXPERTS = {
 def test_experts_equal_one_process_holding_all_of_them(name):
     """Each rank's micro-batch is one token group of the MoE (its balancing loss), so the
     reference runs the same groups as micro-batches: dp·m of them, in the same order. The
-    balancing loss reaches the gradients through each layer's backward (pipeline stages)."""
+    balancing loss reaches the gradients through each layer's backward (pipeline stages);
+    under CP its statistics are summed over the cp ranks (a group is whole sequences)."""
     nproc, options = EXPERTS[name]
     want = _losses(1, experts=4, top_k=2, micro_batches=options["dp"] * options.get("micro_batches", 1))
     got = _losses(nproc, experts=4, top_k=2, **options)
@@ -95,7 +98,6 @@ BAD = [
     (dict(experts=2, top_k=3), 1, r"top_k=3 is larger than n_experts=2"),
     (dict(dp=3, batch=6, experts=4, ep=2), 3, r"--ep 2 must divide --dp 3"),
     (dict(dp=2, ep=2), 2, r"add --experts"),
-    (dict(dp=2, cp=2, experts=4), 4, r"--experts with --cp is not supported"),
     (dict(dp=2, ep=2, zero=3, experts=4), 2, r"--zero 3 gathers each block over all dp=2 .* --ep 2"),
 ]
 
