@@ -10,7 +10,29 @@ The functions live in one module per lesson (`picolib/tryit/lessonNN.py`).
 """
 from __future__ import annotations
 
-__all__ = ["knobs"]
+__all__ = ["knobs", "rank_bars"]
+
+_PARTS = {"params": "#2a9d8f", "grads": "#f4a261", "optimizer": "#e76f8a", "activations": "#8e6cc0"}
+
+
+def rank_bars(ranks, unit: float, unit_name: str, limit: float, limit_label: str, title: str, ax=None):
+    """Stacked bars of each pipeline rank's parameters, gradients, optimizer state and
+    activations (bytes / `unit`), with a dashed line at `limit` (lessons 10 and 11)."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.8, 3.1))
+    bottom = [0.0] * len(ranks)
+    for part, color in _PARTS.items():
+        vals = [r[part] / unit for r in ranks]
+        ax.bar(range(len(ranks)), vals, bottom=bottom, color=color, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(limit, color="k", ls="--", lw=1, label=limit_label)
+    ax.set(xlabel="pipeline rank", ylabel=f"{unit_name} per rank", xticks=range(len(ranks)), title=title)
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.figure.tight_layout()
+    plt.show()
+    return ax
 
 
 def knobs(fn, **choices):

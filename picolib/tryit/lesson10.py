@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from ..compose import TrainConfig, check_config
 from ..planner import Parallelism, memory
+from . import rank_bars
 
 __all__ = ["memory_budget"]
 
-KINDS = {"params": "#2a9d8f", "grads": "#f4a261", "optimizer": "#e76f8a", "activations": "#8e6cc0"}
 
 
 def memory_budget(dp: int = 2, tp: int = 2, pp: int = 2, zero: int = 1, micro_batches: int = 4,
@@ -45,24 +45,11 @@ def memory_budget(dp: int = 2, tp: int = 2, pp: int = 2, zero: int = 1, micro_ba
            "state_bytes": max(r["params"] + r["grads"] + r["optimizer"] for r in ranks),
            "fits": peak <= budget_mb * 1e6}
     if plot:
-        import matplotlib.pyplot as plt
-        if ax is None:
-            _, ax = plt.subplots(figsize=(6.5, 3))
-        bottom = [0.0] * pp
-        for kind, color in KINDS.items():
-            vals = [r[kind] / 1e6 for r in ranks]
-            ax.bar(range(pp), vals, bottom=bottom, color=color, label=kind)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.axhline(budget_mb, color="k", ls="--", lw=1, label=f"budget {budget_mb:g} MB")
         dims = "×".join(f"{d}{getattr(cfg, d)}" for d in ("dp", "cp", "tp", "pp")
                         if getattr(cfg, d) > 1) or "1 rank"
-        ax.set(xlabel="pipeline rank", ylabel="MB per rank", xticks=range(pp),
-               title=f"{preset}: {dims}, {'ZeRO-' + str(zero) if zero else 'DDP'}, m={micro_batches}"
-                     f"{', sp' if sp else ''} (computed by the planner)")
-        ax.title.set_fontsize(9)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-        ax.figure.tight_layout()
-        plt.show()
+        rank_bars(ranks, 1e6, "MB", budget_mb, f"budget {budget_mb:g} MB",
+                  f"{preset}: {dims}, {'ZeRO-' + str(zero) if zero else 'DDP'}, m={micro_batches}"
+                  f"{', sp' if sp else ''} (computed by the planner)", ax)
     b = ranks[busiest]
     print(f"busiest rank: pipeline rank {busiest} of {pp} — parameters {b['params'] / 1e6:.3f} MB, "
           f"gradients {b['grads'] / 1e6:.3f} MB, optimizer {b['optimizer'] / 1e6:.3f} MB, "

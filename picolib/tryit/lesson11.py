@@ -12,11 +12,11 @@ from __future__ import annotations
 from ..hardware import hardware
 from ..plan_search import step_time
 from ..planner import LLAMA3_70B, LLAMA3_405B, Parallelism, memory
+from . import rank_bars
 
 __all__ = ["MODELS", "plan_calculator"]
 
 MODELS = {"Llama-3-70B": LLAMA3_70B, "Llama-3-405B": LLAMA3_405B}
-_COLORS = {"params": "#2a9d8f", "grads": "#f4a261", "optimizer": "#e76f8a", "activations": "#8e6cc0"}
 
 
 def plan_calculator(model="Llama-3-70B", n_gpus: int = 640, tp: int = 8, pp: int = 4,
@@ -43,22 +43,9 @@ def plan_calculator(model="Llama-3-70B", n_gpus: int = 640, tp: int = 8, pp: int
     out = {"par": par, "ranks": ranks, "fits": worst <= gpu.memory,
            "time": step_time(cfg, par, gpu)}
     if plot:
-        import matplotlib.pyplot as plt
-        if ax is None:
-            _, ax = plt.subplots(figsize=(7, 3.2))
-        bottom = [0.0] * pp
-        for kind, color in _COLORS.items():
-            vals = [r[kind] / 1e9 for r in ranks]
-            ax.bar(range(pp), vals, bottom=bottom, color=color, label=kind)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.axhline(gpu.memory / 1e9, color="k", ls="--", lw=1, label=f"{gpu.name} {gpu.memory / 1e9:.0f} GB")
-        ax.set(xlabel="pipeline rank", ylabel="GB per GPU",
-               title=f"{model if isinstance(model, str) else 'model'}: TP{tp} PP{pp} DP{dp} "
-                     f"ZeRO-{zero}, recompute={recompute}, mbs={micro_batch_size} (computed)")
-        ax.title.set_fontsize(9)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-        ax.figure.tight_layout()
-        plt.show()
+        rank_bars(ranks, 1e9, "GB", gpu.memory / 1e9, f"{gpu.name} {gpu.memory / 1e9:.0f} GB",
+                  f"{model if isinstance(model, str) else 'model'}: TP{tp} PP{pp} DP{dp} "
+                  f"ZeRO-{zero}, recompute={recompute}, mbs={micro_batch_size} (computed)", ax)
     t = out["time"]
     print(f"worst rank {worst / 1e9:.1f} GB of {gpu.memory / 1e9:.0f} GB: "
           f"{'fits' if out['fits'] else 'does NOT fit'}; step {t['seconds']:.2f} s, "
