@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 NOTEBOOKS := $(wildcard notebooks/*.ipynb solutions/*.ipynb)
 NBVAL  := --nbval-lax --nbval-current-env
 
-.PHONY: lab test test-lib test-notebooks exercises bench clean
+.PHONY: lab test test-lib test-notebooks exercises bench clean site slides
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,3 +37,26 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Teaching (docs/teaching.md). `make site`: every lesson executed, as static HTML with its
+# outputs and figures, an index and previous/next links, in build/site/ (open index.html).
+# `make slides`: a reveal.js deck per lesson in build/slides/ (slide metadata: tools/slides.py).
+# Both use the executed lessons in build/executed/, redone when a lesson or picolib changes.
+# Nothing is downloaded at build time. When a deck is shown it loads reveal.js (REVEAL_PREFIX),
+# require.js and jQuery from their CDNs; to present offline, see docs/teaching.md ("Slides").
+LESSONS  := $(sort $(wildcard notebooks/*.ipynb))
+EXECUTED := $(LESSONS:notebooks/%.ipynb=build/executed/%.ipynb)
+LIBRARY  := $(wildcard picolib/*.py picolib/*/*.py)
+REVEAL_PREFIX ?= https://unpkg.com/reveal.js@4.0.2
+SLIDES_FLAGS  ?=
+
+build/executed/%.ipynb: notebooks/%.ipynb $(LIBRARY) | $(STAMP)
+	$(PY) tools/site.py execute $< $@
+
+site: $(EXECUTED)
+	$(PY) tools/site.py html --out build/site $(EXECUTED)
+
+slides: $(EXECUTED)
+	$(VENV)/bin/jupyter nbconvert --to slides --output-dir build/slides \
+	  --SlidesExporter.reveal_url_prefix=$(REVEAL_PREFIX) --SlidesExporter.reveal_scroll=True \
+	  $(SLIDES_FLAGS) $(EXECUTED)

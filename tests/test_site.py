@@ -1,0 +1,189 @@
+"""The site (`make site`, tools/site.py) and the decks (`make slides`, tools/slides.py): one
+short lesson is executed and exported beside a one-cell lesson after it. No cell errored,
+every figure is in the page as a data: URI (the try-it cell's too), the index and the
+previous/next links lead to pages that exist, nothing is fetched while the pages are written,
+and a failing cell stops the build naming the lesson and the cell."""
+import importlib.util
+import socket
+from html.parser import HTMLParser
+from pathlib import Path
+from unittest import mock
+
+import nbformat
+import pytest
+from nbconvert import SlidesExporter
+
+ROOT = Path(__file__).resolve().parent.parent
+LESSON = ROOT / "notebooks" / "04_tensor_parallel.ipynb"   # the shortest lesson (~10 s), no timing asserts
+PAGE = LESSON.stem + ".html"
+
+
+def _tool(name):
+    # tools/site.py shares its name with the standard library's `site`: load it by path
+    spec = importlib.util.spec_from_file_location(f"picolib_tools_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+site_tool, slides_tool = _tool("site"), _tool("slides")
+
+
+class Tags(HTMLParser):
+    def __init__(self, text):
+        super().__init__()
+        self.tags = []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def all(self, tag, **where):
+        return [a for t, a in self.tags if t == tag and all(a.get(k) == v for k, v in where.items())]
+
+
+def _lesson(path, cells):
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nbformat.write(nb, path)
+    return path
+
+
+def _image_outputs(nb):
+    return [(i, o) for i, c in enumerate(nb.cells) if c.cell_type == "code" for o in c.outputs
+            if any(k.startswith("image/") for k in o.get("data", {}))]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("site")
+    after = _lesson(tmp / "99_after.ipynb", [
+        nbformat.v4.new_markdown_cell("# 99 · The lesson after\n\nYou will see a link back."),
+        nbformat.v4.new_code_cell("print('the next lesson ran')")])
+    executed = []
+    for src in (LESSON, after):
+        dest = tmp / "executed" / src.name
+        site_tool.write_executed(src, dest, timeout=120)
+        executed.append(dest)
+    connections = []
+
+    def refuse(*args, **kwargs):
+        connections.append(args)
+        raise OSError("the site build must not reach the network")
+
+    with mock.patch.object(socket.socket, "connect", refuse), \
+            mock.patch.object(socket, "getaddrinfo", refuse):
+        site_tool.write_site(executed, tmp / "site")
+    return {"out": tmp / "site", "executed": [nbformat.read(p, as_version=4) for p in executed],
+            "connections": connections}
+
+
+def _page(built, name):
+    return (built["out"] / name).read_text(encoding="utf-8")
+
+
+def test_every_cell_ran_and_none_errored(built):
+    nb = built["executed"][0]
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count is not None for c in code)
+    errors = [(i, o.ename) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+              for o in c.outputs if o.output_type == "error"]
+    assert not errors
+    assert nb.metadata["site"]["seconds"] > 0
+
+
+def test_every_figure_is_embedded_including_the_try_it_cell(built):
+    nb = built["executed"][0]
+    images = _image_outputs(nb)
+    try_it = [i for i, c in enumerate(nb.cells) if "knobs(" in c.source]
+    assert len(images) >= 1
+    assert try_it and try_it[0] in {i for i, _ in images}, "the try-it figure left its widget"
+    assert "widgets" not in nb.metadata
+    imgs = Tags(_page(built, PAGE)).all("img")
+    assert len(imgs) == len(images)
+    assert all(a["src"].startswith("data:image/") for a in imgs)
+
+
+def test_nothing_is_fetched_while_the_pages_are_written(built):
+    assert built["connections"] == []
+    # when a page is read: MathJax, on a page with math, is the only thing it asks for
+    lesson, plain = Tags(_page(built, PAGE)), Tags(_page(built, "99_after.html"))
+    assert [a["src"].split("/")[2] for a in lesson.all("script") if "src" in a] == ["cdnjs.cloudflare.com"]
+    assert [a for a in plain.all("script") if "src" in a] == []
+    for page in (lesson, plain):
+        assert [a for a in page.all("link") if a.get("href", "").startswith("http")] == []
+
+
+def test_the_index_links_every_lesson_in_order(built):
+    index = Tags(_page(built, "index.html"))
+    hrefs = [a["href"] for a in index.all("a")]
+    lessons = [h for h in hrefs if h.endswith(".html") and h[:2].isdigit()]
+    assert lessons == [PAGE, "99_after.html"]
+    assert all((built["out"] / h).exists() for h in hrefs if not h.startswith("http"))
+    assert "vocab-parallel loss" in _page(built, "index.html")     # the README's line for 04
+
+
+def test_previous_and_next_links(built):
+    first, second = Tags(_page(built, PAGE)), Tags(_page(built, "99_after.html"))
+    assert {a["href"] for a in first.all("a", rel="next")} == {"99_after.html"}
+    assert first.all("a", rel="prev") == []
+    assert {a["href"] for a in second.all("a", rel="prev")} == {PAGE}
+    assert second.all("a", rel="next") == []
+    assert {a["href"] for a in second.all("a", rel="index")} == {"index.html"}
+
+
+def test_timings_are_written(built):
+    import json
+    timings = json.loads(_page(built, "timings.json"))
+    assert set(timings["lessons"]) == {LESSON.stem, "99_after"}
+    assert timings["lessons"][LESSON.stem]["seconds"] == built["executed"][0].metadata["site"]["seconds"]
+
+
+def test_the_deck_has_a_slide_per_section_and_every_figure(built):
+    nb = built["executed"][0]
+    deck, _ = SlidesExporter(reveal_scroll=True).from_notebook_node(nb)
+    types = [c.metadata.get("slideshow", {}).get("slide_type") for c in nb.cells]
+    tags = Tags(deck)
+    slides = [a for a in tags.all("section")]
+    assert len(slides) == 2 * types.count("slide") + types.count("subslide")   # a slide is an outer and an inner section
+    fragments = [a for t, a in tags.tags if "fragment" in a.get("class", "").split()]
+    assert len(fragments) == types.count("fragment") > 0
+    assert len([a for a in tags.all("img") if a["src"].startswith("data:image/")]) == len(_image_outputs(nb))
+    # a cell that draws a figure is a fragment, so the figure comes on a click
+    assert all(types[i] == "fragment" for i, _ in _image_outputs(nb))
+
+
+def test_a_failing_cell_stops_the_build_naming_the_lesson_and_the_cell(tmp_path):
+    broken = _lesson(tmp_path / "98_broken.ipynb", [
+        nbformat.v4.new_markdown_cell("# 98 · Broken"), nbformat.v4.new_code_cell("x = 1"),
+        nbformat.v4.new_code_cell("raise ValueError('on purpose')")])
+    with pytest.raises(site_tool.LessonFailed, match=r"98_broken\.ipynb: cell 2 .*ValueError"):
+        site_tool.write_executed(broken, tmp_path / "out" / broken.name, timeout=60)
+    assert not (tmp_path / "out" / broken.name).exists()
+
+
+def test_slide_rule_and_idempotence():
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# 42 · Title\n\n## Goals"),
+        nbformat.v4.new_code_cell("import torch\nfrom picolib import comm"),
+        nbformat.v4.new_markdown_cell("## 1 · A section"),
+        nbformat.v4.new_markdown_cell("A paragraph."),
+        nbformat.v4.new_code_cell("def f(x):\n    return x"),
+        nbformat.v4.new_code_cell("fig, ax = plt.subplots()"),
+        nbformat.v4.new_code_cell("y = f(2)\nassert y == 2"),
+        nbformat.v4.new_code_cell("knobs(f, x=(1, 3, 1))"),
+        nbformat.v4.new_markdown_cell("The end of section 1.\n\n## 2 · The next section"),
+        nbformat.v4.new_markdown_cell("### A figure title\n\nnot a section")])
+    nb.cells[4].metadata["tags"] = ["kept"]
+    assert slides_tool.apply(nb) == 10
+    assert [c.metadata.slideshow.slide_type for c in nb.cells] == [
+        "slide", "skip", "slide", "subslide", "-", "fragment", "fragment", "fragment", "slide",
+        "subslide"]
+    assert nb.cells[4].metadata["tags"] == ["kept"]
+    assert slides_tool.apply(nb) == 0 and slides_tool.differing(nb) == []
+
+
+def test_every_lesson_carries_the_slide_metadata_of_the_rule():
+    """A lesson added or rebuilt without it fails here: run `python tools/slides.py`."""
+    stale = {p.name: slides_tool.differing(nbformat.read(p, as_version=4))
+             for p in slides_tool.lessons()}
+    assert not {k: v for k, v in stale.items() if v}, "run: python tools/slides.py"

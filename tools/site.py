@@ -1,0 +1,310 @@
+"""The lessons as a static site: every lesson executed, with its outputs and figures, one HTML
+page each with links to the previous and next lesson, and an index with the lesson map.
+
+    python tools/site.py build [--out build/site] [--only 00 01] [--timeout 300]
+    python tools/site.py execute notebooks/00_collectives.ipynb build/executed/00_collectives.ipynb
+    python tools/site.py html [--out build/site] build/executed/*.ipynb
+
+`build` does both steps; `make site` runs `execute` once per lesson (kept in build/executed/,
+redone only when the lesson or picolib changes; `make slides` uses the same executed
+notebooks) and then `html`. Each lesson runs in a fresh kernel with notebooks/ as the working
+directory, as in JupyterLab; a failing or timed-out cell stops the build, naming the lesson
+and the cell. The seconds each lesson took are kept in build/site/timings.json (the run times
+in docs/teaching.md come from there).
+
+Why nbconvert: the site needs exactly what a notebook already is — cells, outputs, figures —
+and nbconvert is Jupyter's own maintained converter, installed with JupyterLab (the
+`notebooks` extra), with nbclient to execute. Its HTML exporter writes figures into the page
+as base64 `data:` URIs and inlines its CSS, so a page is one file that reads offline, and it
+downloads nothing at build time. A site generator (Jupyter Book, Sphinx with myst-nb,
+Quarto) would bring a second toolchain for features this course does not need.
+
+Widgets: a "try it" cell (`picolib.tryit.knobs`) shows sliders and draws into an Output widget.
+A static page has no kernel to move them, so the page shows what the first call drew and a
+line naming each knob and its range.
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellControlSignal, DeadKernelError
+from nbconvert import HTMLExporter
+from nbconvert.filters.markdown import markdown2html_mistune as markdown2html
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")          # the colours of an IPython traceback
+
+
+class LessonFailed(RuntimeError):
+    """A lesson's cell raised or ran out of time while the site was being built."""
+
+
+def execute(path: Path, timeout: float = 300) -> nbformat.NotebookNode:
+    """Run every cell of the lesson at `path` in a fresh kernel (cwd: the lesson's folder).
+    Records the wall-clock seconds of the whole run and of each cell in
+    `nb.metadata["site"]`, and replaces widgets by static outputs."""
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    cells, current = {}, {}
+
+    def started(cell, cell_index):
+        current.update(index=cell_index, t0=time.perf_counter())
+
+    def finished(cell, cell_index, execute_reply):
+        cells[cell_index] = round(time.perf_counter() - current["t0"], 2)
+
+    # one execute() call, so one event loop reads the kernel's replies from start to end (run
+    # cell by cell, a try-it cell's reply was now and then seen only at the cell's timeout)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent.resolve())}},
+                            on_cell_execute=started, on_cell_executed=finished)
+    start = time.perf_counter()
+    try:
+        client.execute()
+    except (CellControlSignal, DeadKernelError) as e:   # an error, a timeout, a dead kernel
+        index = current.get("index")
+        first = nb.cells[index].source.strip().splitlines()[:1] if index is not None else []
+        detail = ANSI.sub("", str(e))[-2000:]
+        raise LessonFailed(f"{path.name}: cell {index} ({first[0][:60] if first else ''!r}) "
+                           f"failed: {type(e).__name__}: {detail}") from None
+    nb.metadata["site"] = {"seconds": round(time.perf_counter() - start, 1), "cells": cells,
+                           "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    flatten_widgets(nb)
+    return nb
+
+
+def flatten_widgets(nb) -> None:
+    """Replace each widget view in the outputs by what a static page can show: an Output
+    widget by the outputs it captured, a row of knobs by a line naming them. In place."""
+    state = nb.metadata.pop("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        outputs = []
+        for out in cell.outputs:
+            if out.get("output_type") in ("display_data", "execute_result") \
+                    and WIDGET_VIEW in out.get("data", {}):
+                outputs += static_outputs(out["data"][WIDGET_VIEW]["model_id"], state)
+            else:
+                outputs.append(out)
+        cell.outputs = outputs
+
+
+def static_outputs(model_id: str, state: dict) -> list:
+    model = state.get(model_id, {})
+    name, s = model.get("model_name", ""), model.get("state", {})
+    if name == "OutputModel":
+        return [nbformat.from_dict(o) for o in s.get("outputs", [])]
+    if name in ("HBoxModel", "VBoxModel", "BoxModel"):
+        children = [c.removeprefix("IPY_MODEL_") for c in s.get("children", [])]
+        if all(state.get(c, {}).get("model_name") != "OutputModel" for c in children):
+            return [knob_line([knob(state.get(c, {})) for c in children])]
+        return [o for c in children for o in static_outputs(c, state)]
+    return [knob_line([knob(model)])]
+
+
+def knob(model: dict) -> str:
+    s = model.get("state", {})
+    label = s.get("description") or model.get("model_name", "widget")
+    if "min" in s and "max" in s:
+        return f"{label}: {s['min']:g} … {s['max']:g}, step {s.get('step', 1):g}"
+    if "_options_labels" in s:
+        return f"{label}: {' | '.join(s['_options_labels'])}"
+    return label
+
+
+def knob_line(knobs: list[str]) -> nbformat.NotebookNode:
+    text = ("Knobs (they move when you run the notebook; shown here at their first values): "
+            + "; ".join(knobs))
+    return nbformat.v4.new_output("display_data", data={
+        "text/plain": text, "text/html": f'<p class="site-knobs">{html.escape(text)}</p>'})
+
+
+def title(nb) -> str:
+    """A lesson's title: the first line of its first cell, without the '#'."""
+    first = nb.cells[0].source.strip().splitlines()[0] if nb.cells else ""
+    return first.lstrip("#").strip()
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in markdown.splitlines() if line.lstrip().startswith("|")]
+
+
+def readme_lines(readme: Path = ROOT / "README.md") -> dict[str, str]:
+    """One line per lesson from README's lesson table: notebook file name -> what it settles."""
+    lines = {}
+    for row in table_rows(readme.read_text(encoding="utf-8") if readme.exists() else ""):
+        if len(row) >= 3 and re.fullmatch(r"`notebooks/[^`]+\.ipynb`", row[1]):
+            lines[row[1].strip("`").split("/")[-1]] = row[2]
+    return lines
+
+
+def course_plan(guide: Path = ROOT / "docs" / "teaching.md") -> dict[str, dict[str, str]]:
+    """The course-plan table of the teaching guide: lesson number -> {column: cell}."""
+    plan, header = {}, None
+    for row in table_rows(guide.read_text(encoding="utf-8") if guide.exists() else ""):
+        if row and row[0] == "#":
+            header = [h.lower() for h in row]
+        elif header and row and re.fullmatch(r"\d\d", row[0]):
+            plan[row[0]] = dict(zip(header, row))
+    return plan
+
+
+def page(title_: str, body: str) -> str:
+    """A plain page (index, teaching guide) with its CSS inline."""
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1.0">
+<title>{html.escape(title_)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 60em; margin: 2em auto; padding: 0 1em;
+  line-height: 1.5; color: #222; }}
+table {{ border-collapse: collapse; width: 100%; }}
+th, td {{ border-bottom: 1px solid #ddd; padding: 0.35em 0.5em; text-align: left;
+  vertical-align: top; }}
+td p {{ margin: 0; }}
+code {{ background: #f3f3f3; padding: 0 0.2em; }}
+.num {{ text-align: right; white-space: nowrap; }}
+</style></head><body>
+{body}
+</body></html>
+"""
+
+
+def index_page(lessons: list[dict], has_guide: bool) -> str:
+    plan = course_plan()
+    rows = []
+    for lesson in lessons:
+        number = lesson["name"][:2]
+        builds_on = plan.get(number, {}).get("builds on", "")
+        rows.append(
+            f'<tr><td>{html.escape(number)}</td>'
+            f'<td><a href="{lesson["href"]}">{html.escape(lesson["title"])}</a></td>'
+            f'<td>{markdown2html(lesson["line"])}</td><td>{html.escape(builds_on)}</td>'
+            f'<td class="num">{lesson["seconds"]:.0f} s</td></tr>')
+    guide = ('<p>Teaching with it: <a href="teaching.html">the course plan</a> (order, timing, '
+             'live cells, questions, homework).</p>' if has_guide else "")
+    cpus = {lesson["cpus"] for lesson in lessons}
+    return page("picolib — the lessons", f"""
+<h1>picolib — the lessons</h1>
+<p>Every lesson below was executed for this site, with its outputs and figures as they came
+out; the assertions in the cells passed. To run a lesson and turn its knobs yourself:
+<code>make lab</code>. Read them in order: each builds on the lessons named beside it.
+<code>make slides</code> writes a reveal.js deck of each lesson into <code>build/slides/</code>.</p>
+{guide}
+<table>
+<tr><th>#</th><th>lesson</th><th>what it settles</th><th>builds on</th>
+<th class="num">run time</th></tr>
+{chr(10).join(rows)}
+</table>
+<p>Run time: the wall-clock seconds the whole lesson took to execute for this build, on a
+machine with {", ".join(str(c) for c in sorted(cpus, key=str))} CPU cores (also in
+<code>timings.json</code>).</p>
+""")
+
+
+def export(nb, resources: dict, mathjax_url: str | None = None) -> str:
+    exporter = HTMLExporter(template_name="picolib_site",
+                            extra_template_basedirs=[str(TEMPLATES)], embed_images=True)
+    if mathjax_url:
+        exporter.mathjax_url = mathjax_url
+    body, _ = exporter.from_notebook_node(nb, resources=resources)
+    return body
+
+
+def write_site(executed: list[Path], out: Path, mathjax_url: str | None = None) -> dict:
+    """HTML pages, index.html, teaching.html and timings.json for executed lessons."""
+    out.mkdir(parents=True, exist_ok=True)
+    nbs = [(Path(p), nbformat.read(p, as_version=4)) for p in sorted(executed, key=lambda p: Path(p).name)]
+    lines = readme_lines()
+    lessons = []
+    for path, nb in nbs:
+        run = nb.metadata.get("site", {})
+        lessons.append({"name": path.stem, "href": f"{path.stem}.html", "title": title(nb),
+                        "line": lines.get(path.name, ""), "seconds": run.get("seconds", 0.0),
+                        "cells": run.get("cells", {}), "cpus": run.get("cpus"),
+                        "date": run.get("date", "")})
+    for i, ((path, nb), lesson) in enumerate(zip(nbs, lessons)):
+        near = {"prev": lessons[i - 1] if i > 0 else None,
+                "next": lessons[i + 1] if i + 1 < len(lessons) else None}
+        site = {k: v and {"href": v["href"], "title": v["title"]} for k, v in near.items()}
+        site["math"] = any("$" in c.source for c in nb.cells if c.cell_type == "markdown")
+        site["run"] = (f"Executed on {lesson['date']} in {lesson['seconds']:.0f} s "
+                       f"({lesson['cpus']} CPU cores). Run it yourself: make lab.")
+        resources = {"metadata": {"name": lesson["title"], "path": str(ROOT / "notebooks")},
+                     "site": site}
+        (out / lesson["href"]).write_text(export(nb, resources, mathjax_url), encoding="utf-8")
+    guide = ROOT / "docs" / "teaching.md"
+    if guide.exists():
+        (out / "teaching.html").write_text(page(
+            "picolib — teaching guide",
+            '<p><a href="index.html">all lessons</a></p>'
+            + markdown2html(guide.read_text(encoding="utf-8"))), encoding="utf-8")
+    (out / "index.html").write_text(index_page(lessons, guide.exists()), encoding="utf-8")
+    timings = {"cpus": sorted({les["cpus"] for les in lessons}, key=str),
+               "lessons": {les["name"]: {"seconds": les["seconds"], "date": les["date"],
+                                         "slowest_cells": dict(sorted(
+                                             les["cells"].items(), key=lambda kv: -kv[1])[:3])}
+                           for les in lessons}}
+    (out / "timings.json").write_text(json.dumps(timings, indent=1) + "\n", encoding="utf-8")
+    return timings
+
+
+def write_executed(src: Path, dest: Path, timeout: float) -> None:
+    nb = execute(src, timeout)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".tmp")
+    nbformat.write(nb, tmp)
+    tmp.replace(dest)                   # only a finished run leaves a file behind
+    print(f"{src.name}: {nb.metadata['site']['seconds']:.1f} s", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="execute the lessons and write the site")
+    b.add_argument("--only", nargs="*", help="lesson numbers, e.g. 00 01")
+    e = sub.add_parser("execute", help="execute one lesson into an executed notebook")
+    e.add_argument("source", type=Path)
+    e.add_argument("dest", type=Path)
+    h = sub.add_parser("html", help="write the site from executed notebooks")
+    h.add_argument("executed", nargs="+", type=Path)
+    for p in (b, e):
+        p.add_argument("--timeout", type=float, default=300, help="seconds per cell")
+    for p in (b, h):
+        p.add_argument("--out", type=Path, default=ROOT / "build" / "site")
+        p.add_argument("--mathjax-url", help="a local MathJax 2 copy, to typeset math offline")
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "execute":
+            write_executed(args.source, args.dest, args.timeout)
+        elif args.command == "html":
+            write_site(args.executed, args.out, args.mathjax_url)
+        else:
+            sources = [p for p in sorted((ROOT / "notebooks").glob("*.ipynb"))
+                       if not args.only or p.name[:2] in args.only]
+            executed = ROOT / "build" / "executed"
+            for src in sources:
+                write_executed(src, executed / src.name, args.timeout)
+            write_site([executed / s.name for s in sources], args.out, args.mathjax_url)
+    except LessonFailed as err:
+        print(f"site build failed — {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
