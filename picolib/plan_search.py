@@ -22,9 +22,9 @@ from .hardware import ALPHA, hardware
 from .memory import hardware_flops, model_flops
 from .model import LlamaConfig, param_count
 from .pipeline_schedules import bubble_formula
-from .planner import MoE, Parallelism, memory, traffic
+from .planner import MoE, Parallelism, layer_numel, memory, traffic
 
-__all__ = ["active_params", "step_time", "search", "describe"]
+__all__ = ["active_params", "tp_comm_ratio", "step_time", "search", "describe"]
 
 
 def active_params(cfg: LlamaConfig, moe: MoE | None = None) -> float:
@@ -36,6 +36,33 @@ def active_params(cfg: LlamaConfig, moe: MoE | None = None) -> float:
     dense_mlp = 3 * cfg.hidden * cfg.ffn_hidden
     per_token = 3 * cfg.hidden * moe.expert_ffn * (moe.top_k + moe.shared) + cfg.hidden * moe.n_experts
     return n + cfg.n_layers * (per_token - dense_mlp)
+
+
+def tp_comm_ratio(cfg: LlamaConfig, tp: int, hw="H100-SXM", *, collectives: float = 8.0,
+                  flops: float | None = None, dtype_bytes: int = 2, overlap: float = 0.0) -> dict:
+    """Tensor parallelism's collective time per layer against the compute it splits
+    (lessons 05, 10, 11): one function, every assumption a named argument.
+
+    `collectives` counts a layer's activation collectives in units of (tp−1)/tp · T·h
+    elements sent per rank: 8 for plain TP (four ring all-reduces of 2(tp−1)/tp each), 10
+    for TP+SP with the backward re-gather (six all-gathers, four reduce-scatters; lesson 10
+    measures 10.03 with the norms' small all-reduces). `flops` is the rate the matmuls run at
+    (the dense bf16 peak unless given; lesson 05 uses 450e12, 45 % MFU). The link is the
+    per-GPU bandwidth of a group of `tp` ranks on `hw` (NVLink inside a node). `overlap` is
+    the fraction of the collective time hidden behind compute (0: an upper bound).
+    The ratio does not depend on the tokens per micro-batch: both sides are linear in them."""
+    hw = hardware(hw)
+    if tp < 2:
+        raise ValueError(f"tp must be at least 2 for a collective to cost anything, not {tp}")
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"overlap must be in [0, 1], not {overlap}")
+    rate = hw.bf16 if flops is None else flops
+    tokens = 1
+    comm = collectives * (tp - 1) / tp * tokens * cfg.hidden * dtype_bytes / hw.link(tp)
+    compute = 6 * layer_numel(cfg) * tokens / tp / rate
+    exposed = comm * (1 - overlap)
+    return {"link": hw.link(tp), "flops": rate, "comm_per_token": comm,
+            "compute_per_token": compute, "ratio": exposed / compute}
 
 
 def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoE | None = None,

@@ -10,7 +10,7 @@ from picolib.hardware import (PRESETS, Hardware, all_reduce_bandwidth, critical_
                               max_tp_degree, pp_min_stage_params, ring_time,
                               sharp_all_reduce_time, tp_ffn_threshold, tree_all_reduce_time)
 from picolib.model import LlamaConfig
-from picolib.plan_search import active_params, describe, search, step_time
+from picolib.plan_search import active_params, describe, search, step_time, tp_comm_ratio
 from picolib.planner import (LLAMA3_70B, LLAMA3_405B, MoE, Parallelism, in_flight, layer_numel,
                              memory, rank_units, stage_layers, traffic)
 
@@ -112,6 +112,28 @@ def test_traffic_by_hand():
     # 4 layers × (dispatch, combine) × (forward, backward) of k·tokens·h·2 bytes, 3/4 leaving;
     # plus each forward's counts: 3 other ranks × 2 local experts × 8 bytes, 4 layers
     assert traffic(cfg, ep, moe=moe)["ep"] == 4 * 4 * 2 * (2 * 16) * 32 * 2 * 3 // 4 + 4 * 3 * 2 * 8
+
+
+def test_tp_comm_ratio_agrees_with_the_planners_bytes_and_its_assumptions():
+    """The one TP-cost function (lessons 05, 10, 11) sends what the planner's traffic counts for
+    one layer (TP: 4 all-reduces; TP+SP: 10 units), and each assumption moves it as stated."""
+    import dataclasses
+    hw = PRESETS["H100-SXM"]
+    for sp, units in ((False, 8), (True, 10)):
+        par = Parallelism(tp=8, sp=sp, seq=4096, precision="bf16")
+        two, three = (dataclasses.replace(LLAMA3_70B, n_layers=n) for n in (2, 3))
+        one_layer = traffic(three, par)["tp"] - traffic(two, par)["tp"]
+        norms = 2 * 2 * (8 - 1) / 8 * LLAMA3_70B.hidden * 2 if sp else 0   # SP's two norm all-reduces
+        r = tp_comm_ratio(LLAMA3_70B, 8, hw, collectives=units)
+        assert r["comm_per_token"] * 4096 * hw.link(8) == pytest.approx(one_layer - norms, rel=1e-9)
+        assert r["compute_per_token"] * 4096 == pytest.approx(
+            6 * layer_numel(LLAMA3_70B) * 4096 / 8 / hw.bf16, rel=1e-12)
+    base = tp_comm_ratio(LLAMA3_70B, 8, hw)["ratio"]
+    assert tp_comm_ratio(LLAMA3_70B, 8, hw, flops=hw.bf16 / 2)["ratio"] == pytest.approx(base / 2)
+    assert tp_comm_ratio(LLAMA3_70B, 8, hw, overlap=0.75)["ratio"] == pytest.approx(base / 4)
+    assert tp_comm_ratio(LLAMA3_70B, 16, hw)["ratio"] > 5 * base        # across nodes: InfiniBand
+    with pytest.raises(ValueError, match="tp must be at least 2"):
+        tp_comm_ratio(LLAMA3_70B, 1, hw)
 
 
 def test_step_time_without_communication_is_the_assumed_efficiency():
