@@ -47,7 +47,9 @@ def in_server() -> bool:
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+    """Ask Linux to SIGKILL this process when its parent dies. macOS has no such signal: there
+    the server still kills every rank when the caller's socket closes (the caller exited or
+    died), but ranks whose server is itself killed outright end only at their group timeout."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -29,15 +29,23 @@ On a cluster the same worker code runs under `torchrun`; call `init_from_env()` 
 """
 from __future__ import annotations
 
+import sys
+
+if sys.platform == "win32":   # before anything that would fail less clearly
+    raise ImportError("picolib's launcher needs Linux or macOS: it forks ranks from a server and "
+                      "passes them descriptors over UNIX sockets, which native Windows lacks. "
+                      "On Windows, run the course inside WSL2 (a Linux).")
+
 import atexit
+import linecache
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
 import pickle
 import pkgutil
+import re
 import signal
 import site
-import sys
 import tempfile
 import threading
 import time
@@ -293,7 +301,7 @@ class _Rank:
         self.stack.seek(0)
         lines = [ln for ln in self.stack.read().decode(errors="replace").splitlines()
                  if ln.strip()]
-        return f"--- rank {self.rank} was here ---\n" + "\n".join(lines[:12])
+        return f"--- rank {self.rank} was here ---\n" + with_source("\n".join(lines[:12]))
 
     def close(self) -> None:
         self.conn.close()
@@ -301,6 +309,28 @@ class _Rank:
             os.close(self.status)
             self.status = -1
         self.stack.close()
+
+
+_FRAME_LINE = re.compile(r'^(\s*)File "([^"]+)", line (\d+)')
+
+
+def with_source(text: str) -> str:
+    """`text` (a rank's traceback or stack dump) with the source line under each frame that
+    lacks one, read in the caller: a notebook cell's code is known here, not in the rank."""
+    lines, out = text.splitlines(), []
+    for i, line in enumerate(lines):
+        out.append(line)
+        m = _FRAME_LINE.match(line)
+        if not m:
+            continue
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        if nxt.strip() and not _FRAME_LINE.match(nxt) and not nxt.startswith("---") \
+                and nxt.startswith(m[1] + "  "):
+            continue                                   # the rank printed it already
+        source = linecache.getline(m[2], int(m[3])).strip()
+        if source:
+            out.append(f"{m[1]}    {source}")
+    return "\n".join(out)
 
 
 def _death(r: _Rank) -> str:
@@ -388,6 +418,7 @@ def _collect(ranks: list[_Rank], timeout: float) -> list[Any]:
         also = f" (rank{'s' if len(others) > 1 else ''} {others} failed too)" if others else ""
         if culprit in errors:
             message, tb = errors[culprit]
+            tb = with_source(tb)
         else:
             message, tb = _death(ranks[culprit]), ""
         raise WorkerError(culprit, message + also, tb)

@@ -16,6 +16,7 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -25,7 +26,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-__all__ = ["in_worker", "device", "join_group", "rank_main"]
+__all__ = ["in_worker", "device", "join_group", "loopback_interface", "rank_main"]
 
 _IN_WORKER = False  # set in a rank, so a nested `run` is caught early
 _DEVICE = torch.device("cpu")  # this rank's device, set when the rank joins its group
@@ -39,6 +40,29 @@ def in_worker() -> bool:
 def device(group: dist.ProcessGroup | None = None) -> torch.device:
     """The device this rank computes on: its GPU under NCCL, the CPU under gloo."""
     return _DEVICE
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface: "lo" on Linux, "lo0" on macOS."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    raise RuntimeError(f"no loopback interface among {names}: picolib's local ranks need one")
+
+
+def _listen_on_loopback() -> None:
+    """Make every connection of a local run's ranks listen on the loopback interface.
+
+    gloo's default device binds to whatever the hostname resolves to (127.0.1.1 on a Debian
+    laptop, the network address on many servers), and NCCL's bootstrap picks the first
+    non-loopback interface; both read the interface from these variables when a group is
+    created (torch.distributed has no argument for it). They are set in the rank's own
+    process, for its groups only; runs under torchrun never come here and choose their
+    interface as torchrun users expect (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
+    lo = loopback_interface()
+    os.environ["GLOO_SOCKET_IFNAME"] = lo
+    os.environ["NCCL_SOCKET_IFNAME"] = lo
 
 
 def join_group(backend: str, **init_kwargs) -> None:
@@ -138,6 +162,7 @@ def rank_main(rank: int, conn_fd: int, stack_fd: int, payload_fd: int) -> int:
         # 127.0.0.1 in DNS, which stalled 8 runs in 300 by 5 s here)
         store = dist.FileStore(settings["store"], world_size)
         store.set_timeout(grace)
+        _listen_on_loopback()
         join_group(backend, store=store, rank=rank, world_size=world_size, timeout=grace)
         result = _to_cpu(fn(*args, **kwargs))
         try:
