@@ -34,7 +34,12 @@ and reduced over their group, and still averaged over `group`'s size like the re
 
 Accumulation: inside `no_sync()` (or after `set_requires_gradient_sync(False)`) backward
 only accumulates, through autograd, into full gradients (stages 2-3 too, until the
-reduce-scatter); the step's last backward (or `step()`) reduce-scatters the sum once. A NaN or inf gradient makes every rank raise FloatingPointError in `step()`,
+reduce-scatter); the step's last backward (or `step()`) reduce-scatters the sum once. So with m micro-batches (a pipeline's m ≥ p) a stage-2 rank
+holds whole gradients between them, as stage 1 does. `reduce_every_micro_batch=True`
+(stages 2-3) is the other choice (FSDP's gradient accumulation with communication, and
+DeepSpeed ZeRO-2's): every backward reduce-scatters and adds the result into the shard, so
+only 1/N of the gradients stays between micro-batches, at m reduce-scatters per step
+(lesson 10). A NaN or inf gradient makes every rank raise FloatingPointError in `step()`,
 before any update.
 """
 from __future__ import annotations
@@ -57,7 +62,8 @@ __all__ = ["ZeRO", "shard_bounds", "padded_numel", "unit_numels", "zero_memory_b
 
 class ZeRO(GradientSyncSwitch):
     """ZeRO(model, stage, group=None, optimizer="adam", lr=1e-3, *, param_dtype=torch.float32,
-    units=None, prefetch=True, timeline=None, groups=None, **hyperparameters)
+    units=None, prefetch=True, timeline=None, groups=None, reduce_every_micro_batch=False,
+    **hyperparameters)
 
     Wraps `model` — call it as usual — and is its optimizer: `loss.backward();
     zero.step(); zero.zero_grad()`; gradients are averaged over `group` (None: the default
@@ -67,13 +73,14 @@ class ZeRO(GradientSyncSwitch):
     from the group's first rank. `timeline`: a picolib Timeline that gets F, B (stage 3),
     all_gather and reduce_scatter spans; a cost in `timeline.emulate` is slept.
     `groups`: {parameter: process group} for parameters replicated on only some of the
-    ranks (module docstring; stages 1-2).
+    ranks (module docstring; stages 1-2). `reduce_every_micro_batch` (stages 2-3): every
+    backward reduce-scatters, even inside `no_sync()`, and accumulates into the shards.
     """
 
     def __init__(self, model: nn.Module, stage: int, group=None, optimizer: str = "adam",
                  lr: float = 1e-3, *, param_dtype=torch.float32, units=None,
                  prefetch: bool = True, timeline=None, groups: dict | None = None,
-                 **hyperparameters):
+                 reduce_every_micro_batch: bool = False, **hyperparameters):
         if isinstance(stage, bool) or stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage!r}")
         hp = optimizer_hyperparameters(optimizer, lr, hyperparameters)
@@ -87,7 +94,12 @@ class ZeRO(GradientSyncSwitch):
                              "groups of their own (experts) need stage 1 or 2")
         if stage == 3 and getattr(getattr(model, "cfg", None), "recompute", "none") != "none":
             raise ValueError("ZeRO-3 frees parameters after forward: recompute is not supported")
+        if reduce_every_micro_batch and stage == 1:
+            raise ValueError("reduce_every_micro_batch needs stage 2 or 3: stage 1 keeps whole "
+                             "gradients anyway, so reducing them every micro-batch saves nothing")
         self.n = group_size(group)   # before any collective
+        self.reduce_every_micro_batch = bool(reduce_every_micro_batch)
+        self._reduced = set()        # units reduce-scattered at least once this step
         self.stage, self.group, self.module, self.opt = stage, group, model, optimizer
         self.prefetch, self.timeline, self.hp = prefetch, timeline, hp
         self.steps, self._sync, self._pending, self._t = 0, True, [], 0.0
@@ -202,14 +214,17 @@ class ZeRO(GradientSyncSwitch):
                 if not self._is_root(i):
                     self._record("B", self._t, None, unit=i)
                 u.free()
-            if self._sync:
+            if self._sync or self.reduce_every_micro_batch:
                 self._reduce_in_order()
 
     def _end_backward(self):
         if self.stage == 3:
             self._end_pass()
-        if self._sync:
+        if self._sync or self.reduce_every_micro_batch:
             self._reduce_in_order(finish=True)
+        if self.reduce_every_micro_batch:   # the sums are in the shards: the next backward
+            self._drain(keep=0)             # reduce-scatters again
+            self._rs_next = 0
         for u in self.units:
             u.ready = 0
         self._in_backward = False
@@ -239,20 +254,27 @@ class ZeRO(GradientSyncSwitch):
         flat[u.starts] = torch.where(bad, torch.nan, flat[u.starts])
         if self._scales[i] != 1.0:     # a sub-group's average, made an average over `group`
             flat.mul_(self._scales[i])
-        handle = comm.reduce_scatter(u.grad, flat, op="avg", group=self._groups[i], async_op=True)
-        self._pending.append((handle, time.perf_counter(), i, flat))
+        # a step's first reduce-scatter of a unit writes its shard; later ones (one per
+        # micro-batch with reduce_every_micro_batch) land in a buffer added to it
+        out = torch.empty_like(u.grad) if i in self._reduced else u.grad
+        self._reduced.add(i)
+        handle = comm.reduce_scatter(out, flat, op="avg", group=self._groups[i], async_op=True)
+        self._pending.append((handle, time.perf_counter(), i, flat, out))
         if self.stage > 1:
             self._drain(keep=1)   # at most two full gradient buckets alive at once
 
     def _drain(self, keep: int):
         while len(self._pending) > keep:
-            handle, t0, i, _ = self._pending.pop(0)
+            handle, t0, i, _, out = self._pending.pop(0)
             self._wait(handle, "reduce_scatter", t0, i)
+            if out is not self.units[i].grad:
+                self.units[i].grad.add_(out)
 
     def finish_gradient_sync(self):
         """Start the reduce-scatters not started yet, wait for all, check them: each rank
         then holds the mean gradient of its shards, or every rank raises FloatingPointError."""
-        self._reduce_in_order(finish=True)
+        if not (self.reduce_every_micro_batch and self._reduced):   # else: every backward did
+            self._reduce_in_order(finish=True)
         self._drain(keep=0)
         check_finite([u.grad for u in self.units], self._local_bad, self.steps + 1,
                      self.group, "reduce-scatter")
@@ -268,6 +290,7 @@ class ZeRO(GradientSyncSwitch):
         for handle, t0, i in filter(None, gathers):
             self._wait(handle, "all_gather", t0, i)
         self._rs_next = 0
+        self._reduced.clear()
         self._local_bad.zero_()
 
     def _update_unit(self, i):
@@ -284,6 +307,7 @@ class ZeRO(GradientSyncSwitch):
         for u in self.units:
             u.zero_grad()
         self._rs_next = 0
+        self._reduced.clear()
         self._local_bad.zero_()
 
     # ------------------------------------------------------------------ inspection

@@ -9,6 +9,10 @@
    fixed order on every rank (it used to be silently wrong in stages 1-2 and to hang in
    stage 3).
 
+3. `ZeRO(..., reduce_every_micro_batch=True)` (stages 2-3) reduce-scatters after every
+   micro-batch, adds into the shards, and holds no whole gradient between micro-batches:
+   the same losses, weights and (summed over the step) gradients as one process.
+
 Tolerance (fp32): atol 1e-5 on the weights. The parallel runs sum the micro-batch and
 per-rank means in another order than one process summing the global batch, so the
 gradients differ in the last bits (≈1e-8 seen). Adam divides by √v + eps: with torch's
@@ -34,7 +38,13 @@ CFG = LlamaConfig(vocab_size=61, hidden=16, n_layers=2, n_heads=2, n_kv_heads=1,
                   ffn_hidden=24, max_seq=16, seed=5)
 MB, SEQ, MICRO, STEPS, LR, EPS = 2, 8, 3, 3, 1e-2, 1e-6
 WEIGHT_ATOL, LOSS_ATOL = 1e-5, 1e-6
-WRAPPERS = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+WRAPPERS = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 every", "ZeRO-3 every"]
+
+
+def make_zero(model, name):
+    """"ZeRO-s" or "ZeRO-s every" (reduce-scatter after every micro-batch)."""
+    return ZeRO(model, int(name[5]), optimizer="adam", lr=LR, eps=EPS,
+                reduce_every_micro_batch=name.endswith("every"))
 
 
 def global_batch(step, n):
@@ -58,7 +68,8 @@ def reference(n):
 def accumulate_worker():
     """Each wrapper: STEPS steps of MICRO micro-batches from this rank's rows. Returns the
     weights, the loss of each step (this rank's share) and, per backward, the number of
-    gradient collectives (all-reduce / reduce-scatter) it issued."""
+    gradient collectives (all-reduce / reduce-scatter) it issued and the gradient bytes
+    it held after it."""
     r, n = dist.get_rank(), dist.get_world_size()
     out = {}
     for name in WRAPPERS:
@@ -67,8 +78,8 @@ def accumulate_worker():
             wrapper = DDP(model)
             opt = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
         else:
-            wrapper = ZeRO(model, int(name[-1]), optimizer="adam", lr=LR, eps=EPS)
-        losses, calls = [], []
+            wrapper = make_zero(model, name)
+        losses, calls, held = [], [], []
         for step in range(STEPS):
             x, y = global_batch(step, n)
             rows = MB * MICRO
@@ -85,6 +96,8 @@ def accumulate_worker():
                     loss = model.loss(x[i * MB:(i + 1) * MB], y[i * MB:(i + 1) * MB]) / MICRO
                     loss.backward()
                 calls.append(led.count("all_reduce") + led.count("reduce_scatter"))
+                if name != "DDP":
+                    held.append(wrapper.memory()["grads"])
                 total += loss.item()
             stepper = opt if name == "DDP" else wrapper  # ZeRO owns its optimizer
             stepper.step()
@@ -93,7 +106,9 @@ def accumulate_worker():
         weights = ({k: p.detach().clone() for k, p in model.named_parameters()} if name == "DDP"
                    else wrapper.gather_parameters())
         groups = len(wrapper.buckets) if name == "DDP" else len(wrapper.units)
-        out[name] = dict(weights=weights, losses=losses, calls=calls, groups=groups)
+        shard = sum(u.grad.numel() * 4 for u in wrapper.units) if name != "DDP" else 0
+        out[name] = dict(weights=weights, losses=losses, calls=calls, groups=groups, held=held,
+                         shard=shard)
     return out
 
 
@@ -110,9 +125,46 @@ def test_accumulating_three_micro_batches_equals_the_global_batch(n):
             for k, w in ref_weights.items():
                 torch.testing.assert_close(res[name]["weights"][k], w, atol=WEIGHT_ATOL, rtol=0,
                                            msg=f"{name} N={n} rank {rank} {k}")
-            # the gradients are communicated once per step, in the last backward
-            g = res[name]["groups"]
-            assert g >= 1 and res[name]["calls"] == [0, 0, g] * STEPS, (name, res[name]["calls"])
+            # the gradients are communicated once per step, in the last backward, or
+            # (reduce_every_micro_batch) after every backward
+            g, r = res[name]["groups"], res[name]
+            want = [g, g, g] if name.endswith("every") else [0, 0, g]
+            assert g >= 1 and r["calls"] == want * STEPS, (name, r["calls"])
+            if name.endswith("every"):     # between micro-batches: the shards only
+                assert r["held"] == [r["shard"]] * (MICRO * STEPS), (name, r["held"])
+            elif name in ("ZeRO-2", "ZeRO-3"):   # whole gradients until the last backward
+                assert min(r["held"][0], r["held"][1]) > (n - 1) * r["shard"], (name, r["held"])
+
+
+def gradient_worker(name):
+    """One step of MICRO micro-batches; the reduced gradient, gathered from the shards."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = TinyLlama(CFG)
+    wrapper = make_zero(model, name)
+    x, y = global_batch(0, n)
+    rows = MB * MICRO
+    x, y = x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows]
+    for i in range(MICRO):
+        wrapper.set_requires_gradient_sync(i == MICRO - 1)
+        (model.loss(x[i * MB:(i + 1) * MB], y[i * MB:(i + 1) * MB]) / MICRO).backward()
+    wrapper.finish_gradient_sync()
+    return {k: v for u in wrapper.units for k, v in u.gather(u.grad, None).items()}
+
+
+@pytest.mark.parametrize("name", ["ZeRO-2", "ZeRO-2 every", "ZeRO-3 every"])
+def test_accumulated_gradients_equal_one_process(name):
+    n = 2
+    model = TinyLlama(CFG)
+    model.loss(*global_batch(0, n)).backward()
+    for rank, got in enumerate(run(gradient_worker, n, name, timeout=60)):
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(got[k], p.grad, atol=1e-6, rtol=1e-5,
+                                       msg=f"{name} rank {rank} {k}")
+
+
+def test_reduce_every_micro_batch_needs_stage_2_or_3():
+    with pytest.raises(ValueError, match="stage 2 or 3"):
+        ZeRO(TinyLlama(CFG), 1, reduce_every_micro_batch=True)
 
 
 # --------------------------------------------------------------------------- the order
@@ -168,7 +220,7 @@ def shuffled_worker(name):
     if name == "DDP":
         wrapper, opt = DDP(model, bucket_cap_bytes=1200), torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
     else:
-        wrapper = ZeRO(model, int(name[-1]), optimizer="adam", lr=LR, eps=EPS)
+        wrapper = make_zero(model, name)
     for step in range(STEPS):
         shuffled_loss(model, step, r).backward()
         stepper = opt if name == "DDP" else wrapper  # ZeRO owns its optimizer
