@@ -3,6 +3,11 @@
 # CPU wheel; on a GPU machine run e.g. `make TORCH=torch lab` for the CUDA build.
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
+# PyPI's Linux torch is the CUDA build (several GB of NVIDIA libraries). On Linux without
+# nvidia-smi, pip also looks in PyTorch's CPU index, whose 2.13.0+cpu wins (about 180 MB);
+# when that index cannot be reached, pip gives up on it after the timeout and takes PyPI's.
+# `make TORCH_INDEX= ...` turns it off; a GPU machine never uses it.
+TORCH_INDEX ?= $(if $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi),,https://download.pytorch.org/whl/cpu))
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -13,7 +18,7 @@ NBVAL  := --nbval-lax --nbval-current-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --timeout 10 --retries 1)
 	$(PY) -m pip install -q -e ".[notebooks,dev]"
 	touch $(STAMP)
 
