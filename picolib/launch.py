@@ -251,7 +251,7 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto",
                 payload.flush()
                 for rank in range(world_size):
                     ranks.append(_Rank.start(rank, payload))
-            results = _collect(ranks, timeout)
+            results = _collect(ranks, timeout, _code_index(fn, args, kwargs))
             for r in ranks:  # all done: let every rank leave the group
                 r.send_exit()
             _wait_exits(ranks, 10.0)
@@ -297,11 +297,11 @@ class _Rank:
         except OSError:
             pass
 
-    def stack_text(self) -> str:
+    def stack_text(self, index: dict | None = None) -> str:
         self.stack.seek(0)
         lines = [ln for ln in self.stack.read().decode(errors="replace").splitlines()
                  if ln.strip()]
-        return f"--- rank {self.rank} was here ---\n" + with_source("\n".join(lines[:12]))
+        return f"--- rank {self.rank} was here ---\n" + with_source("\n".join(lines[:12]), index)
 
     def close(self) -> None:
         self.conn.close()
@@ -314,20 +314,87 @@ class _Rank:
 _FRAME_LINE = re.compile(r'^(\s*)File "([^"]+)", line (\d+)')
 
 
-def with_source(text: str) -> str:
+def _code_index(*roots, depth: int = 3) -> dict[str, list]:
+    """{function name: [code objects]} of the functions in `roots` (functions, classes and
+    their methods, containers of them, the functions their globals name, nested code):
+    cloudpickle ships code by value as "<dynamic-code>", so the caller keeps where it was."""
+    index: dict[str, list] = {}
+    seen: set[int] = set()
+
+    def code(c, d):
+        if id(c) in seen:
+            return
+        seen.add(id(c))
+        index.setdefault(c.co_name, []).append(c)
+        for const in c.co_consts:
+            if hasattr(const, "co_code"):
+                code(const, d)
+
+    def visit(obj, d):
+        if d < 0 or id(obj) in seen:
+            return
+        if isinstance(obj, (staticmethod, classmethod)):
+            obj = obj.__func__
+        if hasattr(obj, "__code__") and hasattr(obj, "__globals__"):
+            seen.add(id(obj))
+            code(obj.__code__, d)
+            for name in obj.__code__.co_names:
+                g = obj.__globals__.get(name)
+                if hasattr(g, "__code__") or isinstance(g, type):
+                    visit(g, d - 1)
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, d - 1)
+                except ValueError:
+                    pass
+        elif isinstance(obj, type) and obj.__module__ not in ("builtins",) and \
+                not obj.__module__.startswith(("torch", "picolib")):
+            seen.add(id(obj))
+            for value in vars(obj).values():
+                visit(value, d - 1)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj[:64]:
+                visit(value, d)
+        elif isinstance(obj, dict):
+            for value in list(obj.values())[:64]:
+                visit(value, d)
+
+    for root in roots:
+        visit(root, depth)
+    return index
+
+
+def _dynamic_file(index, name: str, line: int) -> str | None:
+    """The file of the function `name` that holds `line` (a frame of shipped code)."""
+    for c in (index or {}).get(name, ()):
+        lines = [ln for _, _, ln in c.co_lines() if ln is not None]
+        if lines and min(lines + [c.co_firstlineno]) <= line <= max(lines):
+            return c.co_filename
+    return None
+
+
+def with_source(text: str, index: dict | None = None) -> str:
     """`text` (a rank's traceback or stack dump) with the source line under each frame that
-    lacks one, read in the caller: a notebook cell's code is known here, not in the rank."""
+    lacks one, read in the caller: a notebook cell's code is known here, not in the rank.
+    Frames of code shipped by value ("<dynamic-code>") are found through `index`
+    (`_code_index` of what was shipped), and their file named."""
     lines, out = text.splitlines(), []
     for i, line in enumerate(lines):
         out.append(line)
         m = _FRAME_LINE.match(line)
         if not m:
             continue
+        path = m[2]
+        if path == "<dynamic-code>":
+            fn = re.search(r"line \d+,? in (\S+)", line)
+            path = _dynamic_file(index, fn[1] if fn else "", int(m[3])) or path
+            if path != "<dynamic-code>":
+                out[-1] = line.replace('"<dynamic-code>"', f'"{path}"', 1)
         nxt = lines[i + 1] if i + 1 < len(lines) else ""
         if nxt.strip() and not _FRAME_LINE.match(nxt) and not nxt.startswith("---") \
                 and nxt.startswith(m[1] + "  "):
             continue                                   # the rank printed it already
-        source = linecache.getline(m[2], int(m[3])).strip()
+        source = linecache.getline(path, int(m[3])).strip()
         if source:
             out.append(f"{m[1]}    {source}")
     return "\n".join(out)
@@ -347,7 +414,7 @@ def _death(r: _Rank) -> str:
     return f"the process exited with code {code} without returning a result"
 
 
-def _collect(ranks: list[_Rank], timeout: float) -> list[Any]:
+def _collect(ranks: list[_Rank], timeout: float, index: dict | None = None) -> list[Any]:
     """Every rank's result, or the WorkerError / WorkerTimeout that explains why not."""
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
@@ -394,7 +461,7 @@ def _collect(ranks: list[_Rank], timeout: float) -> list[Any]:
             raise WorkerTimeout(
                 f"ranks {waiting} did not finish within {timeout:g} s (a collective that "
                 f"some rank never called? a deadlock in send/recv?); all ranks were stopped\n"
-                + "\n".join(r.stack_text() for r in pending))
+                + "\n".join(r.stack_text(index) for r in pending))
         wait_for = deadline - now if first_failure is None else first_failure + _GRACE - now
         by_object = {}
         for r in pending:
@@ -418,7 +485,7 @@ def _collect(ranks: list[_Rank], timeout: float) -> list[Any]:
         also = f" (rank{'s' if len(others) > 1 else ''} {others} failed too)" if others else ""
         if culprit in errors:
             message, tb = errors[culprit]
-            tb = with_source(tb)
+            tb = with_source(tb, index)
         else:
             message, tb = _death(ranks[culprit]), ""
         raise WorkerError(culprit, message + also, tb)

@@ -1,16 +1,33 @@
 """What every check shares: calling the student's code safely, comparing (with a one-line
-diagnosis of the common mistakes: a uniform factor, a permutation), reporting."""
+diagnosis of the common mistakes: a uniform factor, a permutation), running on a real
+sub-group as well as the world, reporting in a few lines."""
 from __future__ import annotations
 
+import os
+import re
+
 import torch
+import torch.distributed as dist
 
 from ..launch import WorkerError, WorkerTimeout, run
 
-TIMEOUT = 60.0  # seconds a distributed exercise may run before it counts as a deadlock
+# seconds a distributed exercise may run before it counts as a deadlock: its ranks finish in
+# milliseconds, so this is mostly start-up on a busy machine. Every distributed check takes
+# `timeout=` to shorten (or lengthen) it.
+TIMEOUT = 20.0
+SHOWN = 8  # problem lines a failure prints; the rest are counted
+SUBGROUPS = ([0, 2], [1, 3])  # 4 ranks as two groups of 2 (strided, as data-parallel groups are)
+_LIBRARY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class ExerciseFailed(AssertionError):
-    """The student's answer differs from the reference (the message says how)."""
+    """The student's answer differs from the reference. The problems were printed already
+    (at most `SHOWN` lines); `.problems` holds every one, `.details` their text."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        self.problems = list(problems) if problems is not None else [message]
+        self.details = message + "".join(f"\n  ✗ {p}" for p in (problems or []))
+        super().__init__(message)
 
 
 def call_student(fn, *args, **kwargs):
@@ -22,23 +39,95 @@ def call_student(fn, *args, **kwargs):
                              "(it raises NotImplementedError)") from None
 
 
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<fn>\S+)')
+
+
+def _student_frames(text: str) -> list[tuple[str, str, str]]:
+    """(function, line, source) of every frame in a traceback or stack dump that is not
+    picolib's, PyTorch's or Python's own: the student's code, innermost last."""
+    out = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = _FRAME.search(line)
+        if not m:
+            continue
+        path = m["file"]
+        if (os.path.abspath(path).startswith(_LIBRARY) or "site-packages" in path
+                or "/lib/python" in path or path.startswith("<frozen")):
+            continue
+        nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        source = "" if _FRAME.search(nxt) or nxt.startswith("---") else nxt
+        out.append((m["fn"], m["line"], source))
+    return out
+
+
+def _where(frames) -> str:
+    fn, line, source = frames[-1]
+    return f"in {fn}, line {line}" + (f": {source}" if source else "")
+
+
+def _timeout_message(e: WorkerTimeout, name: str, world_size: int, timeout: float) -> str:
+    """The stuck ranks, each with the student's line it waits in (innermost first in a dump)."""
+    lines = [f"{name} did not finish on {world_size} ranks within {timeout:g} s — a deadlock "
+             "(a collective some rank skips or calls in another order; two neighbours that both "
+             "block in send/recv)? Pass timeout=… to the check to wait less or more."]
+    for block in str(e).split("--- rank ")[1:]:
+        rank = block.split(" ", 1)[0]
+        frames = _student_frames(block)[::-1]        # faulthandler prints innermost first
+        lines.append(f"rank {rank} was waiting " + (_where(frames) if frames else
+                                                  "outside your code"))
+    return "\n".join(lines[:SHOWN])
+
+
+def _error_message(e: WorkerError) -> str:
+    first = str(e).split("\n")[0]
+    frames = _student_frames(e.remote_traceback)
+    last = e.remote_traceback.strip().splitlines()[-1:] or [first]
+    msg = first if not frames else f"{first}\n  raised {_where(frames)}"
+    if "group" in last[0].lower() or "rank" in last[0].lower() and "invalid" in last[0].lower():
+        msg += ("\n  (with a sub-group, peers are global ranks: comm.ring_neighbours(group) or "
+                "dist.get_global_rank(group, i) turn a rank of the group into one)")
+    return msg
+
+
 def run_student(worker, world_size: int, *args, name: str = "your function",
                 timeout: float | None = None, **kwargs) -> list:
     """Run `worker` on ranks through launch.run; a rank's failure, or ranks that never finish
-    (after `TIMEOUT` seconds, the one setting every lesson uses), become ExerciseFailed."""
+    (after `timeout` seconds, `TIMEOUT` unless given), become ExerciseFailed, naming the
+    student's source line."""
     timeout = TIMEOUT if timeout is None else timeout
     try:
         return run(worker, world_size, *args, timeout=timeout, **kwargs)
     except WorkerTimeout as e:
-        raise ExerciseFailed(
-            f"{name} did not finish on {world_size} ranks within {timeout:g} s — a deadlock? "
-            "(a collective that some rank skips or calls in another order; two neighbours that "
-            "both block in send). Where the ranks were stuck:\n" + str(e)) from None
+        message = _timeout_message(e, name, world_size, timeout)
     except WorkerError as e:
         if "NotImplementedError" in str(e).split("\n")[0]:
             raise ExerciseFailed(f"rank {e.rank}: the exercise is not written yet "
                                  "(NotImplementedError)") from None
-        raise ExerciseFailed(str(e)) from None
+        message = _error_message(e)
+    print(message)
+    raise ExerciseFailed(message.split("\n")[0] + " (details above)",
+                         message.split("\n")[1:]) from None
+
+
+def my_group(split: bool):
+    """On a rank: None (the world) or, when `split`, this rank's group of `SUBGROUPS` (every
+    rank creates every group, as torch.distributed requires)."""
+    if not split:
+        return None
+    groups = [dist.new_group(ranks) for ranks in SUBGROUPS]
+    return next(g for g, ranks in zip(groups, SUBGROUPS) if dist.get_rank() in ranks)
+
+
+def members(rank: int) -> list[int]:
+    """The global ranks of `rank`'s group in `SUBGROUPS`."""
+    return next(ranks for ranks in SUBGROUPS if rank in ranks)
+
+
+def on_world_not_group(what: str) -> str:
+    return (f"{what} is that of all 4 ranks, not of `group` (2 ranks: {list(SUBGROUPS)}): pass "
+            "group=group to every comm call and use dist.get_world_size(group), "
+            "dist.get_rank(group)")
 
 
 def compare(what: str, got, expected, atol: float = 1e-6, rtol: float = 1e-5) -> list[str]:
@@ -96,10 +185,24 @@ def diagnose(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6,
     return ""
 
 
+def _telling(p: str) -> int:
+    """Sort key: a line that names a cause (" — ", "hint") before a bare difference."""
+    return 0 if (" — " in p or p.startswith("hint") or ": the " in p and "values differ" not in p) else 1
+
+
 def report(title: str, problems: list[str], passed: int | None = None) -> None:
-    """Print the verdict; raise ExerciseFailed listing every difference."""
+    """Print the verdict in at most `SHOWN` lines, the diagnosed problems first; raise
+    ExerciseFailed with a one-line message (the lines are above, and in `.problems`)."""
     if problems:
-        lines = "\n".join(f"  ✗ {p}" for p in problems)
-        print(f"{title}: {len(problems)} problem(s)\n{lines}")
-        raise ExerciseFailed(f"{title}:\n{lines}")
+        seen, unique = set(), []
+        for p in problems:
+            if p not in seen:
+                seen.add(p)
+                unique.append(p)
+        ordered = sorted(unique, key=_telling)
+        shown = ordered if len(ordered) <= SHOWN else ordered[:SHOWN - 1]
+        lines = "\n".join(f"  ✗ {p}" for p in shown)
+        more = f"\n  … and {len(ordered) - len(shown)} more" if len(ordered) > len(shown) else ""
+        print(f"{title}: {len(ordered)} problem(s)\n{lines}{more}")
+        raise ExerciseFailed(f"{title}: {len(ordered)} problem(s), listed above", ordered)
     print(f"✓ {title}" + (f": all {passed} checks passed" if passed else ""))

@@ -1,9 +1,10 @@
 """Checks for lesson 00 (collectives).
 
-- `check_ring_all_reduce(fn)`: `fn(tensor, group=None)` sums `tensor` over the ranks with a
-  ring built from picolib.comm point-to-point calls; run on 2, 3 and 4 ranks.
+- `check_ring_all_reduce(fn)`: `fn(tensor, group=None)` sums `tensor` over the ranks of
+  `group` with a ring built from picolib.comm point-to-point calls; run on 2, 3 and 4 ranks,
+  and on 4 ranks split into two groups of 2 (a `group` ignored is named).
 - `check_all_reduce_from_rs_ag(fn)`: the same result from one `comm.reduce_scatter`
-  followed by one `comm.all_gather`; run on 2 and 4 ranks.
+  followed by one `comm.all_gather`; run on 2 and 4 ranks, and on two groups of 2.
 - `check_ring_bytes(fn)`: `fn(op, nbytes, n)` → bytes one rank sends in a ring collective.
 - `check_ring_time(fn)`: `fn(op, nbytes, n, alpha, bandwidth)` → seconds under the α–β model.
 """
@@ -13,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Ledger, ring_sent_bytes
-from ._core import call_student, compare, report, run_student
+from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
+                    report, run_student)
 
 __all__ = ["check_ring_all_reduce", "check_all_reduce_from_rs_ag", "check_ring_bytes",
            "check_ring_time", "ring_time"]
@@ -26,49 +28,103 @@ def _inputs(world_size: int, numel: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(numel, generator=g) for _ in range(world_size)]
 
 
-def _student_worker(fn, inputs):
-    """Runs on each rank: the student's function on this rank's input, inside a Ledger."""
+def _student_worker(fn, inputs, split):
+    """Runs on each rank: the student's function on this rank's input, inside a Ledger, on
+    the world or (split) on this rank's sub-group."""
+    group = my_group(split)
     x = inputs[dist.get_rank()].clone()
     with Ledger() as ledger:
-        out = fn(x)
+        out = fn(x, group=group)
     out = x if out is None else out  # an in-place answer may return nothing
     return out, ledger.summary()
 
 
-def _run(fn, world_size, inputs, name):
-    return run_student(_student_worker, world_size, fn, inputs, name=name)
+def _run(fn, world_size, inputs, name, split=False, timeout=None):
+    return run_student(_student_worker, world_size, fn, inputs, split, name=name,
+                       timeout=timeout)
 
 
-def _per_n(n: int, per_rank: dict[int, list[str]]) -> list[str]:
+def _cases(make_inputs, sizes):
+    """(label, world size, inputs, expected per rank, group size, split) for every world size
+    and for 4 ranks split into `SUBGROUPS` (each group sums its own two inputs)."""
+    for n in sizes:
+        inputs = make_inputs(n)
+        total = torch.stack(inputs).sum(0)
+        yield f"N={n}", n, inputs, [total] * n, n, False
+    inputs = make_inputs(4)
+    yield (f"group of 2 in {list(SUBGROUPS)}", 4, inputs,
+           [torch.stack([inputs[m] for m in members(r)]).sum(0) for r in range(4)], 2, True)
+
+
+def _chunk_story(out, inputs, rank_inputs_of, n) -> str:
+    """Which ranks' inputs each chunk of a wrong ring result holds: names a partial sum or a
+    chunk never written back ("" when no chunk fits a subset)."""
+    if not isinstance(out, torch.Tensor) or out.numel() != inputs[0].numel():
+        return ""
+    import itertools
+    own = rank_inputs_of
+    parts = []
+    for c, got in enumerate(out.view(-1).chunk(n)):
+        found = None
+        for size in range(n, 0, -1):
+            for subset in itertools.combinations(range(n), size):
+                if torch.allclose(got, sum(own[i].view(-1).chunk(n)[c] for i in subset), atol=1e-5):
+                    found = subset
+                    break
+            if found:
+                break
+        parts.append(found)
+    if any(p is None for p in parts):
+        return ""
+    partial = [c for c, p in enumerate(parts) if len(p) < n]
+    if not partial:
+        return ""
+    c = partial[0]
+    return (f"chunk {c} holds the sum of {len(parts[c])} of the {n} inputs (positions "
+            f"{list(parts[c])} in the ring), chunks {[i for i in range(n) if len(parts[i]) == n]} are "
+            "complete: a chunk index is off by one, or a received chunk was never written into "
+            "the tensor (receive into a view, or add into one)")
+
+
+def _per_n(n: int, per_rank: dict[int, list[str]], label: str | None = None) -> list[str]:
     """One line per kind of problem for N ranks: the same mistake on every rank is said once."""
+    label = label or f"N={n}"
     out, seen = [], {}
     for rank, problems in per_rank.items():
         for p in problems:
             seen.setdefault(p, []).append(rank)
     for p, ranks in seen.items():
         who = "every rank" if len(ranks) == n else f"rank{'s' if len(ranks) > 1 else ''} {ranks}"
-        out.append(f"N={n}, {who}: {p}")
+        out.append(f"{label}, {who}: {p}")
     return out
 
 
-def check_ring_all_reduce(fn) -> None:
-    """Sum over 2, 3 and 4 ranks, and the traffic of a ring: 2(N−1)/N · B per rank, sent
-    through picolib.comm (send / exchange), so that the Ledger sees it."""
+def check_ring_all_reduce(fn, timeout: float | None = None) -> None:
+    """Sum over 2, 3 and 4 ranks and over two groups of 2 out of 4, and the traffic of a
+    ring: 2(N−1)/N · B per rank, sent through picolib.comm (send / exchange), so that the
+    Ledger sees it. `timeout`: seconds before the ranks count as stuck."""
     problems, checks = [], 0
-    for n in (2, 3, 4):
-        inputs = _inputs(n, 12, seed=n)
-        expected = torch.stack(inputs).sum(0)
-        results = _run(fn, n, inputs, "ring_all_reduce")
+    for label, size, inputs, expected, n, split in _cases(lambda k: _inputs(k, 12, seed=k),
+                                                          (2, 3, 4)):
+        results = _run(fn, size, inputs, "ring_all_reduce", split, timeout)
         nbytes = inputs[0].numel() * inputs[0].element_size()
         want = ring_sent_bytes("all_reduce", nbytes, n)
+        world = torch.stack(inputs).sum(0)
         per_rank = {}
         for rank, (out, summary) in enumerate(results):
             checks += 2
-            mine = compare("result", out, expected, atol=1e-5)
-            if mine and isinstance(out, torch.Tensor) and out.shape == expected.shape and \
+            ring = [inputs[m] for m in (members(rank) if split else range(size))]
+            mine = compare("result", out, expected[rank], atol=1e-5)
+            if mine and isinstance(out, torch.Tensor) and out.shape == world.shape and \
                     torch.allclose(out, inputs[rank], atol=1e-5):
                 mine = ["result: this rank's own input, unchanged: nothing was added (did the "
                         "reduce-scatter steps run, and add into the chunk?)"]
+            elif mine and split and isinstance(out, torch.Tensor) and out.shape == world.shape \
+                    and torch.allclose(out, world, atol=1e-5):
+                mine = [on_world_not_group("result")]
+            elif mine:
+                story = _chunk_story(out, inputs, ring, n)
+                mine = [mine[0] + (f" — {story}" if story else "")]
             sent = summary.get("send", {}).get("sent_bytes", 0)
             if sent != want:
                 why = ("the whole tensor each step instead of one chunk of B/N"
@@ -84,25 +140,33 @@ def check_ring_all_reduce(fn) -> None:
             if others:
                 mine.append(f"called {others}; build the ring from point-to-point calls only")
             per_rank[rank] = mine
-        problems += _per_n(n, per_rank)
+        problems += _per_n(size, per_rank, label)
     report("ring all-reduce", problems, checks)
 
 
-def check_all_reduce_from_rs_ag(fn) -> None:
-    """All-reduce = one reduce-scatter + one all-gather: same values, same bytes."""
+def check_all_reduce_from_rs_ag(fn, timeout: float | None = None) -> None:
+    """All-reduce = one reduce-scatter + one all-gather: same values, same bytes; on 2 and 4
+    ranks and on two groups of 2 out of 4."""
     problems, checks = [], 0
-    for n in (2, 4):
-        inputs = _inputs(n, 8, seed=10 + n)
-        expected = torch.stack(inputs).sum(0)
-        results = _run(fn, n, inputs, "all_reduce_from_rs_ag")
+    for label, size, inputs, expected, n, split in _cases(lambda k: _inputs(k, 8, seed=10 + k),
+                                                          (2, 4)):
+        results = _run(fn, size, inputs, "all_reduce_from_rs_ag", split, timeout)
         nbytes = inputs[0].numel() * inputs[0].element_size()
+        world = torch.stack(inputs).sum(0)
         per_rank = {}
         for rank, (out, summary) in enumerate(results):
             checks += 3
-            mine = compare("result", out, expected, atol=1e-5)
-            if mine and isinstance(out, torch.Tensor) and out.numel() * n == expected.numel():
+            mine = compare("result", out, expected[rank], atol=1e-5)
+            if mine and isinstance(out, torch.Tensor) and out.numel() * n == world.numel():
                 mine = [f"result: shape {tuple(out.shape)} is one shard, not the whole sum "
-                        f"{tuple(expected.shape)}: all-gather the shards after the reduce-scatter"]
+                        f"{tuple(world.shape)}: all-gather the shards after the reduce-scatter"]
+            elif mine and split and isinstance(out, torch.Tensor) and out.shape == world.shape \
+                    and torch.allclose(out, world, atol=1e-5):
+                mine = [on_world_not_group("result")]
+            elif mine and isinstance(out, torch.Tensor) and out.shape == world.shape and \
+                    torch.allclose(out, inputs[rank], atol=1e-5):
+                mine = ["result: this rank's own input: the gathered buffer was never returned "
+                        "(return the all-gather's output, or copy it into tensor)"]
             calls = {op: s["calls"] for op, s in summary.items()}
             if calls != {"reduce_scatter": 1, "all_gather": 1}:
                 mine.append(f"collectives called {calls}; expected exactly one "
@@ -113,7 +177,7 @@ def check_all_reduce_from_rs_ag(fn) -> None:
                 mine.append(f"{sent} bytes on the wire; an all-reduce of {nbytes} bytes "
                             f"sends {want}")
             per_rank[rank] = mine
-        problems += _per_n(n, per_rank)
+        problems += _per_n(size, per_rank, label)
     report("all-reduce from reduce-scatter + all-gather", problems, checks)
 
 
@@ -191,6 +255,10 @@ def ring_time(op: str, nbytes: int, n: int, alpha: float, bandwidth: float) -> f
 
 
 TIME_HINTS = [
+    (lambda g, c: c["N"] == 1 and not _close(g, 0),
+     "one rank alone takes no step and sends nothing: 0 s"),
+    (lambda g, c: _close(g, c["steps"] * c["α"] + c["B"] / c["N"] / c["W"]),
+     "the bandwidth term counts one chunk of B/N; a rank sends one chunk per step"),
     (lambda g, c: _close(g, c["want"] - c["steps"] * c["α"] + c["α"]),
      "one α per collective; the α–β model pays α on every step of the ring"),
     (lambda g, c: c["op"] == "all_reduce" and _close(g, c["want"] - c["steps"] * c["α"] / 2),
@@ -202,6 +270,12 @@ TIME_HINTS = [
      "the bandwidth term uses all of B; a rank sends (N−1)/N·B per pass"),
     (lambda g, c: _close(g, c["want"] * 1e6) or _close(g, c["want"] * 1e3),
      "seconds, please (not µs or ms)"),
+    (lambda g, c: c["α"] > 0,
+     "right whenever α = 0, so the latency term is wrong: a ring takes N−1 steps (2(N−1) for an "
+     "all-reduce), each costing α"),
+    (lambda g, c: True,
+     "wrong even with α = 0, so the bandwidth term is wrong: a rank sends (N−1)/N·B per pass "
+     "(two passes for an all-reduce) at `bandwidth` bytes/s"),
 ]
 
 
