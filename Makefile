@@ -13,6 +13,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NOTEBOOKS := $(wildcard notebooks/*.ipynb solutions/*.ipynb)
 NBVAL  := --nbval-lax --nbval-current-env
+# JupyterLab serves the whole repository (lessons, exercises, docs), on this machine only,
+# and opens on lesson 00 (tests/test_lab.py starts exactly this).
+LAB_ARGS := --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_collectives.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: lab test test-lib test-notebooks exercises bench clean site slides
 
@@ -23,7 +26,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
+	$(VENV)/bin/jupyter lab $(LAB_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(NOTEBOOKS) $(NBVAL) -p no:cacheprovider
