@@ -59,3 +59,23 @@ def test_bad_names_raise():
         schedule_gantt("gpipe2", 4, 8)
     with pytest.raises(ValueError, match="unknown schedule"):
         schedule_gantt("ZB-H1", 4, 8)
+
+
+def test_each_suggestion_in_the_hint_shows_what_it_says(capsys):
+    """The lesson's try-it cell lists five things to try; each one, run as written."""
+    one = schedule_gantt("1f1b", 4, 8, plot=False)
+    assert one == pytest.approx(0.375)
+    assert schedule_gantt("1f1b", 4, 16, plot=False) == pytest.approx(0.1875) == pytest.approx(one / 2)
+    for p, m in ((4, 8), (8, 16), (3, 12)):
+        assert schedule_gantt("zb_h1", p, m, plot=False) == pytest.approx(
+            schedule_gantt("1f1b", p, m, plot=False) / 3)
+    assert schedule_gantt("interleaved", 4, 8, plot=False) == pytest.approx(0.1875) == pytest.approx(one / 2)
+    assert schedule_gantt("dualpipe", 8, 16, plot=False) == pytest.approx(0.125)
+    assert schedule_gantt("1f1b", 8, 16, plot=False) == pytest.approx(0.4375)
+    capsys.readouterr()
+    assert schedule_gantt("dualpipe", 5, 16, plot=False) is None
+    assert "even p" in capsys.readouterr().out
+    assert schedule_gantt("dualpipev", 8, 15, plot=False) is None
+    assert "m ≥ 2p" in capsys.readouterr().out
+    assert schedule_gantt("interleaved", 4, 10, plot=False) is None
+    assert "multiple of p" in capsys.readouterr().out
