@@ -105,9 +105,14 @@ def test_every_figure_is_embedded_including_the_try_it_cell(built):
 
 def test_nothing_is_fetched_while_the_pages_are_written(built):
     assert built["connections"] == []
-    # when a page is read: MathJax, on a page with math, is the only thing it asks for
+    # when a page is read: MathJax, on a page with math, is the only thing it asks for, and
+    # it comes from the site's own folder (maths typesets offline)
     lesson, plain = Tags(_page(built, PAGE)), Tags(_page(built, "99_after.html"))
-    assert [a["src"].split("/")[2] for a in lesson.all("script") if "src" in a] == ["cdnjs.cloudflare.com"]
+    scripts = [a["src"] for a in lesson.all("script") if "src" in a]
+    assert len(scripts) == 1 and scripts[0].startswith("mathjax/MathJax.js?config="), scripts
+    config = scripts[0].split("config=")[1].split(",")
+    assert (built["out"] / "mathjax" / "MathJax.js").is_file()
+    assert all((built["out"] / "mathjax" / "config" / f"{name}.js").is_file() for name in config), config
     assert [a for a in plain.all("script") if "src" in a] == []
     for page in (lesson, plain):
         assert [a for a in page.all("link") if a.get("href", "").startswith("http")] == []

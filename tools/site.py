@@ -30,6 +30,7 @@ import html
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -225,9 +226,28 @@ def export(nb, resources: dict, mathjax_url: str | None = None) -> str:
     return body
 
 
+MATHJAX_CONFIG = "TeX-AMS-MML_HTMLorMML-full,Safe"
+
+
+def local_mathjax(out: Path) -> str:
+    """Copy MathJax 2 from the `jupyter-server-mathjax` package (PyPI; the `notebooks` extra)
+    into the site and return the pages' relative URL for it, so maths typesets offline."""
+    try:
+        import jupyter_server_mathjax
+    except ImportError:
+        raise SystemExit("the site typesets maths with a local MathJax: pip install jupyter-server-mathjax "
+                         "(it comes with `pip install -e '.[notebooks]'`), or pass --mathjax-url") from None
+    static = Path(jupyter_server_mathjax.__file__).parent / "static"
+    if not (out / "mathjax" / "MathJax.js").exists():
+        shutil.copytree(static, out / "mathjax", dirs_exist_ok=True)
+    return f"mathjax/MathJax.js?config={MATHJAX_CONFIG}"
+
+
 def write_site(executed: list[Path], out: Path, mathjax_url: str | None = None) -> dict:
-    """HTML pages, index.html, teaching.html and timings.json for executed lessons."""
+    """HTML pages, index.html, teaching.html and timings.json for executed lessons. Maths
+    typesets with the local copy of MathJax unless `mathjax_url` names another."""
     out.mkdir(parents=True, exist_ok=True)
+    mathjax_url = mathjax_url or local_mathjax(out)
     nbs = [(Path(p), nbformat.read(p, as_version=4)) for p in sorted(executed, key=lambda p: Path(p).name)]
     lines = readme_lines()
     lessons = []
@@ -286,7 +306,8 @@ def main(argv: list[str]) -> int:
         p.add_argument("--timeout", type=float, default=300, help="seconds per cell")
     for p in (b, h):
         p.add_argument("--out", type=Path, default=ROOT / "build" / "site")
-        p.add_argument("--mathjax-url", help="a local MathJax 2 copy, to typeset math offline")
+        p.add_argument("--mathjax-url", help="MathJax 2 to typeset maths with (default: a copy of the "
+                                             "jupyter-server-mathjax package's, written beside the pages)")
     args = ap.parse_args(argv)
     try:
         if args.command == "execute":
