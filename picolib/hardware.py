@@ -28,7 +28,7 @@ from .comm import ring_sent_bytes
 __all__ = ["Level", "Hardware", "PRESETS", "hardware", "ring_time", "tree_all_reduce_time",
            "sharp_all_reduce_time", "all_reduce_bandwidth", "hierarchical_all_reduce_time",
            "critical_tokens_dp", "critical_tokens_moe", "tp_ffn_threshold", "max_tp_degree",
-           "pp_min_stage_params", "ALPHA"]
+           "pp_min_stage_params", "ALPHA", "superpod_levels", "ring_all_reduce_levels"]
 
 ALPHA = 5e-6   # seconds per ring step: an assumption (lesson 00's), not a measurement
 
@@ -86,6 +86,14 @@ PRESETS["H200-SXM"] = Hardware("H200-SXM", 989e12, 1979e12, 141e9, 4.8e12, PRESE
 # NVL72 racks joined by one 400 Gb/s NIC per GPU in a non-blocking fat tree (assumed)
 PRESETS["GB200-NVL72"] = Hardware("GB200-NVL72", 2.5e15, 5e15, 186e9, 8e12, (
     Level("node", 72, _NVLINK5, 72 * _NVLINK5), Level("scale-out", 2**17, _IB, 2**17 * _IB)))
+# H800 (SXM), as DeepSeek-V3 trained on it. The DeepSeek-V3 technical report (DeepSeek-AI,
+# 2024, §3.1): 2,048 H800s, 8 per node over NVLink and NVSwitch, InfiniBand across nodes;
+# "NVLink offers a bandwidth of 160 GB/s, roughly 3.2 times that of IB (50 GB/s)" — an
+# effective rate, used here as the per-GPU NVLink bandwidth. Dense peaks as H100 SXM's (989
+# BF16, 1,979 FP8 TFLOP/s; the H800 differs in its NVLink), 80 GB. The fabric above the
+# node: one 50 GB/s NIC per GPU in a non-blocking fat tree (assumed).
+PRESETS["H800"] = Hardware("H800", 989e12, 1979e12, 80e9, 3.35e12, (
+    Level("node", 8, 160e9, 8 * 160e9), Level("scale-out", 2048, _IB, 2048 * _IB)))
 
 
 def hardware(name: "str | Hardware") -> Hardware:
@@ -158,6 +166,50 @@ def hierarchical_all_reduce_time(nbytes: float, hw: "str | Hardware", n_gpus: in
     if nbytes < 0:
         raise ValueError(f"nbytes must be ≥ 0, not {nbytes}")
     return 0.0 if n_gpus == 1 else nbytes / all_reduce_bandwidth(hw, n_gpus, inner)
+
+
+def superpod_levels(ib_switch: float = 64 * 400e9 / 8, nvswitch: float = 64 * 25e9) -> tuple:
+    """The H100 SuperPod's node, leaf and spine levels computed from its links and switches
+    (lesson 00): node = min(8 GPUs × 18 NVLink-4 links × 25 GB/s, 4 NVSwitches), leaf =
+    min(256 GPUs' 400 Gb/s NICs, 8 leaf switches), spine = min(32 leaves × 16 spines ×
+    2 × 400 Gb/s uplinks, 16 spine switches); per-GPU bandwidth = total / GPUs (per direction).
+    `ib_switch`: one InfiniBand leaf or spine switch — 64 ports × 400 Gb/s = 3.2 TB/s.
+    The scaling book prices those switches at NVSwitch's 64 × 25 GB/s = 1.6 TB/s, and the
+    H100-SXM preset follows it: `superpod_levels(ib_switch=64 * 25e9)` returns its levels."""
+    node = min(8 * _NVLINK4, 4 * nvswitch)
+    leaf = min(256 * _IB, 8 * ib_switch)
+    spine = min(32 * 16 * 2 * _IB, 16 * ib_switch)
+    return (Level("node", 8, node / 8, node), Level("leaf", 256, leaf / 256, leaf),
+            Level("spine", 1024, spine / 1024, spine))
+
+
+def ring_all_reduce_levels(nbytes: float, hw: "str | Hardware", n_gpus: int,
+                           alpha: float = 0.0) -> dict:
+    """A hierarchical all-reduce built from rings (lesson 00's model at every level):
+    reduce-scatter up the levels, a ring all-reduce at the top level the group reaches,
+    all-gather back down. Level i runs rings of S_i/S_(i−1) members (one ring per position
+    below it), each GPU on its own link of that level, over the B/S_(i−1) bytes the levels
+    below left it; its reduce-scatter and all-gather together send what one ring all-reduce
+    of those bytes sends. Returns {level: {"members", "sent_bytes" (per GPU), "seconds"}}.
+    The levels one after the other take the sum of the seconds; perfectly overlapped, the
+    maximum. Compare `hierarchical_all_reduce_time`, one pass of B per level (in-network
+    reduction)."""
+    hw = hardware(hw)
+    if nbytes < 0 or n_gpus < 1:
+        raise ValueError(f"need nbytes ≥ 0 and n_gpus ≥ 1, got {nbytes}, {n_gpus}")
+    out, below = {}, 1
+    for i, lv in enumerate(hw.levels):
+        if n_gpus <= below:
+            break
+        span = n_gpus if i == len(hw.levels) - 1 else min(n_gpus, lv.gpus)
+        if span % below:
+            raise ValueError(f"{n_gpus} GPUs do not fill whole units of {below} at level {lv.name!r}")
+        members, shard = span // below, nbytes / below
+        out[lv.name] = {"members": members,
+                        "sent_bytes": ring_sent_bytes("all_reduce", int(nbytes) // below, members),
+                        "seconds": 2 * (members - 1) * (alpha + shard / members / lv.per_gpu)}
+        below = span
+    return out
 
 
 # --------------------------------------------------------------------------- rooflines

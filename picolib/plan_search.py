@@ -115,20 +115,25 @@ def _divisors(n: int, upto: int) -> list[int]:
 
 def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-SXM",
            moe: MoE | None = None, top: int = 5, usable: float = 0.9, efficiency: float = 0.6,
-           precision: str = "bf16", max_pp: int = 32, max_cp: int = 1) -> list[dict]:
+           precision: str = "bf16", max_pp: int = 32, max_cp: int = 1,
+           activations: str = "korthikanti") -> list[dict]:
     """The `top` fastest configurations of `cfg` on `n_gpus` GPUs for a step of
     `global_batch` sequences of `seq` tokens whose per-rank memory (every pipeline rank)
     fits in `usable` × the GPU's memory (the rest: allocator, buffers, workspace — an
     assumption). Tries tp ≤ node (with SP), pp | layers (1F1B; interleaved v=2 where it
     applies), cp ≤ `max_cp` (1: context parallelism is for long sequences), micro-batch
     1, 2, 4; for each, the cheapest of ZeRO 0-3 × recomputation
-    none / selective / full that fits (`_CHEAPEST_FIRST`).
+    none / selective / full that fits (`_CHEAPEST_FIRST`). `activations`: the planner's
+    activation count; with "picolib" (the Llama block picolib runs, measured) recompute
+    "none" would keep the eager s×s scores that a flash kernel never saves, so the ladder
+    starts at "selective" (the scores recomputed in backward, as flash attention does).
     Each result: {"par", "memory" (the worst rank), "time" (step_time)}."""
     hw = hardware(hw)
     if n_gpus < 1 or global_batch < 1 or seq < 1:
         raise ValueError(f"n_gpus, global_batch and seq must be positive; got {n_gpus}, "
                          f"{global_batch}, {seq}")
     budget, found = usable * hw.memory, []
+    ladder = [(z, r) for z, r in _CHEAPEST_FIRST if activations != "picolib" or r != "none"]
     tps = [t for t in _divisors(n_gpus, hw.node) if t in (1, 2, 4, 8, 16, 32, 64)]
     pps = sorted(set(_divisors(cfg.n_layers, max_pp)) | {2 ** i for i in range(6) if 2 ** i <= max_pp})
     for tp, cp, pp, mbs in itertools.product(tps, _divisors(n_gpus, max_cp), pps, (1, 2, 4)):
@@ -141,8 +146,9 @@ def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-
         for name, v in scheds:
             base = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, ep=1 if moe is None else min(dp, 8),
                                sp=tp > 1, schedule=name, v=v, micro_batches=m,
-                               micro_batch_size=mbs, seq=seq, precision=precision)
-            for zero, rec in _CHEAPEST_FIRST:
+                               micro_batch_size=mbs, seq=seq, precision=precision,
+                               activations=activations)
+            for zero, rec in ladder:
                 if zero == 3 and pp > 1:
                     continue
                 par = base.replace(zero=zero, recompute=rec)

@@ -194,3 +194,25 @@ def re_escape(s):
 def test_numbers_are_finite_for_every_preset():
     for name in PRESETS:
         assert math.isfinite(critical_tokens_dp(name, 4096)) and tp_ffn_threshold(name, 8) > 0
+
+
+def test_h800_preset_is_the_deepseek_v3_report_links():
+    """DeepSeek-V3's H800s: NVLink 160 GB/s effective and IB 50 GB/s (its technical report),
+    the H100's dense peaks. Its DP bound in a node rises with the slower NVLink; the MoE bound
+    with EP spanning nodes is the NICs', the same as on an H100."""
+    from picolib.hardware import PRESETS, critical_tokens_dp, critical_tokens_moe
+    h800, h100 = PRESETS["H800"], PRESETS["H100-SXM"]
+    assert (h800.bf16, h800.levels[0].per_gpu, h800.levels[1].per_gpu) == (h100.bf16, 160e9, 50e9)
+    assert critical_tokens_dp(h800, 8) == pytest.approx(critical_tokens_dp(h100, 8) * 450 / 160)
+    assert critical_tokens_moe(h800, 2, 256, 8, ep=64) == critical_tokens_moe(h100, 2, 256, 8, ep=64)
+
+
+def test_search_with_llamas_activations_starts_at_selective():
+    """activations="picolib": every result counts Llama's block with the scores recomputed
+    (never eager "none"), and each fits the budget it was given."""
+    found = search(LLAMA3_70B, 640, global_batch=320, seq=4096, top=3, activations="picolib")
+    assert found and all(r["par"].activations == "picolib" and r["par"].recompute != "none"
+                         and r["memory"]["total"] <= 0.9 * 80e9 for r in found)
+    default = search(LLAMA3_70B, 640, global_batch=320, seq=4096, top=1)
+    assert default[0]["par"].activations == "korthikanti"
+    assert found[0]["memory"]["activations"] > default[0]["memory"]["activations"]

@@ -1,6 +1,7 @@
 """Lesson 11's try-it: the calculator's bytes equal a TinyLlama's measured in one process
 (parameters, gradients, Adam state after a step; saved activations), and every knob
-combination of the lesson's cell runs."""
+combination of the lesson's cell runs, and every setting the lesson's hint suggests shows what
+the hint says."""
 import itertools
 
 import matplotlib
@@ -10,7 +11,7 @@ import torch
 from picolib.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.planner import Parallelism, memory
-from picolib.tryit.lesson11 import MODELS, plan_calculator
+from picolib.tryit.lesson11 import HINTS, MODELS, measured_block_bytes, plan_calculator
 
 matplotlib.use("Agg")
 
@@ -56,3 +57,33 @@ def test_every_knob_combination_runs(monkeypatch, capsys):
     assert "does NOT fit" in capsys.readouterr().out
     with pytest.raises(ValueError, match="must divide n_gpus = 640"):
         plan_calculator("Llama-3-70B", 640, 8, 3)
+
+
+def test_every_hint_runs_and_shows_what_it_says():
+    """The hint: 405B on 1,024 GPUs, tp 8 — pp 4 does not fit, pp 8 and 16 do (each halving
+    the parameters and gradients), micro-batch size 2 doubles 1F1B's in-flight activations
+    past 80 GB, full recomputation fits again at a lower MFU."""
+    out = [plan_calculator(plot=False, **settings) for settings, _ in HINTS]
+    worst = [max(r["total"] for r in o["ranks"]) for o in out]
+    acts = [max(r["activations"] for r in o["ranks"]) for o in out]
+    assert [o["fits"] for o in out] == [False, True, True, False, True]
+    assert [round(w / 1e9) for w in worst[:3]] == [103, 76, 64]
+    for a, b in ((out[0], out[1]), (out[1], out[2])):
+        assert b["ranks"][0]["params"] / a["ranks"][0]["params"] == pytest.approx(0.5, rel=0.03)
+    assert acts[3] / acts[2] == pytest.approx(2, rel=1e-3)
+    assert out[4]["time"]["mfu"] < out[3]["time"]["mfu"] < out[2]["time"]["mfu"]
+    for (settings, says), o, w in zip(HINTS, out, worst):
+        assert ("does not fit" in says) == (not o["fits"])
+        if "about" in says:
+            assert f"about {round(w / 1e9)} GB" in says
+
+
+@pytest.mark.parametrize("cfg, c", [(MODELS["Llama-3-70B"], 48), (MODELS["Llama-3-405B"], 46)])
+def test_llama_block_saves_more_than_34_sh(cfg, c):
+    """Measured on a block with the model's proportions, and the planner's count at full size:
+    2·(10 + 4F/h)·s·h bytes (SwiGLU, GQA K/V after the repeat), not GPT's 34·s·h."""
+    par = Parallelism(seq=4096, activations="picolib", recompute="selective")
+    from picolib.planner import layer_activation_bytes
+    full = layer_activation_bytes(cfg, par) / (4096 * cfg.hidden)
+    assert full == pytest.approx(c, abs=0.01)
+    assert measured_block_bytes(cfg) == pytest.approx(full, abs=0.1)
