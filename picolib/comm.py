@@ -19,6 +19,14 @@ Two kinds of implementation:
   built from send/recv; their `sent_bytes` adds up the tensors actually sent
   (`measured=True`). Lesson 00 uses them to check the formulas against real traffic.
 
+To *measure* a technique's traffic rather than compute it, open the ledger with
+`Ledger(rings=True)`: while it is open, `all_reduce`, `reduce_scatter` and `all_gather` run on
+picolib's rings (any size, sum / avg / max), their records carry `measured=True`, and
+`ledger.measured_total()` sums the bytes counted as sent — raising `NotMeasured` if a record
+it sums was computed (a native broadcast, all-to-all or send). Lessons 04 and 05 measure the
+tensor- and sequence-parallel traffic this way. The rings are slower than gloo's own
+collectives: use them to count, not to train.
+
 The ring formulas for B payload bytes on N ranks (each rank sends, per collective):
     reduce-scatter, all-gather: (N−1)/N · B        all-reduce: 2(N−1)/N · B
     all-to-all (direct):        (N−1)/N · B        broadcast (pipelined chain): B, 0 for the last rank
@@ -32,7 +40,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Record", "Ledger", "ring_sent_bytes", "all_reduce", "reduce_scatter", "all_gather",
+__all__ = ["Record", "Ledger", "NotMeasured", "measured_total", "ring_sent_bytes", "all_reduce",
+           "reduce_scatter", "all_gather",
            "broadcast", "all_to_all", "send", "recv", "isend", "exchange", "barrier",
            "ring_neighbours", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
 
@@ -51,15 +60,37 @@ class Record:
     ranks: tuple = ()        # the global ranks taking part (point-to-point: this rank, the peer)
 
 
+class NotMeasured(ValueError):
+    """A total asked for as measured includes records whose bytes were computed."""
+
+
+def measured_total(records, what: str = "sent_bytes", op: str | None = None) -> int:
+    """Sum `what` over `records` (a Ledger, its Records, or `as_dicts()` rows; only `op` if
+    given), refusing to call a computed number measured: raises `NotMeasured`, naming the
+    records, if any record summed carries `measured=False`."""
+    rows = records.records if isinstance(records, Ledger) else list(records)
+    get = (lambda r, k: r[k]) if rows and isinstance(rows[0], dict) else getattr
+    rows = [r for r in rows if op is None or get(r, "op") == op]
+    computed = [get(r, "op") for r in rows if not get(r, "measured")]
+    if computed:
+        raise NotMeasured(f"{len(computed)} of {len(rows)} records were computed from the ring "
+                          f"formula, not counted ({sorted(set(computed))}); open the ledger with "
+                          f"Ledger(rings=True) or call the result computed")
+    return sum(get(r, what) or 0 for r in rows)
+
+
 class Ledger:
     """Records every picolib collective called while it is open (in this process only).
 
-    Ledgers nest: an inner ledger's records also reach the outer ones."""
+    Ledgers nest: an inner ledger's records also reach the outer ones. With `rings=True`,
+    all_reduce, reduce_scatter and all_gather run on picolib's own rings while it is open, so
+    their bytes are counted as sent (`measured=True`; module docstring)."""
 
     _open: list["Ledger"] = []
 
-    def __init__(self):
+    def __init__(self, rings: bool = False):
         self.records: list[Record] = []
+        self.rings = rings
 
     def __enter__(self):
         Ledger._open.append(self)
@@ -91,10 +122,18 @@ class Ledger:
     def as_dicts(self) -> list[dict]:
         return [asdict(r) for r in self.records]
 
+    def measured_total(self, what: str = "sent_bytes", op: str | None = None) -> int:
+        """`total`, but raises `NotMeasured` if any record summed was computed (measured=False)."""
+        return measured_total(self, what, op)
+
     @staticmethod
     def _add(record: Record):
         for ledger in Ledger._open:
             ledger.records.append(record)
+
+    @staticmethod
+    def _on_rings() -> bool:
+        return any(ledger.rings for ledger in Ledger._open)
 
 
 def ring_sent_bytes(op: str, nbytes: int, n: int, rank: int = 0, root: int = 0) -> int:
@@ -155,12 +194,16 @@ def _native(op, call, nbytes, group, async_op, rank_in_group=0, root=0, meta=Non
 
 def all_reduce(tensor, op: str = "sum", group=None, async_op: bool = False):
     """In place: every rank ends with the reduction (sum / avg / max) of all ranks' tensors."""
+    if Ledger._on_rings():
+        return _routed(_rings_all_reduce, async_op, tensor, op, group)
     return _native("all_reduce", lambda a: dist.all_reduce(tensor, _REDUCE_OPS[op], group, a),
                    _bytes(tensor), group, async_op)
 
 
 def reduce_scatter(output, input, op: str = "sum", group=None, async_op: bool = False):
     """Rank r gets chunk r of the reduction: input has N·output.numel() elements."""
+    if Ledger._on_rings():
+        return _routed(_rings_reduce_scatter, async_op, output, input, op, group)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return _native("reduce_scatter", lambda a: fn(output, input, _REDUCE_OPS[op], group, a),
                    _bytes(input), group, async_op)
@@ -168,6 +211,8 @@ def reduce_scatter(output, input, op: str = "sum", group=None, async_op: bool = 
 
 def all_gather(output, input, group=None, async_op: bool = False):
     """Every rank gets all ranks' inputs, concatenated along dim 0, in rank order."""
+    if Ledger._on_rings():
+        return _routed(_rings_all_gather, async_op, output, input, group)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return _native("all_gather", lambda a: fn(output, input, group, a),
                    _bytes(output), group, async_op)
@@ -275,8 +320,11 @@ def ring_neighbours(group):
 
 
 def _ring_step(send_buf, recv_buf, right, left, group):
-    ops = [dist.P2POp(dist.isend, send_buf, right, group), dist.P2POp(dist.irecv, recv_buf, left, group)]
-    for w in dist.batch_isend_irecv(ops):
+    """Send one chunk right, receive one from the left. Uneven chunks (routed collectives)
+    may be empty: both ends know the sizes, so an empty one is skipped on both."""
+    ops = [dist.P2POp(dist.isend, send_buf, right, group)] if send_buf.numel() else []
+    ops += [dist.P2POp(dist.irecv, recv_buf, left, group)] if recv_buf.numel() else []
+    for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
     return _bytes(send_buf)
 
@@ -291,15 +339,19 @@ def _ring_record(op, nbytes, group):
     Ledger._add(rec)
 
 
-def _reduce_scatter_steps(chunks, n, me, right, left, group):
+def _reduce_scatter_steps(chunks, n, me, right, left, group, op: str = "sum"):
     """N−1 steps: in step k, send the running sum of chunk (me−k−1) to the right, add what
-    arrives from the left into chunk (me−k−2). Afterwards chunk me holds the full sum."""
+    arrives from the left into chunk (me−k−2). Afterwards chunk me holds the full sum
+    (the maximum for op="max"; "avg" sums, the caller divides)."""
     sent = 0
-    incoming = torch.empty_like(chunks[0])
     for k in range(n - 1):
         s, r = (me - k - 1) % n, (me - k - 2) % n
+        incoming = torch.empty_like(chunks[r])
         sent += _ring_step(chunks[s], incoming, right, left, group)
-        chunks[r] += incoming
+        if op == "max":
+            torch.maximum(chunks[r], incoming, out=chunks[r])
+        else:
+            chunks[r] += incoming
     return sent
 
 
@@ -347,3 +399,64 @@ def ring_all_reduce(tensor, group=None) -> torch.Tensor:
         rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group)
         rec.sent_bytes += _all_gather_steps(chunks, n, me, right, left, group)
     return tensor
+
+
+# ------------------------------------- all_reduce / reduce_scatter / all_gather on the rings
+# (while a Ledger(rings=True) is open): any size, chunks as even as torch.tensor_split makes them
+
+class _Done:
+    """The handle of a routed collective called with async_op: it has already finished."""
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _routed(fn, async_op, *args):
+    fn(*args)
+    return _Done() if async_op else None
+
+
+def _check_op(op):
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"unknown reduction {op!r}; one of {sorted(_REDUCE_OPS)}")
+
+
+def _rings_all_reduce(tensor, op, group):
+    _check_op(op)
+    n, me, right, left = ring_neighbours(group)
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    chunks = list(torch.tensor_split(flat, n))
+    with _ring_record("all_reduce", _bytes(tensor), group) as rec:
+        rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group, op)
+        rec.sent_bytes += _all_gather_steps(chunks, n, me, right, left, group)
+    if op == "avg":
+        flat /= n
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+
+
+def _rings_reduce_scatter(output, input, op, group):
+    _check_op(op)
+    n, me, right, left = ring_neighbours(group)
+    if input.numel() != n * output.numel():
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, not "
+                         f"{n} × {output.numel()}")
+    chunks = list(input.reshape(-1).clone().chunk(n))      # the caller's input stays as it was
+    with _ring_record("reduce_scatter", _bytes(input), group) as rec:
+        rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group, op)
+    output.view(-1).copy_(chunks[me] / n if op == "avg" else chunks[me])
+
+
+def _rings_all_gather(output, input, group):
+    n, me, right, left = ring_neighbours(group)
+    if output.numel() != n * input.numel():
+        raise ValueError(f"all_gather: output has {output.numel()} elements, not "
+                         f"{n} × {input.numel()}")
+    flat = output.view(-1)
+    chunks = list(flat.chunk(n))
+    chunks[me].copy_(input.reshape(-1))
+    with _ring_record("all_gather", _bytes(output), group) as rec:
+        rec.sent_bytes = _all_gather_steps(chunks, n, me, right, left, group)

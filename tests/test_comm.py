@@ -138,3 +138,76 @@ def isend_in_order():
 def test_isend_returns_at_once_and_keeps_order():
     sent, received = run(isend_in_order, 2)
     assert sent == (3, 3 * 5 * 4) and received == [0.0, 1.0, 2.0]
+
+
+# ------------------------------------------- Ledger(rings=True): the traffic counted as sent
+
+def routed_collectives(n_el, sizes):
+    """The same calls native and on the rings (uneven and tiny sizes, sum/avg/max, a subgroup,
+    async): values must agree; the rings' records are measured=True."""
+    from picolib.comm import NotMeasured
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for rings in (False, True):
+        got = []
+        with Ledger(rings=rings) as led:
+            for size in sizes:                                  # all-reduce of any size
+                for op in ("sum", "avg", "max"):
+                    t = torch.arange(size, dtype=torch.float32) * (r + 1) - r
+                    all_reduce(t, op=op); got.append(t)
+            x = torch.arange(n * n_el, dtype=torch.float32) * (r + 1)
+            o = torch.empty(n_el); reduce_scatter(o, x, op="avg"); got.append(o)
+            assert torch.equal(x, torch.arange(n * n_el, dtype=torch.float32) * (r + 1))  # untouched
+            g = torch.empty(n * n_el)
+            h = all_gather(g, torch.full((n_el,), float(r)), async_op=True); h.wait(); got.append(g)
+            pair = dist.new_group([0, 1])
+            if r in (0, 1):
+                p = torch.full((6,), float(r + 1)); all_reduce(p, group=pair); got.append(p)
+        out[rings] = (got, led.as_dicts())
+        if rings:
+            out["total"] = led.measured_total()
+        else:
+            try:
+                led.measured_total()
+                out["refused"] = False
+            except NotMeasured:
+                out["refused"] = True
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ledger_on_rings_counts_what_it_sends_and_equals_native(n):
+    sizes = [1, 3, 7, 96]                                       # fewer elements than ranks, uneven
+    for r, out in enumerate(run(routed_collectives, n, 5, sizes)):
+        (native, nrecs), (rings, rrecs) = out[False], out[True]
+        assert len(native) == len(rings)
+        for a, b in zip(native, rings):
+            assert torch.allclose(a, b, atol=1e-5)
+        assert all(not x["measured"] for x in nrecs) and all(x["measured"] for x in rrecs)
+        assert [x["op"] for x in nrecs] == [x["op"] for x in rrecs]
+        assert out["refused"] is True                           # computed bytes refused as measured
+        # counted: reduce-scatter sends every chunk but this rank's, all-gather every chunk but
+        # its right neighbour's; uneven sizes differ from the formula by the rounding
+        for rec in rrecs:
+            k, me = rec["group_size"], rec["ranks"].index(r)
+            chunks = [len(c) for c in torch.tensor_split(torch.empty(rec["nbytes"] // 4), k)]
+            rs, ag = sum(chunks) - chunks[me], sum(chunks) - chunks[(me + 1) % k]
+            want = {"all_reduce": rs + ag, "reduce_scatter": rs, "all_gather": ag}[rec["op"]]
+            assert rec["sent_bytes"] == 4 * want, rec
+        even = [x for x in rrecs if (x["nbytes"] // 4) % x["group_size"] == 0]
+        for rec in even:                                        # even sizes: the textbook formula
+            assert rec["sent_bytes"] == ring_sent_bytes(rec["op"], rec["nbytes"], rec["group_size"])
+        assert out["total"] == sum(x["sent_bytes"] for x in rrecs)
+
+
+def test_measured_total_refuses_computed_records():
+    from picolib.comm import NotMeasured, Record, measured_total
+    with Ledger() as led:
+        Ledger._add(Record("all_reduce", 2, 8, 8, 0.0, measured=True))
+        Ledger._add(Record("broadcast", 2, 8, 8, 0.0, measured=False))
+    assert led.measured_total(op="all_reduce") == 8
+    assert measured_total(led.as_dicts(), op="all_reduce") == 8
+    with pytest.raises(NotMeasured, match="broadcast"):
+        led.measured_total()
+    with pytest.raises(NotMeasured):
+        measured_total(led.as_dicts())
