@@ -1,0 +1,79 @@
+"""picolib.figure_check sees what a reader cannot: each kind of fault is drawn on purpose and
+must be named, with its panel; a figure without faults passes."""
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from picolib.figure_check import problems, watch  # noqa: E402
+
+plt.rcParams["font.size"] = 10
+
+
+def _good():
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.plot([0, 1, 2], [1, 3, 2])
+    ax.set(title="fine", xlabel="x (s)", ylabel="y (B)")
+    for t in ax.get_xticklabels() + ax.get_yticklabels():
+        t.set_fontsize(10)
+    return fig
+
+
+def test_a_clean_figure_passes():
+    fig = _good()
+    assert problems(fig) == []
+    plt.close(fig)
+
+
+def test_an_empty_panel_is_named():
+    fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3))
+    a.plot([0, 1], [0, 1])
+    a.set_title("drawn")
+    b.set_title("zig-zag")
+    found = problems(fig)
+    assert any("panel 1 ('zig-zag') is empty" in p for p in found), found
+    plt.close(fig)
+
+
+def test_a_panel_squeezed_by_a_shared_axis_is_named():
+    fig, (a, b) = plt.subplots(2, 1, sharex=True, figsize=(8, 4))
+    a.barh([0], [1.0], left=[0])            # one slice: 1 unit long
+    a.set_title("one slice")
+    b.barh([0], [1375.0], left=[0])         # the other panel's units: 1,375
+    b.set_title("eight slices")
+    found = problems(fig)
+    assert any("panel 0 ('one slice')" in p and "x axis it shares" in p for p in found), found
+    assert not any("panel 1" in p and "shares" in p for p in found), found
+    plt.close(fig)
+
+
+def test_data_past_the_limits_are_named():
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.plot([0, 710], [0, 1])
+    ax.set_xlim(0, 410)
+    ax.set_title("cut")
+    found = problems(fig)
+    assert any("panel 0 ('cut'): data run" in p and "x axis past its limits" in p for p in found), found
+    plt.close(fig)
+
+
+def test_small_text_is_named_with_its_size():
+    fig = _good()
+    fig.axes[0].text(1, 2, "tiny label", fontsize=7)
+    found = problems(fig)
+    assert any("under 9 pt" in p and "7 pt" in p and "tiny label" in p for p in found), found
+    plt.close(fig)
+
+
+def test_watch_checks_each_figure_once_as_it_is_printed(tmp_path, monkeypatch):
+    from matplotlib.backend_bases import FigureCanvasBase
+    monkeypatch.setattr(FigureCanvasBase, "print_figure", FigureCanvasBase.print_figure)  # undone after
+    seen = []
+    watch(seen.append)
+    watch(seen.append)                       # installing twice changes nothing
+    fig, (a, b) = plt.subplots(1, 2)
+    a.plot([0, 1], [0, 1])
+    fig.savefig(tmp_path / "f.png")
+    fig.savefig(tmp_path / "g.png")
+    assert sum("panel 1 is empty" in s for s in seen) == 1, seen
+    plt.close(fig)
