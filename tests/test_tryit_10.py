@@ -75,3 +75,49 @@ def test_every_knob_combination_runs(monkeypatch):
         memory_budget(tp=3)
     with pytest.raises(ValueError, match="budget_mb must be positive"):
         memory_budget(budget_mb=0)
+
+
+def _lesson_text():
+    import json
+    from pathlib import Path
+    nb = json.loads((Path(__file__).parents[1] / "notebooks/10_5d_parallelism.ipynb").read_text())
+    return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+
+
+def test_the_hints_run_and_show_what_they_say():
+    """Each suggestion of the lesson's try-it text (and of section 3's bubble remark), run."""
+    text = _lesson_text()
+    # 1. zero=2, micro_batches 1 → 4: a shard (half, dp = 2), then the shard plus a whole
+    #    gradient, more than zero=1 holds
+    assert "`zero=2`, then `micro_batches` 1 → 4" in text
+    one, four = (memory_budget(zero=2, micro_batches=m, plot=False) for m in (1, 4))
+    z1 = memory_budget(zero=1, micro_batches=4, plot=False)
+    for r1, r4, w in zip(one["ranks"], four["ranks"], z1["ranks"]):
+        assert r1["grads"] * 2 == pytest.approx(w["grads"], rel=0.01)      # half, dp = 2
+        assert r4["grads"] == r1["grads"] + w["grads"] > w["grads"]
+    # 2. the deep pipeline: rank 0 busiest, over the 4 MB budget
+    assert "`dp=1, tp=1, pp=4, zero=0, micro_batches=8`" in text
+    deep = memory_budget(dp=1, tp=1, pp=4, zero=0, micro_batches=8, plot=False)
+    assert deep["busiest"] == 0 and not deep["fits"]
+    assert memory_budget(dp=1, tp=1, pp=4, zero=0, micro_batches=1, plot=False)["fits"]
+    # 3. zero=3 with pp=2: refused with the trainer's reason
+    assert "`zero=3` with `pp=2`: refused" in text
+    with pytest.raises(ValueError, match="ZeRO-3 × pipeline parallelism is not supported"):
+        memory_budget(zero=3, pp=2, plot=False)
+
+
+def test_section_3s_bubble_remark():
+    """micro_batches=4 with batch=32: every layout of the grid is accepted, and the bubble
+    falls to 0.25 (1F1B) and 0.125 (interleaved, printed 0.12)."""
+    from picolib.compose import check_config
+    from picolib.pipeline_schedules import make_schedule
+    from picolib.pipeline_simulator import simulate
+    from picolib.timeline import bubble_ratio
+    assert "`micro_batches=4` and `batch=32`" in _lesson_text()
+    grid = [dict(dp=8), dict(dp=4, tp=2, zero=3), dict(dp=2, pp=2, tp=2, sp=True, zero=1),
+            dict(dp=2, cp=2, tp=2, zero=2), dict(pp=2, dp=2, cp=2, schedule="interleaved")]
+    for opts in grid:
+        check_config(TrainConfig(batch=32, seq=32, micro_batches=4, **opts), 8)
+    cost = {"F": 1, "B": 2, "W": 0}
+    assert bubble_ratio(simulate(make_schedule("1f1b", 2, 4), cost)) == pytest.approx(0.25)
+    assert bubble_ratio(simulate(make_schedule("interleaved", 2, 4, 2), cost)) == pytest.approx(0.125)

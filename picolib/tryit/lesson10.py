@@ -11,11 +11,55 @@ against the trainer's measured `state_bytes` and the activations against a measu
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
+from ..comm import Ledger
 from ..compose import TrainConfig, check_config
+from ..flat import unique_bytes
+from ..model import LlamaConfig, TinyLlama, random_tokens
 from ..planner import Parallelism, memory
 from . import rank_bars
 
-__all__ = ["memory_budget"]
+__all__ = ["memory_budget", "zero_under_micro_batches"]
+
+
+def zero_under_micro_batches(variants, ms=(1, 2, 4), n_layers: int = 8, rows: int = 2, seq: int = 32):
+    """On each rank of a data-parallel group (call it through `picolib.launch.run`): for each
+    (name, stage, reduce_every_micro_batch) of `variants` and each m of `ms`, one ZeRO step of
+    m micro-batches of `rows` sequences, as a pipeline stage runs them (the last backward
+    syncs). Returns {(name, m): {"peak_grad_bytes", "sent", "weights"}}: the most gradient
+    bytes this rank held — the .grads, the reduced shards, and the flat buffers of
+    reduce-scatters in flight — sampled after every parameter's gradient lands and after
+    every backward (*measured* on the tensors' storages); the bytes sent by collective, from
+    the ledger (gloo's calls: counted by the ring formula, not measured); the updated weights.
+    """
+    from ..zero import ZeRO
+    r, out = dist.get_rank(), {}
+    for (name, stage, every), m in ((v, m) for v in variants for m in ms):
+        model = TinyLlama(LlamaConfig(n_layers=n_layers))
+        z = ZeRO(model, stage, optimizer="adam", lr=1e-3, reduce_every_micro_batch=every)
+        peak = [0]
+
+        def sample(*_):
+            held = [p.grad for p in model.parameters() if p.grad is not None]
+            held += [u.grad for u in z.units] + [u.grad_full for u in z.units if u.grad_full is not None]
+            held += [t for *_, flat, buf in z._pending for t in (flat, buf)]   # in flight
+            peak[0] = max(peak[0], unique_bytes(held))
+
+        for p in model.parameters():           # after ZeRO's own hook on the same gradient
+            p.register_post_accumulate_grad_hook(sample)
+        x, y = random_tokens(rows * m, seq, 256, seed=10 + r)
+        with Ledger() as led:
+            for i in range(m):
+                z.set_requires_gradient_sync(i == m - 1)
+                (model.loss(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]) / m).backward()
+                sample()
+            z.step()
+        sent = {op: led.total("sent_bytes", op=op) for op in ("reduce_scatter", "all_gather")}
+        out[name, m] = dict(peak_grad_bytes=peak[0], sent=sent,
+                            weights=torch.cat([p.detach().flatten() for p in model.parameters()]))
+    return out
 
 
 
