@@ -29,18 +29,19 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-__all__ = ["Timeline", "merge", "gather", "plot_gantt", "to_chrome_trace", "busy_time",
-           "makespan", "bubble_fraction", "bubble_ratio", "overlap_time", "COLORS"]
+from .style import COLLECTIVES, OPS
+
+__all__ = ["Timeline", "merge", "gather", "plot_gantt", "pick_unit", "to_chrome_trace",
+           "busy_time", "makespan", "bubble_fraction", "bubble_ratio", "overlap_time", "COLORS"]
 
 COMPUTE = ("F", "B", "W", "BW")
 
-# Fixed colours, so a name looks the same in every lesson. Comm names are matched
-# without case, "_" or "-" ("all_reduce" == "AllReduce").
-COLORS = {"F": "#4e79a7", "B": "#59a14f", "W": "#b07aa1", "BW": "#2e7d4f",
-          "allreduce": "#e15759", "reducescatter": "#f28e2b", "allgather": "#edc948",
-          "alltoall": "#ff9da7", "broadcast": "#9c755f", "send": "#8c8c8c",
-          "recv": "#bab0ac", "step": "#76b7b2", "opt": "#76b7b2"}
-_SPARE = ["#17becf", "#bcbd22", "#7f7f7f", "#8c564b", "#e377c2", "#1f77b4", "#ff7f0e"]
+# Fixed colours from the course's visual language (picolib.style), so a name looks the same
+# in every lesson. Comm names are matched without case, "_" or "-" ("all_reduce" == "AllReduce").
+COLORS = {**{k: v for k, v in OPS.items()},
+          **{k.replace("_", ""): v for k, v in COLLECTIVES.items()}}
+_SPARE = ["#BBBBBB", "#DDAA33", "#BB5566", "#004488", "#999933", "#882255"]
+UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6}
 
 
 class Timeline:
@@ -251,32 +252,66 @@ def _key(name: str) -> str:
     return name if name in COLORS else name.lower().replace("_", "").replace("-", "")
 
 
-def plot_gantt(events, ax=None, title=None, colors=None):
+def _sub_lanes(spans) -> list[int]:
+    """For spans of one row sorted by start: the sub-lane of each, the lowest one free, so
+    spans that overlap in time (an async collective beside the next) are stacked, not hidden."""
+    ends, where = [], []
+    for e in spans:
+        free = next((i for i, end in enumerate(ends) if end <= e["start"] + 1e-12), None)
+        if free is None:
+            ends.append(e["end"])
+            free = len(ends) - 1
+        else:
+            ends[free] = e["end"]
+        where.append(free)
+    return where
+
+
+def pick_unit(seconds: float) -> str:
+    """The time unit a Gantt axis of this length reads best in: "s", "ms" or "us"."""
+    return "s" if seconds >= 2 else "ms" if seconds >= 2e-3 else "us"
+
+
+def plot_gantt(events, ax=None, title=None, colors=None, unit=None, xmax=None):
     """Gantt chart: one row per rank (rank 0 on top), a sub-row per lane (compute, comm),
     one box per span labelled like "F3" (name + meta `mb`, or meta `label`), coloured by
     name (`COLORS`, overridden by `colors`); virtual-stage `chunk` > 0 is drawn lighter.
-    Returns the Axes."""
+    Spans of one row that overlap in time are stacked in sub-rows. `unit` ("s", "ms", "us")
+    and `xmax` (seconds) let panels share one time axis: give each panel the same unit and
+    the longest makespan. Draws into `ax` when given and never shows the figure. Returns
+    the Axes."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch, Rectangle
 
     lanes, ranks = _lanes(events), sorted({e["rank"] for e in events})
-    rows = [(r, lane) for r in ranks for lane in lanes
-            if any(e["rank"] == r and e["lane"] == lane for e in events)]
-    heights = [1.0 if lane == "compute" else 0.6 for _, lane in rows]  # sub-lanes thinner
+    rows, slot = [], {}
+    for r in ranks:
+        for lane in lanes:
+            spans = sorted((e for e in events if e["rank"] == r and e["lane"] == lane),
+                           key=lambda e: e["start"])
+            for e, sub in zip(spans, _sub_lanes(spans)):
+                slot[id(e)] = (r, lane, sub)
+            for sub in sorted({slot[id(e)][2] for e in spans}):
+                rows.append((r, lane, sub))
+    heights = [1.0 if lane == "compute" else 0.6 for _, lane, _ in rows]  # comm rows thinner
     tops = [sum(heights[:i]) for i in range(len(rows))]
     centre = {row: top + h / 2 for row, top, h in zip(rows, tops, heights)}
     if ax is None:
         _, ax = plt.subplots(figsize=(11, 0.45 * sum(heights) + 1.4), layout="constrained")
     total = makespan(events) or 1.0
-    scale, unit = (1.0, "s") if total >= 2 else (1e3, "ms")
+    limit = max(total, xmax or 0.0)
+    unit = unit or pick_unit(limit)
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {sorted(UNITS)}, not {unit!r}")
+    scale = UNITS[unit]
     t0 = min((e["start"] for e in events), default=0.0)
     palette, spare = {**COLORS, **{_key(k): v for k, v in (colors or {}).items()}}, iter(_SPARE * 9)
     for n in sorted({_key(e["name"]) for e in events} - set(palette)):
         palette[n] = next(spare)
-    px_per_unit = ax.get_window_extent().width / (total * scale)
+    px_per_unit = ax.get_window_extent().width / (limit * scale)
     for e in events:
-        y = centre[(e["rank"], e["lane"])]
+        y = centre[slot[id(e)]]
         x, w = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
         rgb = to_rgb(palette[_key(e["name"])])
         lift = min(0.5, 0.3 * e["meta"].get("chunk", 0))
@@ -285,26 +320,27 @@ def plot_gantt(events, ax=None, title=None, colors=None):
         ax.add_patch(Rectangle((x, y - height / 2), w, height, facecolor=rgb,
                                edgecolor="white", linewidth=0.8))
         text = _label(e)
-        if w * px_per_unit > 7 * len(text) + 4:
+        if w * px_per_unit > 8 * len(text) + 4:
             dark = 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2] < 0.6
-            ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=8,
+            ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=9,
                     color="white" if dark else "black", clip_on=True)
-    ax.set_xlim(0, total * scale)
+    ax.set_xlim(0, limit * scale)
     ax.set_ylim(sum(heights), 0)
     ax.set_yticks([centre[row] for row in rows])
-    ax.set_yticklabels([f"rank {r}" if lane == "compute" else f"rank {r} · {lane}"
-                        for r, lane in rows])
+    ax.set_yticklabels([("" if sub else f"rank {r}" if lane == "compute" else f"rank {r} · {lane}")
+                        for r, lane, sub in rows])
     for i in range(1, len(rows)):  # a thin rule between ranks
         if rows[i][0] != rows[i - 1][0]:
             ax.axhline(tops[i], color="#dddddd", linewidth=0.8)
     emulated = any(e["emulated"] for e in events)
-    ax.set_xlabel(f"time ({unit})" + (" — emulated costs" if emulated else " — wall clock"))
+    ax.set_xlabel(f"time ({'µs' if unit == 'us' else unit})"
+                  + (" — emulated costs" if emulated else " — wall clock"))
     ax.spines[["top", "right"]].set_visible(False)
     ax.grid(axis="x", color="#eeeeee", linewidth=0.8)
     ax.set_axisbelow(True)
     names = list(dict.fromkeys(e["name"] for e in events))
     ax.legend(handles=[Patch(color=palette[_key(n)], label=n) for n in names],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=9)
     if title:
         ax.set_title(title)
     return ax

@@ -186,6 +186,32 @@ def test_plot_gantt_one_patch_per_span():
     plt.close(ax.figure)
 
 
+def test_plot_gantt_stacks_overlapping_spans_and_shares_a_time_axis():
+    """Two gathers in flight at once on one lane get a row each (ZeRO-3 prefetch); panels
+    given one unit and the longest makespan share a time axis; nothing is shown."""
+    import matplotlib.pyplot as plt
+    from picolib.figure_check import problems
+    short = [ev(0, "F", 0.0, 0.4), ev(0, "all_gather", 0.1, 0.3, lane="comm"),
+             ev(0, "all_gather", 0.2, 0.35, lane="comm"), ev(0, "all_gather", 0.36, 0.39, lane="comm")]
+    long = [ev(0, "F", 0.0, 0.9), ev(0, "all_gather", 0.1, 0.2, lane="comm")]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(10, 4), sharex=True, layout="constrained")
+    shown = []
+    fig.canvas.mpl_connect("draw_event", lambda event: shown.append(event))
+    end = max(makespan(short), makespan(long))
+    plot_gantt(short, ax=a, unit="ms", xmax=end, title="short step")
+    plot_gantt(long, ax=b, unit="ms", xmax=end, title="long step")
+    assert shown == [] and plt.fignum_exists(fig.number)        # drawn into, not shown
+    assert len(a.get_yticks()) == 3                               # compute + two comm rows
+    centres = sorted({p.get_y() + p.get_height() / 2 for p in a.patches if p.get_height() < 0.6})
+    assert len(centres) == 2                                      # the overlapping gathers apart
+    assert a.get_xlim() == b.get_xlim() == (0.0, 900.0)
+    assert a.get_xlabel().startswith("time (ms)")
+    assert problems(fig) == []
+    with pytest.raises(ValueError, match="unit must be one of"):
+        plot_gantt(short, unit="minutes")
+    plt.close("all")
+
+
 class _Work:
     def __init__(self, seconds):
         self.seconds, self.waited = seconds, False
