@@ -65,3 +65,31 @@ def test_every_knob_combination_runs(monkeypatch):
             plt.close("all")
     with pytest.raises(ValueError, match="top_k must be one of"):
         dispatch_bytes_bars(8, 9)
+
+
+def test_each_suggestion_in_the_hint_shows_what_it_says(monkeypatch, capsys):
+    """The lesson's try-it cell lists four things to try; each one, run through the knob
+    function as the learner would, shows what the hint says."""
+    import matplotlib.pyplot as plt
+    monkeypatch.setattr(plt, "show", lambda: None)
+
+    def bars(ep, k):
+        out = dispatch_bytes_bars(ep, k)
+        plt.close("all")
+        return out
+    # ep = 8, top-1 → top-2: the all-to-all doubles, the all-gather moves < 0.1 %
+    one, two = bars(8, 1), bars(8, 2)
+    assert two["alltoall"] / one["alltoall"] == pytest.approx(2, rel=1e-4)
+    assert 1 < two["allgather"] / one["allgather"] < 1.001
+    # ep = 16 → 64: all-to-all +5 % (saturates), all-gather ×4.2
+    a, b = bars(16, 1), bars(64, 1)
+    assert b["alltoall"] / a["alltoall"] == pytest.approx(1.05, abs=0.005)
+    assert b["allgather"] / a["allgather"] == pytest.approx(4.2, abs=0.005)
+    # ep = 2, top-1…4: the printed ratio ≈ ep/k (2, 1, 0.67, 0.5); all-gather smaller once k > ep
+    capsys.readouterr()
+    for k, printed in zip(range(1, 5), ("2.00", "1.00", "0.67", "0.50")):
+        r = bars(2, k)
+        assert f"all-gather / all-to-all = {printed}" in capsys.readouterr().out
+        assert (r["ratio"] < 1) == (k > 2)
+    # ep = 64, top-8 (DeepSeek-V3's): about 8×
+    assert bars(64, 8)["ratio"] == pytest.approx(8, rel=0.01)
