@@ -1,4 +1,5 @@
 """Lesson 02 checks: each accepts a correct answer and rejects wrong ones."""
+import re
 import contextlib
 
 import pytest
@@ -7,6 +8,14 @@ import torch.distributed as dist
 from picolib import comm
 from picolib.grading import (ExerciseFailed, check_accumulate_and_step, check_assign_buckets,
                              check_average_gradients, check_grad_accumulation_steps)
+
+
+@contextlib.contextmanager
+def fails(pattern):
+    """The check must fail, and one of its problem lines match `pattern`."""
+    with pytest.raises(ExerciseFailed) as info:
+        yield info
+    assert re.search(pattern, info.value.details), info.value.details
 
 
 def buckets_right(nbytes, cap):
@@ -35,12 +44,12 @@ def buckets_close_after_passing_the_cap(nbytes, cap):
 
 def test_check_assign_buckets():
     check_assign_buckets(buckets_right)
-    with pytest.raises(ExerciseFailed, match=r"cap=8: got buckets \[\[0, 1\], \[2, 3\], \[4\]\], "
+    with fails(r"cap=8: got buckets \[\[0, 1\], \[2, 3\], \[4\]\], "
                        r"expected \[\[0, 1\], \[2\], \[3\], \[4\]\] — bucket \[2, 3\] holds 14 bytes"):
         check_assign_buckets(buckets_close_after_passing_the_cap)
-    with pytest.raises(ExerciseFailed, match="the right buckets in reverse order"):
+    with fails("the right buckets in reverse order"):
         check_assign_buckets(lambda nbytes, cap: buckets_right(nbytes, cap)[::-1])
-    with pytest.raises(ExerciseFailed, match="not written yet"):
+    with fails("not written yet"):
         check_assign_buckets(lambda nbytes, cap: (_ for _ in ()).throw(NotImplementedError))
 
 
@@ -52,9 +61,9 @@ def grad_acc_right(gbs, mbs, dp):
 
 def test_check_grad_accumulation_steps():
     check_grad_accumulation_steps(grad_acc_right)
-    with pytest.raises(ExerciseFailed, match="dp=12: returned 42"):
+    with fails("dp=12: returned 42"):
         check_grad_accumulation_steps(lambda gbs, mbs, dp: gbs // (mbs * dp))
-    with pytest.raises(ExerciseFailed, match="dp=512: got 4, expected 1"):  # dp fixed at 128
+    with fails("dp=512: got 4, expected 1"):  # dp fixed at 128
         check_grad_accumulation_steps(lambda gbs, mbs, dp: gbs // (mbs * 128))
 
 
@@ -77,12 +86,42 @@ def average_with_torch_directly(model, group=None):
         dist.all_reduce(p.grad, group=group)
 
 
+def average_on_the_world(model, group=None):
+    average_right(model, None)
+
+
+def average_a_clone(model, group=None):
+    n = dist.get_world_size(group)
+    for p in model.parameters():
+        g = p.grad.clone() / n
+        comm.all_reduce(g, group=group)       # the mean, never written back
+
+
 def test_check_average_gradients():
     check_average_gradients(average_right)
-    with pytest.raises(ExerciseFailed, match="N=2, every rank: .* 2× too large: a sum where a mean"):
+    with fails("N=2, every rank: .* 2× too large: a sum where a mean"):
         check_average_gradients(sum_only)
-    with pytest.raises(ExerciseFailed, match="no picolib.comm.all_reduce"):
+    with fails("no picolib.comm.all_reduce"):
         check_average_gradients(average_with_torch_directly)
+    with fails(r"group of 2 in \[\[0, 2\], \[1, 3\]\], every rank: the mean is that of all 4 ranks"):
+        check_average_gradients(average_on_the_world)
+    with fails("never written back into p.grad"):
+        check_average_gradients(average_a_clone)
+
+
+def accumulate(ddp, optimizer, micro_batches, divide=None, zero=True):
+    k = len(micro_batches) if divide is None else divide
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with (contextlib.nullcontext() if last else ddp.no_sync()):
+            (ddp.module.loss(x, y) / k).backward()
+    optimizer.step()
+    if zero:
+        optimizer.zero_grad()
+
+
+def accumulate_dividing_by_world_size(ddp, optimizer, micro_batches):
+    accumulate(ddp, optimizer, micro_batches, divide=dist.get_world_size())
 
 
 def accumulate_right(ddp, optimizer, micro_batches):
@@ -111,7 +150,19 @@ def accumulate_without_scaling(ddp, optimizer, micro_batches):
 
 def test_check_accumulate_and_step():
     check_accumulate_and_step(accumulate_right)
-    with pytest.raises(ExerciseFailed, match="all-reduces for 2 micro-batches"):
+    with fails("all-reduces for 2 steps of 3 micro-batches"):
         check_accumulate_and_step(accumulate_syncing_every_time)
-    with pytest.raises(ExerciseFailed, match="gradient at the step: .* 2× too large"):
+    with fails("micro-batch losses were summed"):
         check_accumulate_and_step(accumulate_without_scaling)
+
+
+@pytest.mark.parametrize("wrong, diagnosis", [
+    (lambda d, o, mb: accumulate(d, o, mb, zero=False), "still holds step 1's gradient — zero"),
+    (accumulate_dividing_by_world_size, "divided by the 2 ranks instead of the 3 micro-batches"),
+    (lambda d, o, mb: accumulate(d, o, mb, divide=2), "divided by 2 whatever the number"),
+    (lambda d, o, mb: accumulate(d, o, mb, divide=1), "the 3 micro-batch losses were summed"),
+    (lambda d, o, mb: accumulate(d, o, mb[:2]), "gradient at step 1"),   # hard-coded k = 2
+], ids=["no zero_grad", "divides by world size", "hard-coded k=2", "no division", "two batches only"])
+def test_accumulate_and_step_rejects_each_classic_mistake(wrong, diagnosis):
+    with fails(diagnosis):
+        check_accumulate_and_step(wrong)

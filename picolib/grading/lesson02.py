@@ -5,11 +5,13 @@
 - `check_grad_accumulation_steps(fn)`: `fn(gbs, mbs, dp)` → grad_acc with
   gbs = mbs × grad_acc × dp; a ValueError when no whole number of steps gives gbs.
 - `check_average_gradients(fn)`: `fn(model, group=None)` replaces every `.grad` by its
-  mean over the ranks, through picolib.comm; run on 2 and 3 ranks.
+  mean over the ranks of `group`, through picolib.comm; run on 2 and 3 ranks and on 4 ranks
+  split into two groups of 2.
 - `check_accumulate_and_step(fn)`: `fn(ddp, optimizer, micro_batches)` runs forward and
-  backward on each (tokens, targets) micro-batch, communicating only on the last, then
-  steps; run on 2 ranks against one process that sees the whole batch (the gradient
-  handed to the optimizer, then the weights).
+  backward on each (tokens, targets) micro-batch, communicating only on the last, steps
+  and zeroes the gradients; two steps in a row on 2 ranks × 3 micro-batches and on 3 ranks
+  × 4 micro-batches, against one process that sees each whole batch (the gradient handed
+  to the optimizer at each step, then the weights).
 A problem every rank shares is reported once ("every rank"); a sum where a mean was wanted
 is named as such (`_core.compare`); a wrong bucket list is shown beside the right one
 with the rule it breaks.
@@ -23,14 +25,15 @@ import torch.nn as nn
 from ..comm import Ledger
 from ..data_parallel import DDP, assign_buckets
 from ..model import LlamaConfig, TinyLlama, random_tokens
-from ._core import call_student, compare, report, run_student
+from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
+                    report, run_student)
 
 __all__ = ["check_assign_buckets", "check_grad_accumulation_steps",
            "check_average_gradients", "check_accumulate_and_step", "grad_accumulation_steps"]
 
 
-def _run(worker, n, *args, name):
-    return run_student(worker, n, *args, name=name)
+def _run(worker, n, *args, name, timeout=None):
+    return run_student(worker, n, *args, name=name, timeout=timeout)
 
 
 def _bucket_problem(nbytes, cap, got, want) -> str:
@@ -100,45 +103,57 @@ def _small_model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
 
 
-def _average_worker(fn):
-    rank = dist.get_rank()
+def _grads_of(rank):
     model = _small_model(0)
     g = torch.Generator().manual_seed(100 + rank)
     model(torch.randn(4, 5, generator=g)).pow(2).sum().backward()
+    return model
+
+
+def _average_worker(fn, split):
+    group = my_group(split)
+    model = _grads_of(dist.get_rank())
     with Ledger() as ledger:
-        call_student(fn, model)
+        call_student(fn, model, group=group)
     return [p.grad.clone() for p in model.parameters()], ledger.summary()
 
 
-def _one_line_per_n(n, per_rank: list[list[str]]) -> list[str]:
+def _one_line_per_n(n, per_rank: list[list[str]], label: str | None = None) -> list[str]:
     """The same problem on every rank is one line ("every rank"), else one per rank."""
-    lines = per_rank
+    lines, label = per_rank, label or f"N={n}"
     if all(ls == lines[0] for ls in lines):
-        return [f"N={n}, every rank: {p}" for p in lines[0]]
-    return [f"N={n} rank {r}: {p}" for r, ls in enumerate(lines) for p in ls]
+        return [f"{label}, every rank: {p}" for p in lines[0]]
+    return [f"{label} rank {r}: {p}" for r, ls in enumerate(lines) for p in ls]
 
 
-def check_average_gradients(fn) -> None:
-    """Every rank ends with the mean of all ranks' gradients, computed with picolib.comm."""
+def check_average_gradients(fn, timeout: float | None = None) -> None:
+    """Every rank ends with the mean of its group's gradients, computed with picolib.comm: on
+    2 and 3 ranks (the world) and on 4 ranks split into two groups of 2."""
     problems, checks = [], 0
-    for n in (2, 3):
-        expected = []
-        for rank in range(n):  # the reference: every rank's gradients, in one process
-            model = _small_model(0)
-            g = torch.Generator().manual_seed(100 + rank)
-            model(torch.randn(4, 5, generator=g)).pow(2).sum().backward()
-            expected.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        mean = torch.stack(expected).mean(0)
+    for n, split in ((2, False), (3, False), (4, True)):
+        own = [torch.cat([p.grad.flatten() for p in _grads_of(r).parameters()])
+               for r in range(n)]                     # every rank's gradients, in one process
+        world = torch.stack(own).mean(0)
         per_rank = []
-        for grads, summary in _run(_average_worker, n, fn, name="average_gradients"):
+        results = _run(_average_worker, n, fn, split, name="average_gradients", timeout=timeout)
+        for rank, (grads, summary) in enumerate(results):
             checks += 2
-            mine = compare("gradients (all parameters, flattened)",
-                           torch.cat([g.flatten() for g in grads]), mean, atol=1e-6)
+            mean = torch.stack([own[m] for m in members(rank)]).mean(0) if split else world
+            got = torch.cat([g.flatten() for g in grads])
+            mine = compare("gradients (all parameters, flattened)", got, mean, atol=1e-6)
+            if mine and torch.allclose(got, own[rank]):
+                mine = ["gradients: this rank's own, unchanged — the mean was never written back "
+                        "into p.grad (an all-reduce of a copy, or p.grad = … on a clone?)"]
+            elif mine and split and torch.allclose(got, world, atol=1e-6):
+                mine = [on_world_not_group("the mean")]
+            elif mine and split and torch.allclose(got, world * 4 / 2, atol=1e-6):
+                mine = [on_world_not_group("the sum") + " (and divide by the group's size)"]
             if "all_reduce" not in summary:
                 mine.append("calls: no picolib.comm.all_reduce was called (collectives "
                             f"seen: {sorted(summary) or 'none'})")
             per_rank.append(mine)
-        problems += _one_line_per_n(n, per_rank)
+        label = f"group of 2 in {list(SUBGROUPS)}" if split else None
+        problems += _one_line_per_n(n, per_rank, label)
     report("naive gradient averaging", problems, checks)
 
 
@@ -151,6 +166,14 @@ def _micro_batches(step_rows, pieces):
     return [(tokens[i * k:(i + 1) * k], targets[i * k:(i + 1) * k]) for i in range(pieces)]
 
 
+ROWS, STEPS = 24, 2  # rows of a global batch; optimizer steps in a row
+CASES = ((2, 3), (3, 4))  # (ranks, micro-batches per step): k ≠ 2 and k ≠ ranks somewhere
+
+
+def _batches():
+    return [random_tokens(ROWS, 8, _CFG.vocab_size, seed=7 + s) for s in range(STEPS)]
+
+
 def _accumulate_worker(fn, grad_acc):
     rank, n = dist.get_rank(), dist.get_world_size()
     model = TinyLlama(_CFG)
@@ -160,42 +183,80 @@ def _accumulate_worker(fn, grad_acc):
     step = opt.step
 
     def step_and_record(*args, **kwargs):     # the gradient the optimizer is given
-        seen.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        seen.append(torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
+                               for p in model.parameters()]))
         return step(*args, **kwargs)
 
     opt.step = step_and_record
-    tokens, targets = random_tokens(8, 8, _CFG.vocab_size, seed=7)
-    mine = _micro_batches((tokens, targets), n)[rank]
     with Ledger() as ledger:
-        call_student(fn, ddp, opt, _micro_batches(mine, grad_acc))
+        for batch in _batches():
+            mine = _micro_batches(batch, n)[rank]
+            call_student(fn, ddp, opt, _micro_batches(mine, grad_acc))
     weights = [p.detach().clone() for p in model.parameters()]
     return weights, ledger.count("all_reduce"), len(ddp.buckets), seen
 
 
-def check_accumulate_and_step(fn) -> None:
-    """The gradient given to the optimizer equals the whole batch's; the weights equal one
-    SGD step on the whole batch; one all-reduce per bucket in all."""
-    grad_acc = 2
+def _reference():
+    """One process, each whole batch: the gradient at every step, and the final weights."""
     model = TinyLlama(_CFG)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.loss(*random_tokens(8, 8, _CFG.vocab_size, seed=7)).backward()
-    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
-    opt.step()
-    expected = [p.detach().clone() for p in model.parameters()]
-    per_rank, checks = [], 0
-    for weights, calls, buckets, seen in _run(_accumulate_worker, 2, fn, grad_acc,
-                                              name="accumulate_and_step"):
-        checks += 3
-        mine = []
-        if len(seen) != 1:
-            mine.append(f"optimizer: step() called {len(seen)} times; once, after the last "
-                        "micro-batch")
-        else:
-            mine += compare("gradient at the step", seen[0], grad, atol=1e-5)
-            if not mine:
-                mine += compare("weights after the step", weights, expected, atol=1e-5)[:1]
-        if calls != buckets:
-            mine.append(f"traffic: {calls} all-reduces for {grad_acc} micro-batches; with "
-                        f"no_sync on all but the last there are {buckets} (one per bucket)")
-        per_rank.append(mine)
-    report("accumulation with no_sync", _one_line_per_n(2, per_rank), checks)
+    grads = []
+    for batch in _batches():
+        model.loss(*batch).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        opt.step()
+        opt.zero_grad()
+    return grads, [p.detach().clone() for p in model.parameters()]
+
+
+def _step_problem(i, got, want, earlier, n, k) -> list[str]:
+    """The gradient handed to step i, with the mistake it shows named."""
+    wrong = compare(f"gradient at step {i + 1}", got, want, atol=1e-5)
+    if not wrong:
+        return []
+    g, w = got.double(), want.double()
+    for ratio, why in ((k / n, f"divided by the {n} ranks instead of the {k} micro-batches "
+                               "(DDP already averages over the ranks)"),
+                       (float(k), f"the {k} micro-batch losses were summed: divide each by "
+                                  f"k = len(micro_batches) = {k}"),
+                       (k / 2, f"divided by 2 whatever the number of micro-batches: use "
+                               f"k = len(micro_batches) (here {k})"),
+                       (1 / n, f"averaged over the {n} ranks once more: DDP already does")):
+        if abs(ratio - 1) > 1e-6 and torch.allclose(g, ratio * w, atol=1e-5, rtol=1e-4):
+            return [f"gradient at step {i + 1}: {ratio:.3g}× the right one — {why}"]
+    if earlier is not None and torch.allclose(g, w + earlier.double(), atol=1e-5, rtol=1e-4):
+        return [f"gradient at step {i + 1}: it still holds step {i}'s gradient — zero the "
+                "gradients after the step (optimizer.zero_grad())"]
+    return wrong
+
+
+def check_accumulate_and_step(fn, timeout: float | None = None) -> None:
+    """Two steps in a row on (2 ranks, 3 micro-batches) and (3 ranks, 4 micro-batches): the
+    gradient given to the optimizer at each step equals the whole batch's; the weights equal
+    two SGD steps on the whole batches; one all-reduce per bucket per step."""
+    grads, expected = _reference()
+    problems, checks = [], 0
+    for n, grad_acc in CASES:
+        per_rank = []
+        for weights, calls, buckets, seen in _run(_accumulate_worker, n, fn, grad_acc,
+                                                  name="accumulate_and_step", timeout=timeout):
+            checks += 3
+            mine = []
+            if len(seen) != STEPS:
+                mine.append(f"optimizer: step() called {len(seen)} times in {STEPS} calls of your "
+                            "function; once per call, after the last micro-batch")
+            else:
+                for i in range(STEPS):
+                    mine += _step_problem(i, seen[i], grads[i], grads[i - 1] if i else None,
+                                          n, grad_acc)
+                    if mine:
+                        break
+                if not mine:
+                    mine += compare(f"weights after {STEPS} steps", weights, expected, atol=1e-5)[:1]
+            if calls != STEPS * buckets:
+                mine.append(f"traffic: {calls} all-reduces for {STEPS} steps of {grad_acc} "
+                            f"micro-batches; with no_sync on all but the last there are "
+                            f"{STEPS * buckets} (one per bucket per step)")
+            per_rank.append(mine)
+        problems += _one_line_per_n(n, per_rank, f"{n} ranks × {grad_acc} micro-batches")
+    report("accumulation with no_sync", problems, checks)
