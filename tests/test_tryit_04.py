@@ -1,5 +1,5 @@
 """Lesson 04's try-it: `layer_bytes` against a real tensor-parallel block (weights stored,
-bytes sent, measured on gloo ranks) and against Llama 3 70B's published parameter count;
+bytes sent, counted on picolib's rings via Ledger(rings=True)) and against Llama 3 70B's published parameter count;
 every knob combination of the notebook cell runs."""
 import itertools
 
@@ -22,10 +22,9 @@ def _measure(cfg, b, s):
     weights = sum(p.numel() * p.element_size() for p in block.parameters())
     x = torch.randn(b, s, cfg.hidden, requires_grad=True)
     cos, sin = model.rope(range(s))
-    with comm.Ledger() as led:
+    with comm.Ledger(rings=True) as led:          # bytes counted as sent, not the ring formula
         block(x, cos, sin).sum().backward()
-    reduces = led.select("all_reduce")
-    return weights, len(reduces), sum(r.sent_bytes for r in reduces)
+    return weights, led.count("all_reduce"), led.measured_total(op="all_reduce")
 
 
 @pytest.mark.parametrize("tp, kv", [(1, 4), (2, 4), (4, 4), (4, 2)])
