@@ -21,8 +21,20 @@ def merge(o1, lse1, o2, lse2):
     return (o1 * (lse1 - lse).exp().unsqueeze(-1) + o2 * (lse2 - lse).exp().unsqueeze(-1)), lse
 
 
+def merge_by_exp(o1, lse1, o2, lse2):
+    """Right on small scores, inf on large ones: exp(lse) overflows."""
+    w1, w2 = lse1.exp(), lse2.exp()
+    lse = (w1 + w2).log()
+    return (o1 * w1.unsqueeze(-1) + o2 * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1), lse
+
+
 def not_written(*args):
     raise NotImplementedError
+
+
+def test_merge_check_rejects_an_overflowing_merge():
+    with fails("not finite — exp\\(lse\\) overflows"):
+        check_merge_partials(merge_by_exp)
 
 
 def test_merge_check():

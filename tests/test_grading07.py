@@ -73,3 +73,23 @@ def test_broken_schedules_check():
         check_broken_schedules(lambda reason: broken("missing" if reason == "deadlock" else reason))
     with fails("expected a Schedule"):
         check_broken_schedules(lambda reason: [GOOD0, GOOD1])
+
+
+def broken_twice(reason):
+    """Each schedule broken as asked, and in a second way too (the validator stops at one)."""
+    s = broken(reason)
+    if reason == "missing":
+        s.ops[1] = s.ops[1][:-1]                        # two ops missing
+    elif reason == "B before F":
+        s.ops[0] = [Op("BW", 0, 0), Op("F", 0, 0), Op("F", 0, 1), Op("BW", 0, 1)]
+    elif reason == "W before B":
+        s.ops[1] = [Op("F", 1, 0), Op("W", 1, 0), Op("B", 1, 0), Op("F", 1, 1),
+                    Op("W", 1, 1), Op("B", 1, 1)]
+    return s
+
+
+def test_broken_schedules_rejects_a_schedule_broken_in_two_ways():
+    with fails("'missing': broken in more than one way"):
+        check_broken_schedules(broken_twice)
+    with fails("'W before B': broken in more than one way"):
+        check_broken_schedules(broken_twice)

@@ -42,8 +42,22 @@ def check_merge_partials(fn) -> None:
                 continue
             problems += compare(f"shape {tuple(q.shape)}, {order}: o", got[0], o, atol=1e-9)
             problems += compare(f"shape {tuple(q.shape)}, {order}: lse", got[1], lse, atol=1e-9)
+        if not problems:                       # large scores: a naive exp overflows
+            checks += 1
+            big = (o1, lse1 + 1000.0, o2, lse2 + 1000.0)
+            got = call_student(fn, *(t.clone() for t in big))
+            bad = not (isinstance(got, (tuple, list)) and len(got) == 2) or any(
+                not isinstance(t, torch.Tensor) or not torch.isfinite(t).all() for t in got)
+            if bad:
+                problems.append("log-sum-exps near 1000 (large scores): the result is not finite "
+                                "— exp(lse) overflows: merge with torch.logaddexp and weight each "
+                                "oᵢ by exp(lseᵢ − lse), which stays ≤ 1")
+            else:
+                problems += compare(f"shape {tuple(q.shape)}, lse + 1000: o", got[0], o, atol=1e-9)
+                problems += compare(f"shape {tuple(q.shape)}, lse + 1000: lse", got[1],
+                                    lse + 1000.0, atol=1e-9)
     if problems and any("o:" in p for p in problems):
-        problems.append("hint: each oᵢ is normalised by its own exp(lseᵢ); weight it by "
+        problems.insert(0, "hint: each oᵢ is normalised by its own exp(lseᵢ); weight it by "
                         "exp(lseᵢ − lse) with lse = log(exp(lse₁) + exp(lse₂))")
     report("merging partial attention results", problems, checks)
 

@@ -74,8 +74,43 @@ def check_bubble(fn) -> None:
     report("bubble formula", problems[:8], checks)
 
 
+def _valid(ops, n_micro=2) -> bool:
+    try:
+        validate(Schedule("repair", n_micro, (0, 1), ops))
+        return True
+    except (ScheduleError, ValueError):
+        return False
+
+
+def _one_repair(sched: Schedule, reason: str) -> bool:
+    """Broken in exactly one way: one op put back ("missing") or one op moved to another place
+    on its rank makes the schedule valid."""
+    ops = [list(row) for row in sched.ops]
+    if reason == "missing":
+        for r in range(len(ops)):
+            for kind in ("F", "BW", "B", "W"):
+                for mb in range(sched.n_micro):
+                    for at in range(len(ops[r]) + 1):
+                        trial = [list(row) for row in ops]
+                        trial[r].insert(at, Op(kind, r, mb))
+                        if _valid(trial, sched.n_micro):
+                            return True
+        return False
+    for r in range(len(ops)):
+        for i in range(len(ops[r])):
+            for at in range(len(ops[r])):
+                row = ops[r][:i] + ops[r][i + 1:]
+                row.insert(at, ops[r][i])
+                trial = [list(x) for x in ops]
+                trial[r] = row
+                if _valid(trial, sched.n_micro):
+                    return True
+    return False
+
+
 def check_broken_schedules(fn) -> None:
-    """Each schedule must be rejected by `validate` for the asked reason and no other."""
+    """Each schedule must be rejected by `validate` for the asked reason and no other, and be
+    broken in exactly one way: one op put back or moved repairs it."""
     problems = []
     for reason, phrase in REASONS.items():
         sched = call_student(fn, reason)
@@ -93,6 +128,10 @@ def check_broken_schedules(fn) -> None:
             message = str(e)
         if phrase not in message:
             problems.append(f"{reason!r}: rejected for another reason: {message}")
+        elif not _one_repair(sched, reason):
+            problems.append(f"{reason!r}: broken in more than one way — no single op "
+                            + ("put back" if reason == "missing" else "moved on its rank")
+                            + " makes it valid; start from a valid schedule and change one thing")
         if reason == "deadlock":
             try:
                 _check_ops(sched)
