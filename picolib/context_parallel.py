@@ -46,7 +46,8 @@ from .model import AttentionCore, LlamaConfig, TinyLlama, repeat_kv, upcast
 
 __all__ = ["LAYOUTS", "ALGORITHMS", "chunk_ids", "positions", "shard_sequence",
            "unshard_sequence", "check_context_parallel", "ring_attention", "allgather_attention",
-           "ulysses_attention", "ContextParallelAttention", "apply_context_parallel"]
+           "ulysses_attention", "ContextParallelAttention", "apply_context_parallel",
+           "ring_step_cost"]
 
 LAYOUTS = ("contiguous", "zigzag")
 ALGORITHMS = ("ring", "allgather", "ulysses")
@@ -325,3 +326,39 @@ class _Positions:
 
     def __call__(self, seq: int) -> torch.Tensor:
         return positions(self.layout, self.rank, self.n, seq * self.n)
+
+
+# ------------------------------------------------------------------ does a hop hide? (computed)
+
+def ring_step_cost(seq: int, cp: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                   flops: float, link: float, dtype_bytes: int = 2, tp: int = 1) -> dict:
+    """One rank's step of a zig-zag ring, any step but the first, on a real device: is the
+    hop hidden behind the step's compute? (Computed; lesson 06 checks the FLOPs against
+    torch's FlopCounterMode and the bytes against the ledger on real ranks.)
+
+    In such a step a rank computes two full blocks of (s/2N)² scores — (s/N)²/2 scores —
+    with 2·2·d FLOPs per score and head (QKᵀ, then PV): 2·(s/N)²·d·a/tp FLOPs forward.
+    Its backward recomputes the scores and does four more matmuls (dV, dP, dQ, dK): 5/2 of
+    that. A hop carries this rank's K and V, 2·(kv/tp)·(s/N)·d elements; backward posts
+    two hops per step (K/V, and dK/dV in the same dtype). The hop hides while it takes
+    less than the step's compute: at `flops` FLOP/s and `link` bytes/s per GPU, while
+
+        s/N > kv·dtype_bytes·flops / (a·link)      tokens per rank
+
+    (tp divides the compute and the bytes alike, so it does not move the condition)."""
+    if min(seq, cp, n_heads, n_kv_heads, head_dim, tp, dtype_bytes) < 1 or flops <= 0 or link <= 0:
+        raise ValueError("need positive sizes, flops and link")
+    _chunk_len("zigzag", cp, seq)
+    if n_heads % tp or n_kv_heads % tp or n_heads % n_kv_heads:
+        raise ValueError(f"{n_heads} heads and {n_kv_heads} KV heads must divide by tp={tp}, "
+                         f"and the heads by the KV heads")
+    local, a, kv = seq // cp, n_heads // tp, n_kv_heads // tp
+    fwd_flops = 2 * local * local * head_dim * a
+    hop = 2 * kv * local * head_dim * dtype_bytes
+    out = {"tokens_per_rank": local, "fwd_flops": fwd_flops, "bwd_flops": fwd_flops * 5 // 2,
+           "hop_bytes": hop, "fwd_compute_s": fwd_flops / flops, "fwd_hop_s": hop / link,
+           "bwd_compute_s": 2.5 * fwd_flops / flops, "bwd_hop_s": 2 * hop / link,
+           "min_tokens_per_rank": n_kv_heads * dtype_bytes * flops / (n_heads * link)}
+    out["fwd_hidden"] = out["fwd_hop_s"] < out["fwd_compute_s"]
+    out["bwd_hidden"] = out["bwd_hop_s"] < out["bwd_compute_s"]
+    return out

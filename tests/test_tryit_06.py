@@ -32,3 +32,21 @@ def test_score_grid_reports_the_imbalance():
         score_grid(4, "striped")
     with pytest.raises(ValueError, match="must divide by 8"):
         work_per_rank(4, "zigzag", 36)
+
+
+def test_the_hint_every_n_runs_and_the_ratios_are_as_it_says():
+    """The try-it hint: with the knob's default length every N from 1 to 8 runs in both
+    layouts; the contiguous busiest/idlest ratio grows like 2N−1 (14.9 at N = 8), zig-zag's
+    stays 1."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")
+    contiguous = []
+    for n in range(1, 9):
+        zz = score_grid(n, "zigzag")
+        co = score_grid(n, "contiguous")
+        plt.close("all")
+        assert zz["ratio"] == 1.0
+        assert 0.97 * (2 * n - 1) <= co["ratio"] <= 2 * n - 1
+        contiguous.append(co["ratio"])
+    assert contiguous == sorted(contiguous) and round(contiguous[-1], 1) == 14.9
