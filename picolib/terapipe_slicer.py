@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["pipeline_latency", "slice_costs", "uniform_slices", "dp_slices", "check_cost",
-           "CostModel", "fit_cost_model", "check_slices"]
+           "CostModel", "fit_cost_model", "check_slices", "token_flops"]
 
 
 def check_slices(slices, seq: int | None = None) -> tuple[int, ...]:
@@ -183,3 +183,25 @@ def fit_cost_model(samples) -> CostModel:
         c = fit(keep)
     return CostModel(c["a"], c["b"], max(c["d"], 0.0), c["e"])
 
+
+
+# --------------------------------------------------------------------------- where a token's FLOPs go
+
+def token_flops(hidden: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, keys: int,
+                gated: bool = True) -> dict:
+    """Forward matmul FLOPs of one token in one layer that attends to `keys` keys (its
+    context and itself), split into the part every token pays and the part that grows
+    with the context (computed; lesson 08 checks it against FlopCounterMode).
+
+    Every token: 2 FLOPs per weight of the projections (q and o: h², k and v: h·kv·d) and
+    of the MLP (2 matrices of h·F, 3 when `gated`, SwiGLU). The context: q·kᵀ and p·v,
+    2·keys·d FLOPs each per query head → 4·keys·h. For GPT (kv = a, F = 4h, not gated)
+    the share of the context is 4·keys·h / (24h² + 4·keys·h) ≈ keys / (6h)."""
+    if min(hidden, n_heads, n_kv_heads, ffn_hidden, keys) < 1 or hidden % n_heads:
+        raise ValueError("need positive sizes and hidden divisible by n_heads")
+    head_dim = hidden // n_heads
+    weights = 2 * hidden * hidden + 2 * hidden * n_kv_heads * head_dim \
+        + (3 if gated else 2) * hidden * ffn_hidden
+    linear, context = 2 * weights, 4 * keys * n_heads * head_dim
+    return {"linear": linear, "context": context, "total": linear + context,
+            "context_share": context / (linear + context)}

@@ -40,3 +40,14 @@ def test_it_draws_and_refuses_bad_input():
         slicing_gantt(4, 4, -1)
     with pytest.raises(ValueError, match="need 1 ≤ slices ≤ 1024"):
         slicing_gantt(2000, 4, 1.0, plot=False)
+
+
+@pytest.mark.parametrize("p", [4, 2, 8])
+def test_the_hint_w0_near_uniform_w4_short_last_slices(p):
+    """The try-it hint: at context_cost 0 the DP settles for (near-)uniform slices; at 4 the
+    last slices get short — down to the slicer's unit of 64 tokens, a fraction of the first."""
+    flat = slicing_gantt(4, p, 0.0, plot=False)["dp_slices"]
+    assert max(flat) - min(flat) <= 64
+    steep = slicing_gantt(4, p, 4.0, plot=False)["dp_slices"]
+    assert steep[-1] == 64 and steep[0] >= 4 * steep[-1]
+    assert list(steep) == sorted(steep, reverse=True)

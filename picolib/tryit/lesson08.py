@@ -1,6 +1,7 @@
 """Try it, lesson 08: uniform slices against the DP slicer, on ideal devices.
 
     slicing_gantt(n_slices=4, p=4, context_cost=1.0)   # two Gantt charts; returns the times
+    counted_token_flops(cfg, context)                  # the lesson's check of token_flops
 
 A 1024-token sequence, p stages, a cost per slice t(l, c) = 1 + l/128 + w·l·(c + l/2)/128²
 (ideal time units; w = `context_cost` weighs attention to the context against the rest).
@@ -13,7 +14,7 @@ from ..terapipe import TeraPipePlan, simulate_plan
 from ..terapipe_slicer import dp_slices, uniform_slices
 from ..timeline import makespan, plot_gantt
 
-__all__ = ["slicing_gantt", "SEQ", "toy_cost"]
+__all__ = ["slicing_gantt", "SEQ", "toy_cost", "counted_token_flops"]
 
 SEQ = 1024
 
@@ -48,3 +49,29 @@ def slicing_gantt(n_slices: int = 4, p: int = 4, context_cost: float = 1.0, plot
             ax.set_xlim(0, max(out["uniform"], out["dp"]))
         plt.show()
     return out
+
+
+def counted_token_flops(cfg, context: int, seed: int = 0) -> int:
+    """FLOPs of one block's forward for one token after `context` cached tokens, as PyTorch's
+    FlopCounterMode counts them (its matrix multiplies): an independent check of
+    `picolib.terapipe_slicer.token_flops` (lesson 08 §4). The block is the model's first,
+    its attention core swapped for TeraPipe's K/V-caching one, the cache filled first."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..model import TinyLlama
+    from ..terapipe import KVCache, use_kv_cache
+
+    if context < 0 or context + 1 > cfg.max_seq:
+        raise ValueError(f"context={context}: need 0 ≤ context < max_seq = {cfg.max_seq}")
+    torch.manual_seed(seed)
+    stage = TinyLlama(cfg).part(range(1), embed=False, head=False)
+    core = use_kv_cache(stage)[0]
+    core.cache = KVCache()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if context:
+            stage(torch.randn(1, context, cfg.hidden, generator=g), positions=range(context))
+        with FlopCounterMode(display=False) as counter:
+            stage(torch.randn(1, 1, cfg.hidden, generator=g), positions=range(context, context + 1))
+    return counter.get_total_flops()
