@@ -66,7 +66,7 @@ def plot_groups(groups: dict, ax=None, title: str = "bytes per rank"):
                     textcoords="offset points", ha="center", va="top", fontsize=10,
                     fontweight="bold", annotation_clip=False)
     ax.set(ylabel=unit, title=title)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=9, loc="upper right")
     return ax
 
 
