@@ -173,6 +173,8 @@ def diagnose(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6,
         ratio = (g[big] / e[big]).median().item()
         if abs(ratio - 1) > 1e-3 and torch.allclose(g, ratio * e, atol=atol, rtol=rtol):
             whole = round(ratio) if abs(ratio - round(ratio)) < 1e-3 else None
+            if g.numel() == 1 and not whole and not (ratio and abs(1 / ratio - round(1 / ratio)) < 1e-3):
+                return ""                    # one number: any two differ "by a factor"
             inverse = round(1 / ratio) if ratio and abs(1 / ratio - round(1 / ratio)) < 1e-3 else None
             if whole and whole > 1:
                 return (f"every value is {whole}× too large: a sum where a mean was wanted "

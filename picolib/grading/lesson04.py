@@ -21,6 +21,8 @@ Ranks that never finish (a collective one rank skips) fail the check after `_cor
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -68,20 +70,36 @@ def _name(fn) -> str:
     return getattr(fn, "__name__", "your function")
 
 
+_FALLBACK = "autograd kernel was not registered"  # PyTorch's warning for c10d ops in autograd
+
+
+def _quietly(fn, *args):
+    """fn(*args), with PyTorch's deprecated-fallback warnings caught: (result, whether any
+    all-reduce ran inside autograd without an autograd Function)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*args)
+    return out, any(_FALLBACK in str(w.message) for w in caught)
+
+
 def _pair_worker(f_cls, g_cls):
     r = dist.get_rank()
     x = torch.full((3,), float(r + 1), requires_grad=True)
+    upstream = torch.full((3,), float(r + 1))
     with Ledger() as f_fwd:
         fx = f_cls.apply(x, None)
     with Ledger() as f_bwd:
-        fx.backward(torch.full((3,), float(r + 1)))
+        fx.backward(upstream)
     y = torch.full((3,), float(r + 1), requires_grad=True)
     with Ledger() as g_fwd:
         gy = g_cls.apply(y, None)
     with Ledger() as g_bwd:
         gy.backward(torch.full((3,), float(r + 1)))
+    touched = [name for name, t in (("f backward's incoming gradient", upstream),
+                                    ("g forward's input", y)) if not torch.equal(t.detach(),
+                                                                                torch.full((3,), float(r + 1)))]
     return (fx.detach(), x.grad, gy.detach(), y.grad,
-            [led.count("all_reduce") for led in (f_fwd, f_bwd, g_fwd, g_bwd)])
+            [led.count("all_reduce") for led in (f_fwd, f_bwd, g_fwd, g_bwd)], touched)
 
 
 def _direction(what, got, mine, total, want_sum):
@@ -107,9 +125,12 @@ def check_conjugate_pair(copy_to_tp, reduce_from_tp) -> None:
         total = torch.full((3,), float(n * (n + 1) // 2))
         pair = f"{_name(copy_to_tp)} / {_name(reduce_from_tp)}"
         results = run_student(_pair_worker, n, copy_to_tp, reduce_from_tp, name=pair)
-        for r, (fx, fgrad, gy, ggrad, counts) in enumerate(results):
+        for r, (fx, fgrad, gy, ggrad, counts, touched) in enumerate(results):
             mine = torch.full((3,), float(r + 1))
-            checks += 5
+            checks += 6
+            for name in touched:
+                problems.append(f"N={n} rank {r}: {name} was changed in place — all-reduce a clone "
+                                "(autograd may still need the tensor it handed you)")
             problems += _direction(f"N={n} rank {r}: f forward", fx, mine, total, want_sum=False)
             problems += _direction(f"N={n} rank {r}: f backward", fgrad, mine, total, want_sum=True)
             problems += _direction(f"N={n} rank {r}: g forward", gy, mine, total, want_sum=True)
@@ -140,11 +161,15 @@ def _loss_worker(fn, logits, targets):
     v = logits.shape[-1]
     local = logits.chunk(n, -1)[r].clone().requires_grad_()
     with Ledger() as led:
-        loss = fn(local, targets, r * v // n)
+        loss, fallback = _quietly(fn, local, targets, r * v // n)
     wrong = _not_a_loss(loss)
     if wrong:
         return wrong, None, {}
-    loss.backward()
+    _, fallback_bwd = _quietly(loss.backward)
+    if fallback or fallback_bwd:
+        return ("an all-reduce inside autograd without an autograd Function: a plain comm.all_reduce "
+                "on a tensor that needs a gradient works only through PyTorch's deprecated fallback "
+                "(\"silently incorrect\") — sum the sum-exp and the target logit with ReduceFromTP"), None, {}
     return loss.detach(), local.grad, led.summary()
 
 
@@ -188,7 +213,7 @@ def _head_worker(fn, hidden, weight, targets):
     shard = weight.chunk(n, 0)[r].clone().requires_grad_()
     x = hidden.clone().requires_grad_()
     with Ledger() as fwd:
-        logits = fn(x, shard)
+        logits, _ = _quietly(fn, x, shard)
     if not isinstance(logits, torch.Tensor):
         return f"returned {type(logits).__name__}, expected a tensor of logits"
     want = (*hidden.shape[:-1], v // n)
@@ -202,7 +227,7 @@ def _head_worker(fn, hidden, weight, targets):
         return "the logits do not depend on the hidden state and weight in autograd (detached?)"
     loss = vocab_parallel_cross_entropy(logits, targets, vocab_start=r * v // n)
     with Ledger() as bwd:
-        loss.backward()
+        _quietly(loss.backward)
     return (logits.detach(), x.grad, shard.grad,
             [led.count("all_reduce") for led in (fwd, bwd)], [led.count() for led in (fwd, bwd)])
 
@@ -226,7 +251,13 @@ def check_parallel_head(fn) -> None:
                 problems.append(f"N={n} rank {r}: {res}")
                 continue
             got, xgrad, wgrad, reduces, calls = res
-            problems += compare(f"N={n} rank {r}: logits", got, logits.detach().chunk(n, -1)[r])
+            want = logits.detach().chunk(n, -1)[r]
+            if reduces[0] and torch.allclose(got, n * want, atol=1e-5):
+                problems.append(f"N={n} rank {r}: logits {n}× too large: the hidden state was summed "
+                                "over the ranks in forward — that is g (ReduceFromTP); the head enters "
+                                "through f (CopyToTP: identity forward, sum in backward)")
+                continue
+            problems += compare(f"N={n} rank {r}: logits", got, want)
             if xgrad is not None and not torch.allclose(xgrad, hidden.grad, atol=1e-6):
                 # what this rank's vocabulary slice alone contributes (f's sum left out)
                 p = torch.softmax(logits.detach(), -1) - F.one_hot(targets, 16)
