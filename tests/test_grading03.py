@@ -1,4 +1,6 @@
 """Lesson 03's checks accept right answers and reject wrong ones (each with a reason)."""
+import re
+import contextlib
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +11,14 @@ from picolib.grading import (ExerciseFailed, check_shard_bounds, check_zero1_ste
 from picolib.zero import shard_bounds, zero_memory_bytes
 
 
+@contextlib.contextmanager
+def fails(pattern):
+    """The check must fail, and one of its problem lines match `pattern`."""
+    with pytest.raises(ExerciseFailed) as info:
+        yield info
+    assert re.search(pattern, info.value.details), info.value.details
+
+
 def test_shard_bounds_right_and_wrong():
     check_shard_bounds(shard_bounds)
 
@@ -16,13 +26,13 @@ def test_shard_bounds_right_and_wrong():
         size = numel // n
         return rank * size, (rank + 1) * size
 
-    with pytest.raises(ExerciseFailed, match="numel=10, n=4"):
+    with fails("numel=10, n=4"):
         check_shard_bounds(floor_division)
 
     def unwritten(numel, n, rank):
         raise NotImplementedError
 
-    with pytest.raises(ExerciseFailed, match="not written yet"):
+    with fails("not written yet"):
         check_shard_bounds(unwritten)
 
 
@@ -32,7 +42,7 @@ def test_zero_memory_right_and_wrong():
     def stage2_keeps_full_grads(stage, psi, n, k):
         return zero_memory_bytes(min(stage, 1) if stage == 2 else stage, psi, n, k, param_bytes=2)
 
-    with pytest.raises(ExerciseFailed, match="stage=2"):
+    with fails("stage=2"):
         check_zero_memory(stage2_keeps_full_grads)
 
     def no_padding(stage, psi, n, k):
@@ -40,7 +50,7 @@ def test_zero_memory_right_and_wrong():
         return {"params": 2 * (shard if stage == 3 else psi), "grads": 2 * (psi if stage <= 1 else shard),
                 "optimizer": k * (psi if stage == 0 else shard)}
 
-    with pytest.raises(ExerciseFailed, match="Ψ=10, N=4"):
+    with fails("Ψ=10, N=4"):
         check_zero_memory(no_padding)
 
 
@@ -82,9 +92,9 @@ def zero1_sum_not_mean(param, grad, lr, group=None):
 
 def test_zero1_step_right_and_wrong():
     check_zero1_step(zero1_right)
-    with pytest.raises(ExerciseFailed, match="used all_reduce"):
+    with fails("used all_reduce"):
         check_zero1_step(zero1_with_all_reduce)
-    with pytest.raises(ExerciseFailed, match="new parameters"):
+    with fails("new parameters"):
         check_zero1_step(zero1_sum_not_mean)
 
 
@@ -122,11 +132,11 @@ def rs_all_reduce(grads, group=None):
 
 def test_reduce_scatter_gradients_right_and_wrong():
     check_reduce_scatter_gradients(rs_right)
-    with pytest.raises(ExerciseFailed, match=r"N=2, every rank \(6 cases like this one\): unit 0 .* 2× too large: a sum where a mean"):
+    with fails(r"N=2, every rank \(6 cases like this one\): unit 0 .* 2× too large: a sum where a mean"):
         check_reduce_scatter_gradients(rs_sum)
-    with pytest.raises(ExerciseFailed, match="the whole gradient; return only this rank's shard"):
+    with fails("the whole gradient; return only this rank's shard"):
         check_reduce_scatter_gradients(rs_all_reduce)
-    with pytest.raises(ExerciseFailed, match="not written yet"):
+    with fails("not written yet"):
         check_reduce_scatter_gradients(lambda grads, group=None: (_ for _ in ()).throw(NotImplementedError))
 
 
@@ -163,7 +173,15 @@ def _split(full, shapes):
 
 def test_gather_unit_right_and_wrong():
     check_gather_unit(gather_right)
-    with pytest.raises(ExerciseFailed, match="reverse rank order"):
+    with fails("reverse rank order"):
         check_gather_unit(gather_reversed)
-    with pytest.raises(ExerciseFailed, match="drop the .* elements of padding"):
+    with fails("drop the .* elements of padding"):
         check_gather_unit(gather_keeps_padding)
+
+
+def test_shard_bounds_names_floor_division_and_clipping():
+    with fails(r"numel=10, n=4: got \[.*\] — ⌊numel/n⌋ per shard"):
+        check_shard_bounds(lambda numel, n, r: (r * (numel // n), (r + 1) * (numel // n)))
+    with fails("the shards stop at numel"):
+        check_shard_bounds(lambda numel, n, r: (min(r * -(-numel // n), numel),
+                                                        min((r + 1) * -(-numel // n), numel)))

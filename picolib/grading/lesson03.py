@@ -44,8 +44,18 @@ def check_shard_bounds(fn) -> None:
         got = [call_student(fn, numel, n, r) for r in range(n)]
         got = [tuple(g) if isinstance(g, (list, tuple)) else g for g in got]
         want = [shard_bounds(numel, n, r) for r in range(n)]
-        problems += compare(f"numel={numel}, n={n}", got, want)
         count += 1
+        if got == want:
+            continue
+        size = -(-numel // n)
+        floor = [(r * (numel // n), (r + 1) * (numel // n)) for r in range(n)]
+        clipped = [(min(a, numel), min(b, numel)) for a, b in want]
+        why = ("⌊numel/n⌋ per shard: the last elements belong to no rank; use ⌈numel/n⌉ and pad"
+               if got == floor else
+               "the shards stop at numel: with padding every shard has ⌈numel/n⌉ elements, the "
+               "last one runs into the padding" if got == clipped else
+               f"each shard is ⌈{numel}/{n}⌉ = {size} elements, rank r starts at r·{size}")
+        problems.append(f"numel={numel}, n={n}: got {got}, expected {want} — {why}")
     report("shard bounds with padding", problems, count)
 
 
