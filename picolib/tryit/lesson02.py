@@ -50,3 +50,86 @@ def buckets(cap_kib: int = 64, n_layers: int = 4, ax=None) -> dict:
     print(f"{plan['calls']} buckets of {[round(k, 1) for k in kib]} KiB "
           f"(a bucket above the dashed cap holds one tensor larger than the cap)")
     return plan
+
+
+# --------------------------------------------------------------------------- checking it
+# Helpers the lesson's "checking it" cells run on ranks; not part of the try-it knob.
+
+def torch_ddp_grads(cap_bytes: int, gradient_as_bucket_view: bool, n_layers: int = 4) -> dict:
+    """On a rank: the tiny Llama under *PyTorch's* DistributedDataParallel, two backward
+    passes (DDP rebuilds its buckets after the first, in the order gradients arrived).
+    Returns the sorted bytes of the distinct storages behind the `.grad`s, their total, and
+    the bytes of the reducer's buckets as DDP's own logging data reports them."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from ..model import random_tokens
+    cfg = LlamaConfig().replace(n_layers=int(n_layers))
+    model = TinyLlama(cfg)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cap_bytes / 2**20,
+                                  gradient_as_bucket_view=gradient_as_bucket_view)
+    x, y = random_tokens(2, 8, cfg.vocab_size, seed=dist.get_rank())
+    for _ in range(2):
+        logits = ddp(x)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                for p in model.parameters()}
+    logged = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+    return {"storages": sorted(storages.values()), "grad_bytes": sum(storages.values()),
+            "bucket_bytes": sum(int(b) for b in str(logged).split(",") if b.strip())}
+
+
+def _one_step_calls(configs):
+    """On a rank: one step of DP (picolib's DDP) and of ZeRO-1/2/3 on the tiny Llama; the
+    (op, buffer bytes) of every collective each made, from the Ledger."""
+    import torch.distributed as dist
+    from ..comm import Ledger
+    from ..data_parallel import DDP
+    from ..model import random_tokens
+    from ..zero import ZeRO
+    cfg = LlamaConfig()
+    x, y = random_tokens(2, 16, cfg.vocab_size, seed=dist.get_rank())
+    out = {}
+    for name in configs:
+        model = TinyLlama(cfg)
+        wrapper = DDP(model) if name == "DP" else ZeRO(model, int(name[-1]), optimizer="sgd", lr=0.1)
+        with Ledger() as led:
+            model.loss(x, y).backward()
+            if name != "DP":
+                wrapper.step()          # stages 1-2 all-gather the updated parameters here
+        out[name] = [(r.op, r.nbytes) for r in led.records]
+    return out
+
+
+def _replay(calls):
+    """On a rank: each recorded (op, bytes) again, on picolib's own rings, which count the
+    bytes they send (measured=True). Returns the bytes this rank sent per configuration."""
+    import torch
+    import torch.distributed as dist
+    from .. import comm
+    from ..comm import Ledger
+    n, sent = dist.get_world_size(), {}
+    for name, ops in calls.items():
+        with Ledger() as led:
+            for op, nbytes in ops:
+                buf = torch.ones(nbytes // 4)
+                if op == "all_reduce":
+                    comm.ring_all_reduce(buf)
+                elif op == "reduce_scatter":
+                    comm.ring_reduce_scatter(buf)
+                elif op == "all_gather":      # the buffer is the output: send a 1/n shard
+                    comm.ring_all_gather(buf[: buf.numel() // n])
+                else:
+                    raise ValueError(f"no ring for {op!r}")
+        assert led.records and all(r.measured for r in led.records)
+        sent[name] = led.total("sent_bytes")
+    return sent
+
+
+def zero_wire_bytes(n: int = 2, configs=("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")) -> dict:
+    """Bytes one rank sends in one training step of each configuration on `n` ranks:
+    the calls recorded on real ranks, replayed on picolib's rings (measured, as lesson 03
+    does). Returns {configuration: bytes}."""
+    from ..launch import run
+    calls = run(_one_step_calls, n, list(configs))[0]
+    return run(_replay, n, calls)[0]
