@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import checkpoint
 from .checkpoint import STATE
 from .context_parallel import LAYOUTS, apply_context_parallel, check_context_parallel
 from .data_parallel import DDP
@@ -68,6 +69,7 @@ class TrainConfig:
     trace: str | None = None
     save: str | None = None       # checkpoint folder (torch.distributed.checkpoint)
     save_every: int = 0           # also save every this many steps (0: only at the end)
+    keep: int = 2                 # complete step folders kept (older ones deleted)
     resume: str | None = None     # continue from this checkpoint, on any mesh
     progress: bool = True
 
@@ -143,6 +145,12 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"--ep {cfg.ep} spreads experts: add --experts")
     if cfg.save_every < 0:
         raise ValueError(f"--save-every must be ≥ 0, not {cfg.save_every}")
+    if cfg.keep < 1:
+        raise ValueError(f"--keep must be at least 1 (the newest checkpoint), not {cfg.keep}")
+    if cfg.save:
+        checkpoint.check_save(cfg.save)
+    if cfg.resume:
+        checkpoint.check_resume(cfg.resume, mcfg)
     if cfg.zero == 3 and cfg.recompute != "none":
         raise ValueError("ZeRO-3 frees parameters after forward: --recompute needs --zero ≤ 2")
 

@@ -143,7 +143,7 @@ def train(cfg: TrainConfig) -> list[dict]:
     parallelism (DP, TP, PP, CP, EP; each the busiest rank's)."""
     check_config(cfg, dist.get_world_size())
     mesh = Mesh(device().type, **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
-    resume = checkpoint.load(cfg.resume, cfg.model_config()) if cfg.resume else None
+    resume = checkpoint.load(checkpoint.latest(cfg.resume), cfg.model_config()) if cfg.resume else None
     stages, wrappers, optimizers, sched, replicas = build(cfg, mesh, resume)
     start = resume[3] if resume else 0
     data = TextData() if cfg.data == "text" else None
@@ -193,7 +193,8 @@ def train(cfg: TrainConfig) -> list[dict]:
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 bar.update()
             if cfg.save and (step == cfg.steps - 1 or cfg.save_every and (step + 1) % cfg.save_every == 0):
-                checkpoint.save(cfg.save, stages, wrappers, optimizers, bool(cfg.zero), step + 1)
+                checkpoint.save(cfg.save, stages, wrappers, optimizers, bool(cfg.zero), step + 1,
+                                keep=cfg.keep)
             if tl is not None:
                 events = gather(tl)
                 if rank0:
@@ -244,9 +245,12 @@ HELP = {
     "log": "write one JSON object per step to this file (under torchrun: --log-file)",
     "trace": "write a Perfetto/Chrome trace of the last step to this file",
     "progress": "show a progress bar and a summary (--no-progress: quiet)",
-    "save": "write a checkpoint (torch.distributed.checkpoint) to this folder at the end",
-    "save_every": "also write it every this many steps (0: only at the end)",
-    "resume": "continue from this checkpoint folder, on this or any other mesh",
+    "save": "write checkpoints (torch.distributed.checkpoint) into this folder, one step-NNNNNN "
+            "folder each, at the end",
+    "save_every": "also save every this many steps (0: only at the end)",
+    "keep": "keep this many newest complete step folders, deleting older ones",
+    "resume": "continue from this folder's newest complete step (or from a step folder), on this "
+              "or any other mesh",
 }
 
 
@@ -268,16 +272,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> list[dict]:
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
     nproc, backend = args.pop("nproc"), args.pop("backend")
     cfg = TrainConfig(**args)
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.world_size if nproc is None else nproc
+    try:
+        check_config(cfg, nproc)
+    except ValueError as e:            # bad input: one line and exit 2, as argparse does
+        parser.error(str(e))
+    if under_torchrun:
         from .launch import init_from_env
-        check_config(cfg, int(os.environ["WORLD_SIZE"]))
         init_from_env(backend)
         return train(cfg)
-    nproc = cfg.world_size if nproc is None else nproc
-    check_config(cfg, nproc)
     from . import train as this   # by reference, so the ranks import it
     from .launch import run
     return run(this.train, nproc, cfg, backend=backend, timeout=max(120.0, 10.0 * cfg.steps))[0]

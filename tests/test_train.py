@@ -108,9 +108,13 @@ def test_bad_configuration_is_refused_naming_the_numbers(options, world, message
         check_config(TrainConfig(**options), world)
 
 
-def test_command_line_refuses_before_starting_ranks_and_logs_json(tmp_path):
-    with pytest.raises(ValueError, match="the world has 4"):
+def test_command_line_refuses_before_starting_ranks_and_logs_json(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
         main(["--nproc", "4", "--dp", "2", "--no-progress"])
+    assert exit_.value.code == 2                       # argparse's way: one line, exit 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m picolib.train: error: ") and "the world has 4" in err[-1]
+    assert not any("Traceback" in line for line in err)
     log = tmp_path / "log.jsonl"
     records = main(["--dp", "2", "--steps", "3", "--log", str(log), "--no-progress",
                     "--trace", str(tmp_path / "trace.json")])
