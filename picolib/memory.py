@@ -310,7 +310,7 @@ def plot_breakdown(rows: dict, ax=None, title: str = "memory per configuration")
         ax.bar(list(rows), vals, bottom=bottom, color=color, label=kind)
         bottom = [x + y for x, y in zip(bottom, vals)]
     ax.set(ylabel=unit, title=title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     return ax
 
 
@@ -326,5 +326,5 @@ def plot_trace(trace: MemoryTrace, ax=None, title: str = "memory over time"):
         if s.event == "step":
             ax.axvline(i, color="k", ls="--", lw=0.8)
     ax.set(xlabel="event (module forward, gradient ready, optimizer step)", ylabel=unit, title=title)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", fontsize=9)
     return ax

@@ -19,8 +19,9 @@ def rank_bars(ranks, unit: float, unit_name: str, limit: float, limit_label: str
     """Stacked bars of each pipeline rank's parameters, gradients, optimizer state and
     activations (bytes / `unit`), with a dashed line at `limit` (lessons 10 and 11)."""
     import matplotlib.pyplot as plt
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.8, 3.1))
+    created = ax is None
+    if created:
+        _, ax = plt.subplots(figsize=(7.6, 3.4))
     bottom = [0.0] * len(ranks)
     for part, color in _PARTS.items():
         vals = [r[part] / unit for r in ranks]
@@ -28,10 +29,11 @@ def rank_bars(ranks, unit: float, unit_name: str, limit: float, limit_label: str
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(limit, color="k", ls="--", lw=1, label=limit_label)
     ax.set(xlabel="pipeline rank", ylabel=f"{unit_name} per rank", xticks=range(len(ranks)), title=title)
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.figure.tight_layout()
-    plt.show()
+    ax.title.set_fontsize(10)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+    if created:                 # a helper handed an ax draws into it and never shows it
+        ax.figure.tight_layout()
+        plt.show()
     return ax
 
 

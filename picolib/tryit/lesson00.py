@@ -44,7 +44,7 @@ def _draw(out, n, nbytes, alpha_us, bandwidth_gbs):
     ax_t.bar(ops, lat, color="0.6", label=f"latency: steps × {alpha_us:g} µs")
     ax_t.bar(ops, bw, bottom=lat, color="C0", label=f"bandwidth: bytes / {bandwidth_gbs:g} GB/s")
     ax_t.set(ylabel="µs", title=f"α–β time, B = {nbytes:.3g} bytes")
-    ax_t.legend(fontsize=7)
+    ax_t.legend(fontsize=9)
     for ax in (ax_b, ax_t):
         ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()

@@ -37,6 +37,7 @@ def buckets(cap_kib: int = 64, n_layers: int = 4, ax=None) -> dict:
     all-reduced, the cap as a dashed line) and return `bucket_plan(cap_kib, n_layers)`."""
     import matplotlib.pyplot as plt
     plan = bucket_plan(cap_kib, n_layers)
+    created = ax is None
     ax = ax or plt.subplots(figsize=(7, 3), layout="constrained")[1]
     kib = [b / 1024 for b in plan["buckets"]]
     ax.bar(range(len(kib)), kib, color="#2a9d8f")
@@ -45,8 +46,9 @@ def buckets(cap_kib: int = 64, n_layers: int = 4, ax=None) -> dict:
            title=f"{n_layers} layer(s), cap {cap_kib} KiB: {plan['calls']} all-reduces per step "
                  f"instead of {plan['tensors']}")
     ax.set_xticks(range(len(kib)))
-    ax.legend(fontsize=8)
-    plt.show()
+    ax.legend(fontsize=9)
+    if created:
+        plt.show()
     print(f"{plan['calls']} buckets of {[round(k, 1) for k in kib]} KiB "
           f"(a bucket above the dashed cap holds one tensor larger than the cap)")
     return plan

@@ -75,10 +75,12 @@ def zero_bars(stage: int = 3, n: int = 8, model: str = "7.5B (ZeRO paper)",
     """Draw DP beside ZeRO-`stage` on `n` ranks for `model`; return `per_rank(...)`."""
     import matplotlib.pyplot as plt
     mem = per_rank(stage, n, MODELS[model], precision)
+    created = ax is None
     ax = plot_groups({f"N = {n}": mem},
                      ax=ax or plt.subplots(figsize=(4.5, 3.8), layout="constrained")[1],
                      title=f"{model}\n{precision}: bytes per rank")
-    plt.show()
+    if created:
+        plt.show()
     dp, z = (sum(m.values()) for m in mem.values())
     print(f"DP {dp:,} B, ZeRO-{stage} {z:,} B per rank: {dp / z:.2f}× less")
     return mem

@@ -61,7 +61,8 @@ def tp_layer_bytes(tp: int = 1, model: str = "Llama-3-70B", seq: int = 4096, ax=
     if tp not in tps:
         raise ValueError(f"tp must be one of {tps}, not {tp!r}")
     rows = {t: layer_bytes(t, hidden, heads, kv, ffn, seq) for t in tps}
-    if ax is None:
+    created = ax is None
+    if created:
         _, ax = plt.subplots(1, 2, figsize=(9, 3.2))
     for a, key, label in ((ax[0], "weights", "weights per rank (MB)"),
                           (ax[1], "all_reduce_sent", "all-reduce MB sent per rank per step")):
@@ -71,8 +72,9 @@ def tp_layer_bytes(tp: int = 1, model: str = "Llama-3-70B", seq: int = 4096, ax=
         bars[tps.index(tp)].set_linewidth(2.5)
         a.set_xlabel("tp"); a.set_title(label, fontsize=10)
     ax[0].figure.suptitle(f"one {model} block, bf16, {seq} tokens", fontsize=10)
-    ax[0].figure.tight_layout()
-    plt.show()
+    if created:
+        ax[0].figure.tight_layout()
+        plt.show()
     mine = rows[tp]
     print(f"tp={tp}: {mine['weights'] / 1e6:,.1f} MB of weights per rank, "
           f"{mine['all_reduce_calls']} all-reduces sending {mine['all_reduce_sent'] / 1e6:,.1f} MB "

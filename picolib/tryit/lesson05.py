@@ -37,7 +37,8 @@ def saved_bytes_bars(tp: int = 1, seq: int = 128, sp: bool = False, ax=None) -> 
     if seq % 8:
         raise ValueError(f"seq={seq} must be a multiple of 8 (every tp here must divide it)")
     one = saved_bytes(1, seq, False)
-    if ax is None:
+    created = ax is None
+    if created:
         _, ax = plt.subplots(figsize=(6.5, 3.2))
     for k, (mode, color) in enumerate(((False, "#e15759"), (True, "#4e79a7"))):
         xs = [i + 0.38 * k for i in range(len(tps))]
@@ -51,8 +52,9 @@ def saved_bytes_bars(tp: int = 1, seq: int = 128, sp: bool = False, ax=None) -> 
     ax.set_title(f"one block (h={SHAPE['hidden']}, f={SHAPE['ffn_hidden']}, "
                  f"{SHAPE['n_heads']} heads, fp32, eager attention), {seq} tokens", fontsize=9)
     ax.legend(frameon=False)
-    ax.figure.tight_layout()
-    plt.show()
+    if created:
+        ax.figure.tight_layout()
+        plt.show()
     mine = saved_bytes(tp, seq, sp)
     out = {"bytes": mine, "one_process": one, "fraction": mine / one}
     print(f"tp={tp}, {'TP+SP' if sp else 'TP'}, {seq} tokens: {mine / 2**20:,.2f} MiB per layer "

@@ -38,8 +38,9 @@ def score_grid(n: int = 4, layout: str = "zigzag", seq: int = 1680, ax=None) -> 
     chunks = n if layout == "contiguous" else 2 * n
     owner = {i: r for r in range(n) for i in chunk_ids(layout, r, n)}
     colors = plt.get_cmap("tab10")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(4.2, 4.2))
+    created = ax is None
+    if created:
+        _, ax = plt.subplots(figsize=(4.6, 4.6))
     for i in range(chunks):                  # query chunk i: row i (top to bottom)
         for j in range(chunks):
             kind = visible(i, j)
@@ -54,8 +55,9 @@ def score_grid(n: int = 4, layout: str = "zigzag", seq: int = 1680, ax=None) -> 
     ax.set(xlim=(0, chunks), ylim=(0, chunks), aspect="equal", xlabel="key chunk",
            ylabel="query chunk", xticks=[], yticks=[])
     ax.set_title(f"{layout}, N = {n}: who computes which scores", fontsize=10)
-    ax.legend(loc="upper right", fontsize=7, frameon=False)
-    plt.show()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9, frameon=False)
+    if created:                 # handed an ax (a panel of a bigger figure): draw, never show
+        plt.show()
     ratio = max(work) / min(work)
     print(f"{layout}, N={n}, {seq} tokens: scores per rank {work}; busiest / idlest = {ratio:.2f}")
     return {"work": work, "ratio": ratio}

@@ -39,11 +39,12 @@ def slicing_gantt(n_slices: int = 4, p: int = 4, context_cost: float = 1.0, plot
     if plot:
         import matplotlib.pyplot as plt
         fig, axes = plt.subplots(2, 1, figsize=(12, 0.9 * p + 2), sharex=True, layout="constrained")
+        longest = max(makespan(ev) for ev in events.values())
         for ax, (k, ev) in zip(axes, events.items()):
             for e in ev:
                 e["meta"]["label"] = str(e["meta"]["mb"])
             sl = list(plans[k].slices)
-            plot_gantt(ev, ax=ax, title=f"{k}: slices {sl if len(sl) <= 10 else str(sl[:10])[:-1] + ', …]'}"
+            plot_gantt(ev, ax=ax, unit="s", xmax=longest, title=f"{k}: slices {sl if len(sl) <= 10 else str(sl[:10])[:-1] + ', …]'}"
                                          f" — T = {out[k]:.1f} (simulated)")
             ax.set_xlabel("ideal time units (simulated)")
             ax.set_xlim(0, max(out["uniform"], out["dp"]))
