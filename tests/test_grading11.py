@@ -68,3 +68,114 @@ def test_fits():
         check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, z, 0, hbm))
     with fails("fits"):              # 80 GiB instead of 80 GB
         check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, z, a, 80 * 2**30))
+
+
+# ---------------------------------------------- issue 37: one wrong answer per common mistake
+
+def test_all_reduce_time_two_n_steps():
+    with fails("2\\(N−1\\) steps, not 2N"):
+        check_all_reduce_time(lambda b, n, w, a: 2 * n * a + 2 * (n - 1) / n * b / w)
+
+
+def test_critical_tokens_w_counted_twice():
+    with fails("2× too small: in-network"):
+        check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * c / (4 * w))
+
+
+def test_fits_more_mistakes():
+    with fails("Adam's state is 12 bytes"):
+        check_fits(lambda n, tp, pp, dp, z, a, hbm: (
+            fits(n, tp, pp, dp, z, a, hbm)[0] - 4 * n / (tp * pp) / (dp if z else 1),) * 1
+            + (True,))
+    with fails("another stage's count"):        # ZeRO-2 that forgets to shard the gradients
+        check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, 1 if z == 2 else z, a, hbm))
+    with fails("use ≤, not <"):
+        check_fits(lambda n, tp, pp, dp, z, a, hbm: (fits(n, tp, pp, dp, z, a, hbm)[0],
+                                                     fits(n, tp, pp, dp, z, a, hbm)[0] < hbm))
+    with fails("not 80 GiB"):
+        check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, z, a, 80 * 2**30))
+    with fails("return \\(bytes, fits\\)"):
+        check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, z, a, hbm)[0])
+
+
+# --------------------------------------------- issue 38: the GPU chapter's problems 1 and 2
+
+from picolib.grading.lesson11 import BOOK_LEVELS, LINK_LEVELS, check_sharded_all_reduce, check_spine_batch
+
+
+def sharded_all_reduce(D, F, X, Y, levels):
+    """The rule of the book: level i carries B·S_i/(max(Y, S_(i−1))·W_i), the slowest sets T."""
+    nbytes, span, below, worst = 2 * D * F, X * Y, 1, 0.0
+    for gpus, total in levels:
+        if span > below:
+            worst = max(worst, nbytes * gpus / (max(Y, below) * total))
+        below = gpus
+    return worst
+
+
+def _levels_with(rule):
+    def fn(D, F, X, Y, levels):
+        out, below = [], 1
+        for gpus, total in levels:
+            if X * Y > below:
+                out.append(rule(2 * D * F, gpus, total, Y, below))
+            below = gpus
+        return out
+    return fn
+
+
+def test_sharded_all_reduce():
+    check_sharded_all_reduce(sharded_all_reduce)
+    # written differently: B/Y per GPU in a node over one GPU's share of the switch
+    check_sharded_all_reduce(lambda D, F, X, Y, lv: max(
+        2 * D * F * s / (max(Y, b) * w) for (s, w), b in zip(lv, (1,) + tuple(x[0] for x in lv))
+        if X * Y > b))
+    with fails("not written yet"):
+        check_sharded_all_reduce(stub)
+    with fails("must send every shard"):
+        check_sharded_all_reduce(lambda *a: max(_levels_with(lambda B, s, w, Y, b: B * s / (Y * b * w))(*a)))
+    with fails("Y is missing"):
+        check_sharded_all_reduce(lambda *a: max(_levels_with(lambda B, s, w, Y, b: B * s / (b * w))(*a)))
+    with fails("the fastest level"):
+        check_sharded_all_reduce(lambda *a: min(_levels_with(lambda B, s, w, Y, b: B * s / (max(Y, b) * w))(*a)))
+    with fails("the sum of the levels"):
+        check_sharded_all_reduce(lambda *a: sum(_levels_with(lambda B, s, w, Y, b: B * s / (max(Y, b) * w))(*a)))
+    with fails("2 bytes per element"):
+        check_sharded_all_reduce(lambda D, F, X, Y, lv: sharded_all_reduce(D, F, X, Y, lv) / 2)
+    with fails("sends its bytes once"):
+        check_sharded_all_reduce(lambda D, F, X, Y, lv: sharded_all_reduce(D, F, X, Y, lv) * 2)
+
+
+def spine_batch(peak, levels, X, Y):
+    w = 2 * 1 * 1 / sharded_all_reduce(1, 1, X, Y, levels)        # bytes/s for B = 2 bytes
+    per_replica = Y * peak / (2 * w)
+    return per_replica / Y, per_replica
+
+
+def test_spine_batch():
+    check_spine_batch(spine_batch)
+    per_gpu, per_replica = spine_batch(989e12, BOOK_LEVELS, 4, 256)
+    assert round(per_gpu, 1) == 77.3 and round(per_replica) == 19_780 and round(per_gpu) * 256 == 19_712
+    per_gpu, per_replica = spine_batch(989e12, LINK_LEVELS, 4, 256)
+    assert round(per_gpu, 1) == 38.6 and round(per_replica) == 9_890
+    with fails("not written yet"):
+        check_spine_batch(stub)
+    with fails("rounded tokens per GPU first"):
+        check_spine_batch(lambda c, lv, X, Y: (spine_batch(c, lv, X, Y)[0], round(spine_batch(c, lv, X, Y)[0]) * Y))
+    with fails("divide by Y"):
+        check_spine_batch(lambda c, lv, X, Y: (spine_batch(c, lv, X, Y)[1], spine_batch(c, lv, X, Y)[1] * Y))
+    with fails("C/\\(2W\\), not C/W"):
+        check_spine_batch(lambda c, lv, X, Y: tuple(2 * t for t in spine_batch(c, lv, X, Y)))
+    with fails("crosses the switch once"):
+        check_spine_batch(lambda c, lv, X, Y: tuple(t / 2 for t in spine_batch(c, lv, X, Y)))
+    with fails("not the slowest"):                       # the leaf's 12.8 TB/s instead of the spine's
+        def leaf(c, lv, X, Y):
+            below, ws = 1, []
+            for s, w in lv:
+                if X * Y > below:
+                    ws.append(max(Y, below) * w / s)
+                below = s
+            return c / (2 * max(ws)), Y * c / (2 * max(ws))
+        check_spine_batch(leaf)
+    with fails("return \\(tokens per GPU"):
+        check_spine_batch(lambda c, lv, X, Y: spine_batch(c, lv, X, Y)[0])

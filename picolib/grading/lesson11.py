@@ -7,15 +7,23 @@
   above which data parallelism (or FSDP) is compute-bound (picolib.hardware.critical_tokens_dp).
 - `check_fits(fn)`: `fn(n_params, tp, pp, dp, zero, activation_bytes, hbm)` → (bytes per GPU,
   fits): bf16 mixed precision with Adam, ZeRO over dp (picolib.sharded_optim.zero_memory_bytes).
+- `check_sharded_all_reduce(fn)`: `fn(D, F, X, Y, levels)` → seconds of AllReduce over X GPUs
+  of bf16[D, F_Y] (Y model-parallel GPUs between them), in-network reduction at every level;
+  `levels` = ((S_i, W_i), ...) GPUs under one unit and its total switch bandwidth
+  (picolib.hardware.all_reduce_bandwidth with inner=Y). The GPU chapter's problem 1.
+- `check_spine_batch(fn)`: `fn(peak_flops, levels, X, Y)` → (tokens per GPU, tokens per model
+  replica) above which that all-reduce hides behind backward. The GPU chapter's problem 2.
 Each names the common slip when an answer matches it.
 """
 from __future__ import annotations
 
-from ..hardware import PRESETS, all_reduce_bandwidth, critical_tokens_dp, ring_time
+from ..hardware import (PRESETS, Hardware, Level, all_reduce_bandwidth, critical_tokens_dp,
+                        ring_time, superpod_levels)
 from ..sharded_optim import zero_memory_bytes
 from ._core import call_student, compare, report
 
-__all__ = ["check_all_reduce_time", "check_critical_tokens", "check_fits"]
+__all__ = ["check_all_reduce_time", "check_critical_tokens", "check_fits", "check_sharded_all_reduce",
+           "check_spine_batch", "BOOK_LEVELS", "LINK_LEVELS"]
 
 
 def _ratio(got, expected):
@@ -104,11 +112,148 @@ def check_fits(fn) -> None:
             continue
         wrong = compare(what + ": bytes", got[0], float(expected[0]), atol=0.5, rtol=0) + \
             compare(what + ": fits", bool(got[1]), expected[1])
+        try:
+            float(got[0])
+        except (TypeError, ValueError):
+            problems += wrong
+            continue
         psi = n // (tp * pp)
         if wrong and abs(float(got[0]) - (16 * psi + act)) < 1 and zero:
             wrong = [wrong[0] + " — that is plain DP: ZeRO-1 shards the optimizer state (12 bytes "
                      "per parameter with the fp32 master), ZeRO-2 the gradients too, ZeRO-3 all"]
         elif wrong and abs(float(got[0]) - (expected[0] - act)) < 1:
             wrong = [wrong[0] + " — the activations are missing"]
+        elif wrong and abs(float(got[0]) - expected[0] + 4 * (psi if zero == 0 else psi / dp)) < 1:
+            wrong = [wrong[0] + " — 4 bytes per parameter short: Adam's state is 12 bytes "
+                     "(fp32 master 4 + two fp32 moments 8), not 8"]
+        elif wrong and zero and any(abs(float(got[0]) - _fits_reference(n, tp, pp, dp, z, act, hbm)[0]) < 1
+                                    for z in (zero - 1, zero + 1) if 0 <= z <= 3):
+            wrong = [wrong[0] + " — another stage's count: ZeRO-1 shards the optimizer state, "
+                     "ZeRO-2 also the gradients, ZeRO-3 also the weights"]
+        elif len(wrong) == 1 and ": fits" in wrong[0]:      # the bytes are right, the verdict not
+            wrong = [wrong[0] + (" — exactly hbm bytes fit: use ≤, not <" if expected[0] == hbm else
+                                 f" — compare with hbm as given ({hbm:,.0f} bytes; 80 GB is 80·10⁹ "
+                                 "bytes, not 80 GiB)")]
         problems += wrong
     report("does it fit in 80 GB", problems, len(cases))
+
+
+# ------------------------------------------- the GPU chapter's problems 1 and 2 (scaling)
+
+# (GPUs under one unit, the unit's total switch bandwidth in bytes/s) of a 1,024-GPU H100
+# SuperPod: the scaling book's (every switch priced at 64 × 25 GB/s, spine 25.6 TB/s) and the
+# one lesson 00 derived from the InfiniBand switches' 64 × 400 Gb/s ports (spine 51.2 TB/s).
+BOOK_LEVELS = tuple((lv.gpus, lv.total) for lv in PRESETS["H100-SXM"].levels)
+LINK_LEVELS = tuple((lv.gpus, lv.total) for lv in superpod_levels())
+
+
+def _hw(levels) -> Hardware:
+    h = PRESETS["H100-SXM"]
+    return Hardware("levels", h.bf16, h.fp8, h.memory, h.hbm_bandwidth,
+                    tuple(Level(f"L{i}", s, w / s, w) for i, (s, w) in enumerate(levels)))
+
+
+def _sharded_reference(D, F, X, Y, levels) -> float:
+    return 2 * D * F / all_reduce_bandwidth(_hw(levels), X, inner=Y)
+
+
+def _sharded_variants(D, F, X, Y, levels) -> dict:
+    """What the common slips give, each with its one-line diagnosis."""
+    B, span, below, out = 2 * D * F, X * Y, 1, {}
+    per_level = []
+    for s, w in levels:
+        if span > below:
+            per_level.append((B * s / (max(Y, below) * w), B * s / (Y * below * w), B * s / (below * w)))
+        below = s
+    if not per_level:
+        return out
+    out[max(p[1] for p in per_level)] = ("B/Y at every level: beyond the node its switch must send "
+                                         "every shard, all B bytes — use max(Y, S_(i−1)), not Y·S_(i−1)")
+    out[max(p[2] for p in per_level)] = ("Y is missing: GPUs with different shards share each unit — "
+                                         "level i carries B·S_i/(max(Y, S_(i−1))·W_i)")
+    out[min(p[0] for p in per_level)] = "the fastest level: the slowest level the group reaches sets the time"
+    out[sum(p[0] for p in per_level)] = "the sum of the levels: they overlap, the slowest one sets the time"
+    ref = max(p[0] for p in per_level)
+    out[ref / 2] = "half: bf16 is 2 bytes per element — B = 2·D·F"
+    out[ref * 2] = "twice: with in-network reduction each GPU sends its bytes once (no 2(N−1)/N ring)"
+    out[ref * 8] = "bits, not bytes? B = 2·D·F bytes against W in bytes/s"
+    return out
+
+
+def check_sharded_all_reduce(fn) -> None:
+    """Inside a node (the problem), across the leaf and the spine (its 'beyond a node'), the
+    scaling book's levels and the link-derived ones."""
+    cases = ((8192, 28672, 8, 1, BOOK_LEVELS), (8192, 28672, 2, 4, BOOK_LEVELS),
+             (4096, 16384, 1, 8, BOOK_LEVELS), (8192, 28672, 16, 64, BOOK_LEVELS),
+             (8192, 28672, 4, 256, BOOK_LEVELS), (8192, 28672, 4, 256, LINK_LEVELS),
+             (16384, 53248, 128, 8, BOOK_LEVELS))
+    problems = []
+    for D, F, X, Y, levels in cases:
+        expected = _sharded_reference(D, F, X, Y, levels)
+        got = call_student(fn, D, F, X, Y, levels)
+        what = (f"D={D}, F={F}, X={X}, Y={Y}, "
+                f"{'book' if levels == BOOK_LEVELS else 'link-derived'} levels")
+        wrong = compare(what, got, expected, atol=0, rtol=1e-6)
+        if wrong:
+            for value, hint in _sharded_variants(D, F, X, Y, levels).items():
+                try:
+                    if abs(float(got) - value) <= 1e-6 * value and abs(value - expected) > 1e-6 * expected:
+                        wrong = [wrong[0] + f" — {hint}"]
+                        break
+                except (TypeError, ValueError):
+                    break
+        problems += wrong
+    report("all-reduce of a sharded array", problems, len(cases))
+
+
+def _spine_reference(peak, levels, X, Y):
+    per_replica = Y * peak / (2 * all_reduce_bandwidth(_hw(levels), X, inner=Y))
+    return per_replica / Y, per_replica
+
+
+def check_spine_batch(fn) -> None:
+    """256-way model parallelism on 1,024 H100s (the book's spine and the link-derived one),
+    64-way, and a GB200-like peak."""
+    cases = ((989e12, BOOK_LEVELS, 4, 256), (989e12, LINK_LEVELS, 4, 256),
+             (989e12, BOOK_LEVELS, 16, 64), (2.5e15, BOOK_LEVELS, 4, 256), (989e12, BOOK_LEVELS, 128, 8))
+    problems = []
+    for peak, levels, X, Y in cases:
+        per_gpu, per_replica = _spine_reference(peak, levels, X, Y)
+        got = call_student(fn, peak, levels, X, Y)
+        what = (f"C={peak / 1e12:g} TFLOP/s, X={X}, Y={Y}, "
+                f"{'book' if levels == BOOK_LEVELS else 'link-derived'} levels")
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            problems.append(f"{what}: return (tokens per GPU, tokens per model replica), got {got!r}")
+            continue
+        wrong = compare(what + ": tokens per GPU", got[0], per_gpu, atol=0, rtol=1e-6) + \
+            compare(what + ": tokens per replica", got[1], per_replica, atol=0, rtol=1e-6)
+        try:
+            g0, g1 = float(got[0]), float(got[1])
+        except (TypeError, ValueError):
+            problems += wrong
+            continue
+        close = lambda a, b: abs(a - b) <= 1e-6 * abs(b)
+        if wrong and close(g1, round(per_gpu) * Y) and close(g0, per_gpu):
+            wrong = [f"{what}: tokens per replica {g1:,.0f} — you rounded tokens per GPU first "
+                     f"(the book's 77·256 = 19,712); round at the end: {per_replica:,.1f}"]
+        elif wrong and close(g0, per_replica) and close(g1, per_replica * Y):
+            wrong = [f"{what}: {g0:,.1f} per GPU is the replica's count — a model replica's Y GPUs "
+                     "share its tokens: divide by Y"]
+        elif wrong and close(g0, 2 * per_gpu):
+            wrong = [wrong[0] + " — 2× too large: backward is 4 FLOPs per weight per token against "
+                     "2 bytes of bf16 gradient, so C/(2W), not C/W"]
+        elif wrong and close(g0, per_gpu / 2):
+            wrong = [wrong[0] + " — 2× too small: with in-network reduction the gradient crosses the "
+                     "switch once — T = 2DF/W, not 4DF/W"]
+        elif wrong:
+            hw = _hw(levels)
+            below, alts = 1, []
+            for lv in hw.levels:
+                if X * Y > below:
+                    alts.append(peak / (2 * max(Y, below) * lv.total / lv.gpus))
+                below = lv.gpus
+            if any(close(g0, a) for a in alts):
+                wrong = [wrong[0] + " — that level is not the slowest: the slowest level the group "
+                         "reaches sets W (the spine at 256-way)"]
+        problems += wrong
+    report("smallest batch with the all-reduce at the spine", problems, len(cases))
