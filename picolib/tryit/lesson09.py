@@ -40,24 +40,29 @@ def dispatch_bytes_bars(ep: int = 8, top_k: int = 1, ax=None) -> dict:
     the chosen k outlined; prints and returns the chosen numbers."""
     import matplotlib.pyplot as plt
 
+    from ..style import COLLECTIVES
+
     ks = list(range(1, 9))
     if top_k not in ks:
         raise ValueError(f"top_k must be one of {ks}, not {top_k!r}")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.5, 3.2))
-    for j, (name, color) in enumerate((("alltoall", "#4e79a7"), ("allgather", "#e15759"))):
+    created = ax is None
+    if created:
+        _, ax = plt.subplots(figsize=(8, 3.4), layout="constrained")
+    for j, (name, label) in enumerate((("alltoall", "all-to-all"), ("allgather", "all-gather"))):
         xs = [k + 0.38 * j for k in ks]
+        color = COLLECTIVES["all_to_all" if name == "alltoall" else "all_gather"]
         bars = ax.bar(xs, [dispatch_bytes(ep, k, name) / 2**20 for k in ks], width=0.36,
-                      color=color, label=name)
+                      color=color, label=label)
         bars[top_k - 1].set_edgecolor("black")
         bars[top_k - 1].set_linewidth(2.5)
     ax.set_xticks([k + 0.19 for k in ks], [f"k={k}" for k in ks])
+    ax.set_xlabel("top-k (the chosen k outlined in black)")
     ax.set_ylabel("MiB sent per rank (forward)")
     ax.set_title(f"ep = {ep}: {SHAPE['tokens']} tokens per rank, h = {SHAPE['hidden']}, "
-                 f"{SHAPE['n_experts']} experts, bf16, even routing", fontsize=9)
-    ax.legend(frameon=False)
-    ax.figure.tight_layout()
-    plt.show()
+                 f"{SHAPE['n_experts']} experts, bf16, even routing (computed)", fontsize=10)
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # off the bars
+    if created:
+        plt.show()
     a2a, ag = dispatch_bytes(ep, top_k, "alltoall"), dispatch_bytes(ep, top_k, "allgather")
     print(f"ep={ep}, top-{top_k}: all-to-all {a2a / 2**20:,.1f} MiB, all-gather {ag / 2**20:,.1f} MiB "
           f"per rank per forward (all-gather / all-to-all = {ag / a2a:.2f})")
