@@ -1,9 +1,12 @@
 """The site (`make site`, tools/site.py) and the decks (`make slides`, tools/slides.py): one
 short lesson is executed and exported beside a one-cell lesson after it. No cell errored,
-every figure is in the page as a data: URI (the try-it cell's too), the index and the
-previous/next links lead to pages that exist, nothing is fetched while the pages are written,
-and a failing cell stops the build naming the lesson and the cell."""
+every figure is in the page as a data: URI (the try-it cell's too) with its title in its alt
+text, the index and the previous/next links lead to pages that exist, the glossary is a page
+linked from the index and every lesson, no link points to a file the site does not have,
+nothing is fetched while the pages are written, and a failing cell stops the build naming the
+lesson and the cell."""
 import importlib.util
+import re
 import socket
 from html.parser import HTMLParser
 from pathlib import Path
@@ -42,6 +45,14 @@ class Tags(HTMLParser):
         return [a for t, a in self.tags if t == tag and all(a.get(k) == v for k, v in where.items())]
 
 
+KNOWN_TEXT = ("### A figure\n\nA known sentence about [ranks](../docs/glossary.md#rank). A second one; "
+              "then [the exercises](../exercises/04_tensor_parallel.ipynb), [the comm module]"
+              "(../picolib/comm.py) and [lesson 04](04_tensor_parallel.ipynb).")
+KNOWN_FIGURE = ("import matplotlib.pyplot as plt\n"
+                "fig, ax = plt.subplots(figsize=(3, 2))\n"
+                "ax.plot([0, 1]); ax.set_xlabel('step (count)'); ax.set_title('A known title')")
+
+
 def _lesson(path, cells):
     nb = nbformat.v4.new_notebook(cells=cells)
     nbformat.write(nb, path)
@@ -58,7 +69,9 @@ def built(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("site")
     after = _lesson(tmp / "99_after.ipynb", [
         nbformat.v4.new_markdown_cell("# 99 · The lesson after\n\nYou will see a link back."),
-        nbformat.v4.new_code_cell("print('the next lesson ran')")])
+        nbformat.v4.new_code_cell("print('the next lesson ran')"),
+        nbformat.v4.new_markdown_cell(KNOWN_TEXT),
+        nbformat.v4.new_code_cell(KNOWN_FIGURE)])
     executed = []
     for src in (LESSON, after):
         dest = tmp / "executed" / src.name
@@ -192,3 +205,54 @@ def test_every_lesson_carries_the_slide_metadata_of_the_rule():
     stale = {p.name: slides_tool.differing(nbformat.read(p, as_version=4))
              for p in slides_tool.lessons()}
     assert not {k: v for k, v in stale.items() if v}, "run: python tools/slides.py"
+
+
+def test_the_glossary_is_a_page_linked_from_the_index_and_every_lesson(built):
+    glossary = Tags(_page(built, "glossary.html"))
+    ids = {a.get("id") for _, a in glossary.tags}
+    assert {"process-group", "all-reduce", "f-and-g", "notation"} <= ids
+    assert "glossary.html" in {a["href"] for a in Tags(_page(built, "index.html")).all("a")}
+    for name in (PAGE, "99_after.html"):
+        hrefs = [a["href"] for a in Tags(_page(built, name)).all("a")]
+        assert hrefs.count("glossary.html") == 2, (name, "top and bottom bar")
+
+
+def test_every_figure_has_its_title_and_a_sentence_as_alt_text(built):
+    nb = built["executed"][0]
+    imgs = Tags(_page(built, PAGE)).all("img")
+    outputs = [o for _, o in _image_outputs(nb)]
+    assert len(imgs) == len(outputs) > 0
+    for img, out in zip(imgs, outputs):
+        titles = [" ".join(t.split()) for t in out.metadata.get("figure", {}).get("titles", [])]
+        assert titles, "the kernel recorded no title for a figure of lesson 04"
+        alt = img.get("alt", "")
+        assert alt and "No description" not in alt
+        assert all(t in alt for t in titles), (titles, alt)
+        assert len(alt) > len("; ".join(titles)) + 10, f"no sentence after the title: {alt!r}"
+    # the known figure: its title, then the first sentence of the cell above, links as words
+    known = Tags(_page(built, "99_after.html")).all("img")
+    assert [a["alt"] for a in known] == ["A known title. A known sentence about ranks."]
+
+
+def test_no_link_points_to_a_missing_file(built):
+    out = built["out"]
+    pages = sorted(out.glob("*.html"))
+    ids = {p.name: {a.get("id") for _, a in Tags(p.read_text(encoding="utf-8")).tags} for p in pages}
+    checked = 0
+    for p in pages:
+        tags = Tags(p.read_text(encoding="utf-8"))
+        refs = ([a.get("href", "") for a in tags.all("a")] + [a.get("href", "") for a in tags.all("link")]
+                + [a.get("src", "") for t in ("img", "script") for a in tags.all(t)])
+        for ref in refs:
+            if not ref or ref.startswith(("#", "data:")) or re.match(r"[a-z][a-z0-9+.-]*:", ref):
+                continue
+            path, _, fragment = ref.split("?")[0].partition("#")
+            assert (out / path).is_file(), f"{p.name} links to {ref}, which the site lacks"
+            if fragment and path.endswith(".html"):
+                assert fragment in ids[path], f"{p.name} links to {ref}: no such anchor"
+            checked += 1
+    assert checked > 10
+    after = _page(built, "99_after.html")
+    assert 'href="glossary.html#rank"' in after and 'href="04_tensor_parallel.html"' in after
+    assert "<code>exercises/04_tensor_parallel.ipynb</code>" in after     # kept as text
+    assert "<code>picolib/comm.py</code>" in after

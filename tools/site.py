@@ -19,6 +19,13 @@ as base64 `data:` URIs and inlines its CSS, so a page is one file that reads off
 downloads nothing at build time. A site generator (Jupyter Book, Sphinx with myst-nb,
 Quarto) would bring a second toolchain for features this course does not need.
 
+Figures: before a lesson runs, the kernel is given a display formatter that writes down the
+titles of every matplotlib figure it shows (a setup cell, removed again afterwards); each
+figure's <img> then gets as alt text its title(s) and the first sentence of the markdown cell
+before it. Links: `../docs/glossary.md#term` becomes `glossary.html#term`, a link to a lesson
+its page; a link to anything the site does not hold (an exercise, a library file) becomes its
+path in the repository, in plain text, with the way to open it.
+
 Widgets: a "try it" cell (`picolib.tryit.knobs`) shows sliders and draws into an Output widget.
 A static page has no kernel to move them, so the page shows what the first call drew and a
 line naming each knob and its range.
@@ -34,6 +41,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 import nbformat
 from nbclient import NotebookClient
@@ -52,19 +60,60 @@ class LessonFailed(RuntimeError):
     """A lesson's cell raised or ran out of time while the site was being built."""
 
 
+FIGURE_MIME = "application/vnd.picolib.figure+json"
+
+# Run in the kernel before the lesson's first cell: every matplotlib figure that is displayed
+# (inline, or into a try-it's Output widget) also yields {"titles": [...]} under FIGURE_MIME.
+SETUP = f"""
+def _picolib_site_setup():
+    import sys
+    from IPython import get_ipython
+    from IPython.core.formatters import BaseFormatter
+
+    def titles(fig):
+        found = [fig._suptitle.get_text()] if getattr(fig, "_suptitle", None) else []
+        for ax in fig.axes:
+            found += [ax.get_title(loc) for loc in ("left", "center", "right")]
+        for sub in getattr(fig, "subfigs", []):
+            found += titles(sub)
+        return [t.strip() for t in found if t and t.strip()]
+
+    class FigureTitles(BaseFormatter):
+        # not registered by type: the inline backend drops every formatter's Figure entry
+        format_type = {FIGURE_MIME!r}
+        _return_type = dict
+
+        def __call__(self, obj):
+            figure = sys.modules.get("matplotlib.figure")
+            if figure is None or not isinstance(obj, figure.Figure):
+                return None
+            return {{"titles": titles(obj)}}
+
+    shell = get_ipython()
+    formatter = FigureTitles(parent=shell.display_formatter)
+    shell.display_formatter.formatters[formatter.format_type] = formatter
+
+_picolib_site_setup()
+del _picolib_site_setup
+"""
+
+
 def execute(path: Path, timeout: float = 300) -> nbformat.NotebookNode:
     """Run every cell of the lesson at `path` in a fresh kernel (cwd: the lesson's folder).
     Records the wall-clock seconds of the whole run and of each cell in
-    `nb.metadata["site"]`, and replaces widgets by static outputs."""
+    `nb.metadata["site"]`, the titles of each figure in its output's metadata
+    (`metadata["figure"]["titles"]`), and replaces widgets by static outputs."""
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(SETUP))   # cell indices below are the lesson's
     cells, current = {}, {}
 
     def started(cell, cell_index):
-        current.update(index=cell_index, t0=time.perf_counter())
+        current.update(index=cell_index - 1, t0=time.perf_counter())
 
     def finished(cell, cell_index, execute_reply):
-        cells[cell_index] = round(time.perf_counter() - current["t0"], 2)
+        if cell_index > 0:
+            cells[cell_index - 1] = round(time.perf_counter() - current["t0"], 2)
 
     # one execute() call, so one event loop reads the kernel's replies from start to end (run
     # cell by cell, a try-it cell's reply was now and then seen only at the cell's timeout)
@@ -76,14 +125,34 @@ def execute(path: Path, timeout: float = 300) -> nbformat.NotebookNode:
         client.execute()
     except (CellControlSignal, DeadKernelError) as e:   # an error, a timeout, a dead kernel
         index = current.get("index")
-        first = nb.cells[index].source.strip().splitlines()[:1] if index is not None else []
+        if index == -1:
+            raise LessonFailed(f"{path.name}: the site's setup cell failed: {ANSI.sub('', str(e))[-2000:]}") from None
+        first = nb.cells[index + 1].source.strip().splitlines()[:1] if index is not None else []
         detail = ANSI.sub("", str(e))[-2000:]
         raise LessonFailed(f"{path.name}: cell {index} ({first[0][:60] if first else ''!r}) "
                            f"failed: {type(e).__name__}: {detail}") from None
+    setup = nb.cells.pop(0)
+    for cell in nb.cells:                               # number the lesson's cells from 1
+        if cell.cell_type == "code" and cell.execution_count and setup.execution_count:
+            cell.execution_count -= setup.execution_count
+            for out in cell.outputs:
+                if "execution_count" in out and out.execution_count:
+                    out.execution_count -= setup.execution_count
     nb.metadata["site"] = {"seconds": round(time.perf_counter() - start, 1), "cells": cells,
                            "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
     flatten_widgets(nb)
+    figure_titles_to_metadata(nb)
     return nb
+
+
+def figure_titles_to_metadata(nb) -> None:
+    """Move the titles the setup cell wrote beside each figure into the output's metadata,
+    where exporters do not look for something to display. In place."""
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if FIGURE_MIME in data:
+                out.setdefault("metadata", {})["figure"] = dict(data.pop(FIGURE_MIME))
 
 
 def flatten_widgets(nb) -> None:
@@ -164,6 +233,108 @@ def course_plan(guide: Path = ROOT / "docs" / "teaching.md") -> dict[str, dict[s
     return plan
 
 
+# ------------------------------------------------------------------ figures' alt text
+
+def plain_text(markdown: str) -> str:
+    """Markdown as the words a screen reader should say: links, emphasis, code and maths
+    delimiters dropped, whitespace collapsed."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", markdown)
+    text = re.sub(r"[*_`]+|\$+|\\[,;!]", "", text)
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def first_sentence(markdown: str, limit: int = 300) -> str:
+    """The first sentence of a markdown cell's prose, at most `limit` characters. Headings,
+    tables, code and a paragraph that only leads into one ("Symbols:") are left out; a cell
+    with nothing else gives its headings."""
+    blocks, heads, fence, current = [], [], False, []
+    for line in markdown.splitlines() + [""]:
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        is_prose = not fence and line.strip() and not line.lstrip().startswith(("|", "```")) \
+            and not re.match(r"\s*#{1,6}\s", line)
+        if is_prose:
+            current.append(re.sub(r"^\s*(?:[-*+]|\d+\.)\s+", "", line))    # list markers
+            continue
+        if current:
+            blocks.append(plain_text(" ".join(current)))
+            current = []
+        if not fence and re.match(r"\s*#{1,6}\s", line):
+            heads.append(line.strip().lstrip("#"))
+    prose = [b for b in blocks if b and not (b.endswith(":") and not re.search(r"[.!?]\s", b))]
+    text = prose[0] if prose else plain_text(". ".join(heads))
+    m = re.match(r"(.+?[.!?])(?=\s|$)", text)
+    sentence = m.group(1) if m else text
+    return sentence if len(sentence) <= limit else sentence[:limit - 1].rstrip() + "…"
+
+
+def figure_alt(titles: list[str], before: str) -> str:
+    """A figure's alt text: its title(s), then the first sentence of the text before it."""
+    named = "; ".join(re.sub(r"\s+", " ", t).strip() for t in titles)
+    sentence = first_sentence(before)
+    if named and sentence:
+        return f"{named}. {sentence}" if not named.endswith((".", "?", "!")) else f"{named} {sentence}"
+    return named or sentence or "A figure of this lesson."
+
+
+def describe_figures(nb) -> int:
+    """Give every image output `metadata["site_alt"]`: the titles its figure carried (see
+    `SETUP`) and the first sentence of the nearest markdown cell above. Returns the count."""
+    before, count = "", 0
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            before = cell.source
+            continue
+        for out in cell.get("outputs", []):
+            if any(k.startswith("image/") for k in out.get("data", {})):
+                titles = out.get("metadata", {}).get("figure", {}).get("titles", [])
+                out.setdefault("metadata", {})["site_alt"] = figure_alt(titles, before)
+                count += 1
+    return count
+
+
+# ------------------------------------------------------------------ links
+
+ANCHOR = re.compile(r"<a\b([^>]*)>(.*?)</a>", re.S)
+HREF = re.compile(r'\bhref="([^"]*)"')
+
+
+def rewrite_links(page_html: str, source_dir: Path, pages: dict[Path, str],
+                  site_files: set[str]) -> str:
+    """Point a page's relative links at the site: a repository file the site renders (the
+    glossary, the teaching guide, a lesson) -> its page, the #fragment kept; any other
+    repository file (an exercise, a library module) -> its path as text, unlinked, since the
+    site does not hold it. Web links, #fragments and the site's own pages stay."""
+    def one(m):
+        attrs, inner = m.group(1), m.group(2)
+        found = HREF.search(attrs)
+        if not found:
+            return m.group(0)
+        href = html.unescape(found.group(1))
+        if not href or href.startswith(("#", "/")) or re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", href):
+            return m.group(0)
+        path, _, fragment = href.partition("#")
+        path = path.split("?")[0]
+        if path in site_files:
+            return m.group(0)
+        target = (source_dir / unquote(path)).resolve()
+        if target in pages:
+            new = pages[target] + (f"#{fragment}" if fragment else "")
+            attrs = HREF.sub(lambda _: 'href="' + html.escape(new) + '"', attrs, count=1)
+            return f"<a{attrs}>{inner}</a>"
+        try:
+            rel = target.relative_to(ROOT).as_posix()
+        except ValueError:                     # outside the repository: keep the words only
+            return f'<span class="site-path">{inner}</span>'
+        hint = (", an exercise: open it in JupyterLab (<code>make lab</code>)"
+                if rel.startswith("exercises/") else ", in the repository")
+        words = re.sub(r"<[^>]+>", "", inner).strip()
+        shown = (f"<code>{html.escape(rel)}</code>{hint}" if words == rel
+                 else f"{inner} (<code>{html.escape(rel)}</code>{hint})")
+        return f'<span class="site-path">{shown}</span>'
+    return ANCHOR.sub(one, page_html)
+
+
 def page(title_: str, body: str) -> str:
     """A plain page (index, teaching guide) with its CSS inline."""
     return f"""<!DOCTYPE html>
@@ -178,6 +349,7 @@ th, td {{ border-bottom: 1px solid #ddd; padding: 0.35em 0.5em; text-align: left
   vertical-align: top; }}
 td p {{ margin: 0; }}
 code {{ background: #f3f3f3; padding: 0 0.2em; }}
+h2 {{ margin-top: 1.6em; }}
 .num {{ text-align: right; white-space: nowrap; }}
 </style></head><body>
 {body}
@@ -185,7 +357,7 @@ code {{ background: #f3f3f3; padding: 0 0.2em; }}
 """
 
 
-def index_page(lessons: list[dict], has_guide: bool) -> str:
+def index_page(lessons: list[dict], has_guide: bool, has_glossary: bool = False) -> str:
     plan = course_plan()
     rows = []
     for lesson in lessons:
@@ -198,6 +370,9 @@ def index_page(lessons: list[dict], has_guide: bool) -> str:
             f'<td class="num">{lesson["seconds"]:.0f} s</td></tr>')
     guide = ('<p>Teaching with it: <a href="teaching.html">the course plan</a> (order, timing, '
              'live cells, questions, homework).</p>' if has_guide else "")
+    if has_glossary:
+        guide += ('<p>Words and symbols: <a href="glossary.html">the glossary</a> (one notation for '
+                  'the whole course, and every term with the lesson that teaches it).</p>')
     cpus = {lesson["cpus"] for lesson in lessons}
     return page("picolib — the lessons", f"""
 <h1>picolib — the lessons</h1>
@@ -244,8 +419,8 @@ def local_mathjax(out: Path) -> str:
 
 
 def write_site(executed: list[Path], out: Path, mathjax_url: str | None = None) -> dict:
-    """HTML pages, index.html, teaching.html and timings.json for executed lessons. Maths
-    typesets with the local copy of MathJax unless `mathjax_url` names another."""
+    """HTML pages, index.html, teaching.html, glossary.html and timings.json for executed
+    lessons. Maths typesets with the local copy of MathJax unless `mathjax_url` names another."""
     out.mkdir(parents=True, exist_ok=True)
     mathjax_url = mathjax_url or local_mathjax(out)
     nbs = [(Path(p), nbformat.read(p, as_version=4)) for p in sorted(executed, key=lambda p: Path(p).name)]
@@ -257,6 +432,12 @@ def write_site(executed: list[Path], out: Path, mathjax_url: str | None = None) 
                         "line": lines.get(path.name, ""), "seconds": run.get("seconds", 0.0),
                         "cells": run.get("cells", {}), "cpus": run.get("cpus"),
                         "date": run.get("date", "")})
+    guide, glossary = ROOT / "docs" / "teaching.md", ROOT / "docs" / "glossary.md"
+    pages = {(ROOT / "notebooks" / f"{les['name']}.ipynb").resolve(): les["href"] for les in lessons}
+    for source, href in ((guide, "teaching.html"), (glossary, "glossary.html")):
+        if source.exists():
+            pages[source.resolve()] = href
+    site_files = {"index.html", *pages.values()}
     for i, ((path, nb), lesson) in enumerate(zip(nbs, lessons)):
         near = {"prev": lessons[i - 1] if i > 0 else None,
                 "next": lessons[i + 1] if i + 1 < len(lessons) else None}
@@ -264,16 +445,22 @@ def write_site(executed: list[Path], out: Path, mathjax_url: str | None = None) 
         site["math"] = any("$" in c.source for c in nb.cells if c.cell_type == "markdown")
         site["run"] = (f"Executed on {lesson['date']} in {lesson['seconds']:.0f} s "
                        f"({lesson['cpus']} CPU cores). Run it yourself: make lab.")
+        site["glossary"] = glossary.exists()
+        describe_figures(nb)
         resources = {"metadata": {"name": lesson["title"], "path": str(ROOT / "notebooks")},
                      "site": site}
-        (out / lesson["href"]).write_text(export(nb, resources, mathjax_url), encoding="utf-8")
-    guide = ROOT / "docs" / "teaching.md"
-    if guide.exists():
-        (out / "teaching.html").write_text(page(
-            "picolib — teaching guide",
-            '<p><a href="index.html">all lessons</a></p>'
-            + markdown2html(guide.read_text(encoding="utf-8"))), encoding="utf-8")
-    (out / "index.html").write_text(index_page(lessons, guide.exists()), encoding="utf-8")
+        body = rewrite_links(export(nb, resources, mathjax_url), ROOT / "notebooks", pages, site_files)
+        (out / lesson["href"]).write_text(body, encoding="utf-8")
+    nav = '<p><a href="index.html">all lessons</a>' + (
+        ' · <a href="glossary.html">glossary</a>' if glossary.exists() else "") + "</p>"
+    for source, href, name in ((guide, "teaching.html", "teaching guide"),
+                               (glossary, "glossary.html", "glossary")):
+        if source.exists():
+            body = nav + markdown2html(source.read_text(encoding="utf-8"))
+            (out / href).write_text(page(f"picolib — {name}", rewrite_links(
+                body, source.parent, pages, site_files)), encoding="utf-8")
+    (out / "index.html").write_text(index_page(lessons, guide.exists(), glossary.exists()),
+                                    encoding="utf-8")
     timings = {"cpus": sorted({les["cpus"] for les in lessons}, key=str),
                "lessons": {les["name"]: {"seconds": les["seconds"], "date": les["date"],
                                          "slowest_cells": dict(sorted(
