@@ -12,6 +12,12 @@ attention that keeps them; "full" keeps each block's input only.
 tests/test_tryit_11.py runs every one, checks the calculator's bytes against a TinyLlama
 measured in one process and runs every knob combination.
 `measured_block_bytes` measures the bytes a Llama block saves for backward (lesson 11 §5).
+
+The lesson's machinery lives here so its cells stay short:
+`zero_step`, `tp_sp_step`, `pipeline_step` are the rank functions of §4 (one training step each,
+their traffic recorded by a `comm.Ledger` — on picolib's rings for ZeRO and TP+SP, so those
+bytes are counted as sent); `fake_pg_traffic` runs DDP and ZeRO as rank 5 of 1,024 on
+PyTorch's fake process group (§4); `plot_all_reduce` (§2) and `plot_candidates` (§5) draw.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ from ..plan_search import step_time
 from ..planner import LLAMA3_70B, LLAMA3_405B, Parallelism, memory
 from . import rank_bars
 
-__all__ = ["MODELS", "HINTS", "plan_calculator", "measured_block_bytes"]
+__all__ = ["MODELS", "HINTS", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
+           "pipeline_step", "fake_pg_traffic", "plot_all_reduce", "plot_candidates"]
 
 MODELS = {"Llama-3-70B": LLAMA3_70B, "Llama-3-405B": LLAMA3_405B}
 
@@ -90,3 +97,162 @@ def measured_block_bytes(cfg, hidden: int = 64, seq: int = 32, batch: int = 2) -
         model.loss(x, y)
     block = sum(v for k, v in act.by_module.items() if k.startswith("blocks.0."))
     return block / (batch * seq * hidden)
+
+
+# ------------------------------------------------------------------ §4: the planner vs runs
+
+def zero_step(cfg, stage: int, mbs: int, seq: int):
+    """One ZeRO step on this rank, its collectives on picolib's rings: (the model state ZeRO
+    holds, the ledger's records as dicts — every one counted as sent, `measured=True`)."""
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..model import TinyLlama, random_tokens
+    from ..zero import ZeRO
+    model = TinyLlama(cfg)
+    z = ZeRO(model, stage)
+    x, y = random_tokens(mbs, seq, cfg.vocab_size, seed=dist.get_rank())
+    with comm.Ledger(rings=True) as led:
+        model.loss(x, y).backward()
+        z.step()
+    return z.memory(), led.as_dicts()
+
+
+def tp_sp_step(cfg, mbs: int, seq: int):
+    """One TP+SP forward and backward on this rank, on picolib's rings: (parameter bytes,
+    bytes block 0 saves for backward, the ledger's records as dicts)."""
+    from .. import comm
+    from ..memory import SavedActivations, param_bytes
+    from ..model import TinyLlama, random_tokens
+    from ..tensor_parallel import apply_tensor_parallel
+    model = apply_tensor_parallel(TinyLlama(cfg), sequence_parallel=True)
+    x, y = random_tokens(mbs, seq, cfg.vocab_size, seed=1)
+    with comm.Ledger(rings=True) as led, SavedActivations(model) as act:
+        model.loss(x, y).backward()
+    block = sum(v for k, v in act.by_module.items() if k.startswith("blocks.0."))
+    return param_bytes(model), block, led.as_dicts()
+
+
+def pipeline_step(cfg, m: int, mbs: int, seq: int):
+    """One 1F1B step of m micro-batches on this rank: (the peak bytes of saved activations,
+    the ledger's point-to-point records as dicts — each a `send` of the tensor handed to it)."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..memory import SavedActivations
+    from ..model import TinyLlama, random_tokens
+    from ..pipeline_parallel import run_schedule, schedule_stages
+    from ..pipeline_schedules import make_schedule
+    sched = make_schedule("1f1b", dist.get_world_size(), m)
+    stages = schedule_stages(TinyLlama(cfg), sched)
+    mine = {s: stages[s] for s in sched.stages_of(dist.get_rank())}
+    x, y = random_tokens(mbs * m, seq, cfg.vocab_size, seed=1)
+    act = SavedActivations(torch.nn.ModuleList(mine.values()), per_module=False)
+    with comm.Ledger() as led:   # one storage per micro-batch, as a data loader hands them out
+        run_schedule(sched, mine, [t.clone() for t in x.chunk(m)], [t.clone() for t in y.chunk(m)],
+                     measure=act)
+    return act.peak, led.as_dicts()
+
+
+_FAKE = '''
+import json, sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", rank=5, world_size=1024, store=FakeStore())
+torch.set_num_threads(1)
+from picolib import comm
+from picolib.data_parallel import DDP
+from picolib.model import LlamaConfig, TinyLlama, random_tokens
+from picolib.zero import ZeRO
+cfg = LlamaConfig(**json.loads(sys.argv[1]))
+out = {}
+for stage in (0, 1, 2, 3):
+    model = TinyLlama(cfg)
+    w = DDP(model) if stage == 0 else ZeRO(model, stage)
+    x, y = random_tokens(2, 8, cfg.vocab_size)
+    with comm.Ledger() as led:
+        model.loss(x, y).backward()
+        if stage:
+            w.step()
+    out[stage] = [led.total("sent_bytes"), w.memory() if stage else None,
+                  [[r.op, r.nbytes] for r in led.records]]
+print(json.dumps(out))
+'''
+
+
+def fake_pg_traffic(cfg) -> dict:
+    """DDP (stage 0) and ZeRO-1/2/3 as rank 5 of 1,024 on PyTorch's `fake` process group
+    (every collective returns at once and moves nothing), in a separate interpreter:
+    {stage: [bytes the ring formula gives for the collectives rank 5 issued (the ledger's
+    computed records), ZeRO's model state (None for DDP), [[op, buffer bytes], ...]]}."""
+    import json
+    import subprocess
+    import sys
+    from dataclasses import asdict
+    done = subprocess.run([sys.executable, "-c", _FAKE, json.dumps(asdict(cfg))],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-1500:])
+    return {int(k): v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+# ------------------------------------------------------------------------- figures
+
+def plot_all_reduce(h100, ib: float = 50e9, ns=None):
+    """§2: all-reduce seconds against GPUs for 1 GB (ring, tree, hierarchical + SHARP) and
+    1 MB (ring and tree only: the hierarchical model has no latency term, and at 1 MB latency
+    is nearly all of the time). All three are all-reduces: one colour, three line styles."""
+    import matplotlib.pyplot as plt
+
+    from ..hardware import hierarchical_all_reduce_time, ring_time, tree_all_reduce_time
+    from ..style import color
+    ns = ns or [2 ** k for k in range(1, 15)]
+    c = color("all_reduce")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, size in zip(axes, (1e9, 1e6)):          # the titles say 1 GB and 1 MB
+        ax.loglog(ns, [ring_time("all_reduce", size, n, ib) for n in ns], "o-", color=c,
+                  label=f"ring, {ib / 1e9:g} GB/s")
+        ax.loglog(ns, [tree_all_reduce_time(size, n, ib) for n in ns], "s--", color=c, mfc="white",
+                  label=f"tree, {ib / 1e9:g} GB/s")
+        if size >= 1e8:
+            ax.loglog(ns, [hierarchical_all_reduce_time(size, h100, n) for n in ns], "^:", color="k",
+                      label="hierarchical + SHARP\n(bandwidth only)")
+        ax.set(xlabel="GPUs", ylabel="seconds",
+               title=f"all-reduce of 1 {'GB' if size >= 1e9 else 'MB'} (computed, α = 5 µs)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=9, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_candidates(cfg, candidates: dict):
+    """§5: memory (worst rank, by kind) and step time (by part) of each named Parallelism,
+    legends beside the axes, off the bars; colours from picolib.style."""
+    import matplotlib.pyplot as plt
+
+    from ..plan_search import step_time
+    from ..style import MEMORY, OPS, PARALLELISM
+    names = list(candidates)
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.6))
+    mems = [memory(cfg, p) for p in candidates.values()]
+    bottom = [0.0] * len(names)
+    for kind, c in MEMORY.items():
+        vals = [m[kind] / 1e9 for m in mems]
+        ax_m.bar(names, vals, bottom=bottom, color=c, label=kind)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax_m.axhline(80, color="k", ls="--", lw=1, label="80 GB")
+    ax_m.set(ylabel="GB per GPU (worst rank)", title="memory per configuration (computed)")
+    times = [step_time(cfg, p) for p in candidates.values()]
+    parts = {"compute": OPS["BW"], "bubble": OPS["idle"], "tp": PARALLELISM["TP"],
+             "pp": PARALLELISM["PP"], "dp_exposed": PARALLELISM["DP"]}
+    bottom = [0.0] * len(names)
+    for part, c in parts.items():
+        vals = [t[part] for t in times]
+        ax_t.bar(names, vals, bottom=bottom, color=c, edgecolor="0.4", lw=0.5, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax_t.set(ylabel="seconds per step", title="step time, 1.3 M tokens (computed, efficiency 0.6)")
+    for ax in (ax_m, ax_t):
+        ax.tick_params(axis="x", labelrotation=25, labelsize=9)
+        ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,71 @@
+"""Lesson 11's figures and corrected numbers, checked outside the notebook.
+
+- §2's figure: the hierarchical (latency-free) curve is on the 1 GB panel only, and both panels
+  pass picolib.figure_check; §5's bars keep their legends outside the axes, off the bars.
+- The Blackwell correction with each chip named: the book's 549 and 18 keep H100's FLOPs.
+- The Ultra-Scale Playbook's all-reduce bus bandwidths against the two models: in a node the ring
+  is within 5 %, across nodes neither reproduces the measured fall.
+- The 640-H100 study notes: "DP 80–160"; with TP 8 and PP 4–8 it is 20 or 10.
+"""
+import matplotlib
+import pytest
+
+from picolib.figure_check import problems
+from picolib.hardware import (PRESETS, Hardware, Level, critical_tokens_dp, hierarchical_all_reduce_time,
+                              ring_time, tp_ffn_threshold)
+from picolib.planner import LLAMA3_70B, Parallelism
+from picolib.tryit.lesson11 import plot_all_reduce, plot_candidates
+
+matplotlib.use("Agg")
+H100 = PRESETS["H100-SXM"]
+
+
+def test_all_reduce_figure_keeps_the_latency_free_curve_off_the_1_mb_panel():
+    import matplotlib.pyplot as plt
+    fig = plot_all_reduce(H100)
+    big, small = fig.axes
+    assert [ln.get_label() for ln in small.get_lines()] == ["ring, 50 GB/s", "tree, 50 GB/s"]
+    assert any("SHARP" in ln.get_label() for ln in big.get_lines())
+    assert problems(fig) == []
+    plt.close(fig)
+
+
+def test_candidate_bars_have_legends_off_the_bars():
+    import matplotlib.pyplot as plt
+    par = Parallelism(dp=20, tp=8, pp=4, sp=True, zero=1, micro_batches=16, seq=4096,
+                      activations="picolib", recompute="selective")
+    fig = plot_candidates(LLAMA3_70B, {"TP8": par, "TP4": par.replace(tp=4, dp=40, micro_batches=8)})
+    fig.canvas.draw()
+    for ax in fig.axes:
+        box, legend = ax.get_window_extent(), ax.get_legend().get_window_extent()
+        assert legend.x0 >= box.x1 - 1                        # right of the axes, not on the bars
+    assert problems(fig) == []
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("name, bf16, dp, tp", [("B100", 1.75e15, 972, 9.4), ("B200", 2.25e15, 1250, 7.3)])
+def test_blackwell_bounds_with_the_chip_named(name, bf16, dp, tp):
+    hw = Hardware(name, bf16, 2 * bf16, 192e9, 8e12,
+                  (Level("node", 8, 900e9, 7.2e12), H100.levels[1], H100.levels[2]))
+    assert round(critical_tokens_dp(hw, 8)) == dp and round(16000 / tp_ffn_threshold(hw, 8), 1) == tp
+    book = Hardware("H100 FLOPs, NVLink 5", 989e12, 1979e12, 80e9, 3.35e12, hw.levels)
+    assert round(critical_tokens_dp(book, 8)) == 549                 # the book's 549
+    assert round(16000 / tp_ffn_threshold(Hardware("898", 898e12, 0, 0, 0, hw.levels), 8)) == 18
+
+
+def test_playbook_all_reduce_bandwidth_holds_in_direction_only():
+    nbytes, reported = 256 * 2**20, {1: 436e9, 4: 160e9, 8: 90e9, 64: 39e9}
+    ring = {}
+    for nodes in reported:
+        n = 8 * nodes
+        ring[nodes] = nbytes / ring_time("all_reduce", nbytes, n, 450e9 if nodes == 1 else 50e9) * 2 * (n - 1) / n
+    assert abs(ring[1] / reported[1] - 1) < 0.05
+    hier4 = nbytes / hierarchical_all_reduce_time(nbytes, H100, 32) * 2 * 31 / 32
+    assert ring[4] < reported[4] < hier4
+    assert reported[4] / reported[64] > 2 * ring[4] / ring[64]
+
+
+def test_dp_of_the_640_gpu_proposals():
+    for pp in (4, 8):                 # world = dp·tp·pp: the ranks left for DP at TP 8
+        par = Parallelism(dp=640 // (8 * pp), tp=8, pp=pp)
+        assert par.dp * par.tp * par.pp == 640 and par.dp in (10, 20) and par.dp not in (80, 160)
