@@ -65,7 +65,6 @@ SETTLES = re.compile(r"measured_total\(|Ledger\(\s*rings\s*=\s*True|ring_all_red
 PENDING = {
     "09": "issue 28: the all-to-all bytes come from the ledger's computed records",
     "10": "issue 28: 'bytes sent by kind … all *measured*' are the trainer ledger's computed records",
-    "11": "issue 28: 'planner = measured' bytes sent are the ledger's computed records",
 }
 
 
