@@ -1,12 +1,18 @@
-"""Try it, lesson 08: uniform slices against the DP slicer, on ideal devices.
+"""Try it, lesson 08: uniform slices against the slicer's dynamic program, on ideal devices.
 
     slicing_gantt(n_slices=4, p=4, context_cost=1.0)   # two Gantt charts; returns the times
     counted_token_flops(cfg, context)                  # the lesson's check of token_flops
 
 A 1024-token sequence, p stages, a cost per slice t(l, c) = 1 + l/128 + w·l·(c + l/2)/128²
 (ideal time units; w = `context_cost` weighs attention to the context against the rest).
-The uniform cut has `n_slices` equal slices; the DP (`dp_slices`, slices in multiples of 64
-tokens) picks its own. Both are simulated with lesson 07's simulator.
+The uniform cut has `n_slices` equal slices; the slicer (`dp_slices`, the paper's dynamic
+program, slices in multiples of 64 tokens) picks its own. Both are simulated with lesson 07's
+simulator. ("DP" means data parallelism everywhere else in the course, so the dynamic
+program is called "the slicer" here.)
+
+The lesson's rank functions and drawing helpers live here too, so that its teaching cells
+stay short: `equality_runs`, `emulated_runs`, `boundary_traffic` (run on ranks with
+`picolib.launch.run`) and `plot_cost_fit`, `plot_two_gantts`.
 """
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ from ..terapipe import TeraPipePlan, simulate_plan
 from ..terapipe_slicer import dp_slices, uniform_slices
 from ..timeline import makespan, plot_gantt
 
-__all__ = ["slicing_gantt", "SEQ", "toy_cost", "counted_token_flops"]
+__all__ = ["slicing_gantt", "SEQ", "toy_cost", "counted_token_flops", "equality_runs", "emulated_runs",
+           "boundary_traffic", "plot_cost_fit", "plot_two_gantts"]
 
 SEQ = 1024
 
@@ -25,30 +32,140 @@ def toy_cost(context_cost: float):
 
 
 def slicing_gantt(n_slices: int = 4, p: int = 4, context_cost: float = 1.0, plot: bool = True):
-    """Simulate `n_slices` uniform slices and the DP's slices on p stages; draw both and
-    return {"uniform": T, "dp": T, "dp_slices": slices} (T = makespan, ideal time)."""
+    """Simulate `n_slices` uniform slices and the slicer's slices on p stages; draw both on
+    one time axis and return {"uniform": T, "slicer": T, "slicer_slices": slices}
+    (T = makespan, ideal time units)."""
     n_slices, p = int(n_slices), int(p)
     if context_cost < 0:
         raise ValueError(f"context_cost={context_cost} < 0: attention to more context cannot be cheaper")
     cost = toy_cost(float(context_cost))
     plans = {"uniform": TeraPipePlan(uniform_slices(SEQ, n_slices), p, p),
-             "dp": TeraPipePlan(dp_slices(SEQ, p, cost, unit=64)[0], p, p)}
+             "slicer": TeraPipePlan(dp_slices(SEQ, p, cost, unit=64)[0], p, p)}
     events = {k: simulate_plan(plan, cost) for k, plan in plans.items()}
     out = {k: makespan(ev) for k, ev in events.items()}
-    out["dp_slices"] = plans["dp"].slices
+    out["slicer_slices"] = plans["slicer"].slices
     if plot:
-        import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(2, 1, figsize=(12, 0.9 * p + 2), sharex=True, layout="constrained")
-        longest = max(makespan(ev) for ev in events.values())
-        for ax, (k, ev) in zip(axes, events.items()):
+        titles = {}
+        for k, ev in events.items():
             for e in ev:
                 e["meta"]["label"] = str(e["meta"]["mb"])
             sl = list(plans[k].slices)
-            plot_gantt(ev, ax=ax, unit="s", xmax=longest, title=f"{k}: slices {sl if len(sl) <= 10 else str(sl[:10])[:-1] + ', …]'}"
-                                         f" — T = {out[k]:.1f} (simulated)")
-            ax.set_xlabel("ideal time units (simulated)")
-            ax.set_xlim(0, max(out["uniform"], out["dp"]))
-        plt.show()
+            shown = sl if len(sl) <= 10 else str(sl[:10])[:-1] + ", …]"
+            name = f"{n_slices} uniform slices" if k == "uniform" else "the slicer's dynamic program"
+            titles[k] = f"{name}: {shown} — T = {out[k]:.1f} (simulated, p = {p})"
+        plot_two_gantts(events, titles, unit="s", xlabel="ideal time units (simulated)",
+                        height=0.8 * p + 2)
+    return out
+
+
+def plot_two_gantts(events: dict, titles: dict, unit: str, xlabel: str, height: float = 4.6):
+    """Two Gantt charts, one above the other, on ONE time axis: the same unit and the same
+    limit (the longer makespan), so the shorter step looks shorter. `events` and `titles`
+    are keyed alike (two keys). Shows the figure; returns it."""
+    import matplotlib.pyplot as plt
+
+    longest = max(makespan(ev) for ev in events.values())
+    fig, axes = plt.subplots(2, 1, figsize=(12, min(height, 9.0)), sharex=True, layout="constrained")
+    for ax, (k, ev) in zip(axes, events.items()):
+        plot_gantt(ev, ax=ax, unit=unit, xmax=longest, title=titles[k])
+        ax.set_xlabel("")
+    axes[-1].set_xlabel(xlabel)
+    plt.show()
+    return fig
+
+
+def plot_cost_fit(rows, fit, lengths, seq: int):
+    """Lesson 08 §4: the measured t(l, c) (dots, one colour per slice length) and the fitted
+    model (lines), in ms. Shows the figure; returns it."""
+    import matplotlib.pyplot as plt
+    import torch
+
+    from ..style import rank_color
+
+    fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
+    for i, l in enumerate(lengths):
+        pts = [(c, s) for ll, c, s in rows if ll == l]
+        ax.plot([c for c, _ in pts], [s * 1e3 for _, s in pts], "o", color=rank_color(i), label=f"l = {l}")
+        cs = torch.linspace(0, seq - l, 20)
+        ax.plot(cs, [fit(l, float(c)) * 1e3 for c in cs], "-", color=rank_color(i), alpha=0.6)
+    ax.set_xlabel("context c (tokens before the slice)")
+    ax.set_ylabel("forward + backward (ms)")
+    ax.set_title("t(l, c) of one block on this machine: measured (dots), fitted (lines)")
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    plt.show()
+    return fig
+
+
+def equality_runs(cases, cfg, n_stages: int, seq: int):
+    """On every rank: one TeraPipe step per (slices, micro-batches) case on a fresh model (same
+    seed), returning [(loss, this stage's gradients)] — lesson 08 §3 compares them with one
+    process."""
+    import torch.distributed as dist
+
+    from ..model import TinyLlama, random_tokens
+    from ..pipeline_parallel import stage_grads
+    from ..terapipe import run_terapipe, terapipe_stage
+
+    out = []
+    tokens, targets = random_tokens(2, seq, cfg.vocab_size, seed=5)
+    for slices, m in cases:
+        model = TinyLlama(cfg)
+        plan = TeraPipePlan(slices, n_stages, cfg.n_layers, n_micro=m)
+        stage = terapipe_stage(model, plan, dist.get_rank())
+        res = run_terapipe(plan, stage, tokens, targets)
+        out.append((res["loss"], stage_grads(stage, model)))
+    return out
+
+
+def emulated_runs(plans: dict, cfg, n_stages: int, seq: int, cost):
+    """On every rank: each plan {name: slices} once to warm up, then once on a Timeline whose
+    ops sleep up to `cost(l, c)` (cost emulation, lesson 08 §5). Returns {name: events}."""
+    import torch.distributed as dist
+
+    from ..model import TinyLlama, random_tokens
+    from ..terapipe import run_terapipe, terapipe_stage
+    from ..timeline import Timeline
+
+    out = {}
+    tokens, targets = random_tokens(1, seq, cfg.vocab_size, seed=2)
+    for name, slices in plans.items():
+        model = TinyLlama(cfg)
+        plan = TeraPipePlan(slices, n_stages, cfg.n_layers)
+        stage = terapipe_stage(model, plan, dist.get_rank())
+        run_terapipe(plan, stage, tokens, targets)           # warm-up
+        tl = Timeline(emulate={})
+        dist.barrier()
+        run_terapipe(plan, stage, tokens, targets, timeline=tl, cost=cost)
+        out[name] = tl.events
+    return out
+
+
+def boundary_traffic(slicings: dict, cfg, n_stages: int, seq: int, batch: int = 1):
+    """On every rank: one step per slicing {name: slices}, recording (picolib.comm's ledger)
+    every point-to-point send — its bytes are the size of the tensor handed to the send,
+    counted, one record per message — and (SavedActivations) the bytes autograd saved for
+    backward on this stage, at their peak. Returns {name: {"sends": n, "sent": bytes,
+    "fwd_sent": bytes of activations sent forward, "saved_peak": bytes}}."""
+    import torch.distributed as dist
+
+    from ..comm import Ledger
+    from ..memory import SavedActivations
+    from ..model import TinyLlama, random_tokens
+    from ..terapipe import run_terapipe, terapipe_stage
+
+    out = {}
+    me = dist.get_rank()
+    tokens, targets = random_tokens(batch, seq, cfg.vocab_size, seed=3)
+    for name, slices in slicings.items():
+        model = TinyLlama(cfg)
+        plan = TeraPipePlan(slices, n_stages, cfg.n_layers)
+        stage = terapipe_stage(model, plan, me)
+        with Ledger() as led, SavedActivations(stage) as act:
+            run_terapipe(plan, stage, tokens, targets)
+        sends = led.select("send")
+        out[name] = {"sends": len(sends), "sent": sum(r.sent_bytes for r in sends),
+                     "fwd_sent": sum(r.sent_bytes for r in sends if r.meta.get("peer") == me + 1),
+                     "saved_peak": act.peak}
     return out
 
 
