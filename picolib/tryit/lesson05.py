@@ -3,6 +3,9 @@ sequence parallelism.
 
     saved_bytes(tp, seq, sp, hidden, ffn_hidden, n_heads, batch)   # the number
     saved_bytes_bars(tp, seq, sp)                                   # the knob cell (bars)
+    layer_timeline(sp, cfg, unit)         # §4: one block's forward, op by op, on tp ranks
+    plan_640(tp, sp, seq, ...)            # §8: the 640-H100 plan the notes' claims assume
+    max_seq(tp, sp, ...), max_micro_batch_size(tp, sp, seq, ...)   # §8: what fits in 0.9 × 80 GB
 
 Both use `picolib.sequence_parallel.activation_bytes_per_layer` (fp32, eager attention, the
 TinyLlama block); tests/test_tryit_05.py checks `saved_bytes` against bytes measured with
@@ -11,8 +14,15 @@ TinyLlama block); tests/test_tryit_05.py checks `saved_bytes` against bytes meas
 from __future__ import annotations
 
 from ..sequence_parallel import activation_bytes_per_layer
+from ..style import OPS, PARALLELISM
 
-__all__ = ["SHAPE", "saved_bytes", "saved_bytes_bars"]
+__all__ = ["SHAPE", "MODE_COLORS", "saved_bytes", "saved_bytes_bars", "layer_timeline",
+           "plan_640", "max_seq", "max_micro_batch_size"]
+
+# TP's colour for TP; TP+SP a darker green (the same family: TP, further split); the
+# gathered variant in between; one process grey
+MODE_COLORS = {"one process": OPS["step"], "tp": PARALLELISM["TP"], "tp+sp-gathered": "#44AA99",
+               "tp+sp": "#117733"}
 
 SHAPE = {"hidden": 1024, "ffn_hidden": 4096, "n_heads": 16, "batch": 1}   # the knob cell's block
 
@@ -40,7 +50,7 @@ def saved_bytes_bars(tp: int = 1, seq: int = 128, sp: bool = False, ax=None) -> 
     created = ax is None
     if created:
         _, ax = plt.subplots(figsize=(6.5, 3.2))
-    for k, (mode, color) in enumerate(((False, "#e15759"), (True, "#4e79a7"))):
+    for k, (mode, color) in enumerate(((False, MODE_COLORS["tp"]), (True, MODE_COLORS["tp+sp"]))):
         xs = [i + 0.38 * k for i in range(len(tps))]
         bars = ax.bar(xs, [saved_bytes(t, seq, mode) / 2**20 for t in tps], width=0.36,
                       color=color, label="TP+SP" if mode else "TP")
@@ -60,3 +70,92 @@ def saved_bytes_bars(tp: int = 1, seq: int = 128, sp: bool = False, ax=None) -> 
     print(f"tp={tp}, {'TP+SP' if sp else 'TP'}, {seq} tokens: {mine / 2**20:,.2f} MiB per layer "
           f"per rank = {out['fraction']:.3f} of one process ({one / 2**20:,.2f} MiB)")
     return out
+
+
+def layer_timeline(sp: bool, cfg, unit: float, b: int = 2, s: int = 32):
+    """Lesson 05 §4, run on each of the tp ranks: one forward of block 0 taken apart op by op
+    (norm, the collective entering the region under SP, attention or MLP, the collective
+    leaving it, residual), each span sleeping a chosen cost in units of `unit` seconds
+    (norms and residual in proportion to the tokens a rank holds). Asserts the result equals
+    the block's own forward; returns (timeline events, (collectives, bytes sent by this rank,
+    counted on picolib's rings))."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from .. import comm
+    from ..mappings import Region
+    from ..model import TinyLlama
+    from ..sequence_parallel import gather_sequence, reduce_scatter_sequence, split_sequence
+    from ..tensor_parallel import apply_tensor_parallel, reduce_from_tp
+    from ..timeline import Timeline
+
+    tp = dist.get_world_size()
+    torch.manual_seed(0)
+    model = apply_tensor_parallel(TinyLlama(cfg), sequence_parallel=sp)
+    blk, (cos, sin) = model.blocks[0], model.rope(range(s))
+    x = torch.randn(b, s, cfg.hidden)
+    x = split_sequence(x) if sp else x
+    expected = blk(x, cos, sin)
+    for m in (blk.attn, blk.mlp):                             # take the borders out of the regions
+        m.region = Region(lambda y, ws, g: [F.linear(y, w) for w in ws], lambda y, g: y, sp)
+    frac = 1 / tp if sp else 1.0
+    leave, leave_name, leave_cost = ((reduce_scatter_sequence, "reduce-scatter", 1.5) if sp
+                                     else (reduce_from_tp, "all-reduce", 3.0))
+    tl = Timeline()
+    with torch.no_grad(), comm.Ledger(rings=True) as led:   # bytes counted as sent
+        for i, (norm, region) in enumerate(((blk.attn_norm, lambda y: blk.attn(y, cos, sin)),
+                                            (blk.mlp_norm, blk.mlp))):
+            with tl.span("norm", cost=2 * unit * frac):
+                y = norm(x)
+            if sp:
+                with tl.span("all-gather", lane="comm", cost=1.5 * unit):
+                    y = gather_sequence(y)
+            with tl.span("attention" if i == 0 else "MLP", cost=6 * unit):
+                y = region(y)
+            with tl.span(leave_name, lane="comm", cost=leave_cost * unit):
+                y = leave(y)
+            with tl.span("residual", cost=1 * unit * frac):
+                x = x + y
+    assert torch.allclose(x, expected, atol=1e-6)             # the same block output
+    return tl.events, (led.count(), led.measured_total())
+
+
+def plan_640(tp: int, sp: bool, seq: int, recompute: str = "none", micro_batch_size: int = 1,
+             pp: int = 4, gpus: int = 640, micro_batches: int = 8, zero: int = 1):
+    """Lesson 05 §8's plan for Llama-3-70B on `gpus` H100s, every assumption the quoted
+    claims leave open named here: PP 4 (1F1B, 8 micro-batches per step), ZeRO-1 over the
+    rest as DP, bf16 with flash attention (Korthikanti's count)."""
+    from ..planner import Parallelism
+
+    return Parallelism(dp=gpus // (tp * pp), tp=tp, pp=pp, sp=sp, zero=zero,
+                       micro_batches=micro_batches, micro_batch_size=micro_batch_size,
+                       seq=seq, recompute=recompute)
+
+
+def _fits(par, usable: float) -> bool:
+    from ..hardware import hardware
+    from ..planner import LLAMA3_70B, memory
+
+    try:
+        return memory(LLAMA3_70B, par)["total"] <= usable * hardware("H100-SXM").memory
+    except ValueError:            # a shape the plan cannot run (tp must divide seq, ...)
+        return False
+
+
+def max_seq(tp: int, sp: bool, recompute: str = "none", usable: float = 0.9, step: int = 1024,
+            limit: int = 262144, **plan) -> int:
+    """The longest sequence (a multiple of `step`) whose worst pipeline rank fits in
+    `usable` × 80 GB under `plan_640` (0 if none)."""
+    best = 0
+    for seq in range(step, limit + 1, step):
+        if _fits(plan_640(tp, sp, seq, recompute, **plan), usable):
+            best = seq
+    return best
+
+
+def max_micro_batch_size(tp: int, sp: bool, seq: int, recompute: str = "none",
+                         usable: float = 0.9, limit: int = 64, **plan) -> int:
+    """The most sequences per micro-batch that fit in `usable` × 80 GB under `plan_640`."""
+    return max([0] + [mbs for mbs in range(1, limit + 1)
+                      if _fits(plan_640(tp, sp, seq, recompute, mbs, **plan), usable)])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..blockwise_attention import unmasked_scores, visible
 from ..context_parallel import LAYOUTS, _chunk_len, chunk_ids
+from ..style import rank_color
 
 __all__ = ["work_per_rank", "score_grid"]
 
@@ -37,7 +38,6 @@ def score_grid(n: int = 4, layout: str = "zigzag", seq: int = 1680, ax=None) -> 
     work = work_per_rank(n, layout, seq)
     chunks = n if layout == "contiguous" else 2 * n
     owner = {i: r for r in range(n) for i in chunk_ids(layout, r, n)}
-    colors = plt.get_cmap("tab10")
     created = ax is None
     if created:
         _, ax = plt.subplots(figsize=(4.6, 4.6))
@@ -46,16 +46,16 @@ def score_grid(n: int = 4, layout: str = "zigzag", seq: int = 1680, ax=None) -> 
             kind = visible(i, j)
             y = chunks - 1 - i
             if kind == "full":
-                ax.add_patch(Rectangle((j, y), 1, 1, color=colors(owner[i] % 10), alpha=0.8))
+                ax.add_patch(Rectangle((j, y), 1, 1, color=rank_color(owner[i]), alpha=0.85))
             elif kind == "diagonal":
-                ax.add_patch(Polygon([(j, y), (j, y + 1), (j + 1, y)], color=colors(owner[i] % 10),
-                                     alpha=0.8))
+                ax.add_patch(Polygon([(j, y), (j, y + 1), (j + 1, y)], color=rank_color(owner[i]),
+                                     alpha=0.85))
     for r in range(n):
-        ax.plot([], [], "s", color=colors(r % 10), label=f"rank {r}")
+        ax.plot([], [], "s", color=rank_color(r), label=f"rank {r}")
     ax.set(xlim=(0, chunks), ylim=(0, chunks), aspect="equal", xlabel="key chunk",
            ylabel="query chunk", xticks=[], yticks=[])
     ax.set_title(f"{layout}, N = {n}: who computes which scores", fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9, frameon=False)
+    ax.legend(loc="upper right", fontsize=9, frameon=False)   # in the masked (blank) triangle
     if created:                 # handed an ax (a panel of a bigger figure): draw, never show
         plt.show()
     ratio = max(work) / min(work)
