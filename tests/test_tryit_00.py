@@ -48,3 +48,27 @@ def test_draws_without_a_display():
     import matplotlib.pyplot as plt
     ring_cost(4, 1e6)
     plt.close("all")
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_the_recorded_ring_sends_one_chunk_a_step_and_ends_with_every_sum(n):
+    """The lesson's step-by-step figure rests on this record: a chunk index read from the
+    sent view, the ranks its value holds, and bytes that add up to the Ledger's count."""
+    from picolib.tryit.lesson00 import ranks_in, record_ring_steps
+    for rec in run(record_ring_steps, n, 2):
+        r, steps = rec["rank"], rec["steps"]
+        assert [s["chunk"] for s in steps[:n - 1]] == [(r - k - 1) % n for k in range(n - 1)]
+        assert [len(ranks_in(s["value"])) for s in steps] == list(range(1, n)) + [n] * (n - 1)
+        assert sum(s["bytes"] for s in steps) == rec["ledger_bytes"] == 2 * (n - 1) * 2 * 4
+        assert rec["final"].tolist() == [2 ** n - 1] * n
+
+
+def test_drawing_helpers_fill_every_panel():
+    import matplotlib.pyplot as plt
+    from picolib.figure_check import problems
+    from picolib.tryit.lesson00 import draw_ring_steps, record_ring_steps
+    fig, axes = plt.subplots(2, 4, figsize=(12, 5.6))
+    draw_ring_steps(run(record_ring_steps, 4), axes.flat)
+    fig.suptitle("ring")
+    assert problems(fig) == []
+    plt.close("all")

@@ -37,16 +37,192 @@ def _draw(out, n, nbytes, alpha_us, bandwidth_gbs):
     import matplotlib.pyplot as plt
     ops = list(out)
     fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(9, 2.8))
-    ax_b.bar(ops, [out[o]["sent_bytes"] / max(nbytes, 1) for o in ops], color=["C1", "C2", "C0"])
+    from ..style import COLLECTIVES
+    names = [o.replace("_", "-") for o in ops]
+    ax_b.bar(names, [out[o]["sent_bytes"] / max(nbytes, 1) for o in ops], color=[COLLECTIVES[o] for o in ops])
     ax_b.set(ylabel="bytes sent per rank / B", title=f"N = {n}: traffic per rank", ylim=(0, 2.05))
     lat = [out[o]["latency_s"] * 1e6 for o in ops]
     bw = [out[o]["bandwidth_s"] * 1e6 for o in ops]
-    ax_t.bar(ops, lat, color="0.6", label=f"latency: steps × {alpha_us:g} µs")
-    ax_t.bar(ops, bw, bottom=lat, color="C0", label=f"bandwidth: bytes / {bandwidth_gbs:g} GB/s")
-    ax_t.set(ylabel="µs", title=f"α–β time, B = {nbytes:.3g} bytes")
-    ax_t.legend(fontsize=9)
+    ax_t.bar(names, lat, color="0.6", label=f"latency: steps × {alpha_us:g} µs")
+    ax_t.bar(names, bw, bottom=lat, color="#4477AA", label=f"bandwidth: bytes / {bandwidth_gbs:g} GB/s")
+    ax_t.set(ylabel="time (µs)", title=f"α–β time, B = {nbytes:.3g} bytes")
+    ax_t.set_ylim(0, 1.35 * max(max(a + b for a, b in zip(lat, bw)), 1e-9))
+    ax_t.legend(fontsize=9, loc="upper left")
     for ax in (ax_b, ax_t):
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=9)
     fig.tight_layout()
     plt.show()
     return fig
+
+
+# ---------------------------------------------------------------- the lesson's figures
+# (drawing code lives here so the lesson's cells stay short; each helper draws into the
+# axes it is given and never shows the figure)
+
+def record_ring_steps(n_chunks: int | None = None) -> dict:
+    """Run on every rank of a process group: picolib's own `comm.ring_all_reduce` on a
+    tensor whose every element on rank r is 2**r, so any sum says which ranks it holds (its
+    binary digits). Each ring step is recorded as it happens: which chunk this rank sends
+    (found from the sent view's offset in the tensor), the value it carries, its bytes, and a
+    snapshot of the whole tensor before the step. Returns {"rank", "n", "steps": [...],
+    "final", "ledger_bytes"}."""
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    per = n_chunks or 1
+    x = torch.full((n * per,), float(2 ** me))
+    steps, real_step = [], comm._ring_step
+
+    def recording(send_buf, recv_buf, right, left, group):
+        steps.append({"chunk": send_buf.storage_offset() // per,
+                      "value": int(send_buf[0].item()), "bytes": send_buf.numel() * send_buf.element_size(),
+                      "to": right, "before": x.view(n, per)[:, 0].clone()})
+        return real_step(send_buf, recv_buf, right, left, group)
+
+    with comm.Ledger() as ledger, mock.patch.object(comm, "_ring_step", recording):
+        comm.ring_all_reduce(x)
+    return {"rank": me, "n": n, "steps": steps, "final": x.view(n, per)[:, 0].clone(),
+            "ledger_bytes": ledger.measured_total("sent_bytes")}
+
+
+def ranks_in(value: int) -> list[int]:
+    """The ranks whose 2**r make up `value` (its binary digits)."""
+    return [r for r in range(value.bit_length()) if value >> r & 1]
+
+
+def draw_ring_steps(record: list[dict], axes) -> None:
+    """One panel per moment of a ring all-reduce recorded by `record_ring_steps` (one entry
+    per rank): the state of each rank's N chunks before every step and at the end, then
+    which chunk each rank sent at each step. A cell names the ranks its partial sum holds
+    (pink, darker as it fills) or says "all" (a finished sum, in the all-gather colour); the
+    chunk a rank sends in the coming step is framed."""
+    import matplotlib.colors as mcolors
+    from ..style import COLLECTIVES
+
+    n = record[0]["n"]
+    n_steps = len(record[0]["steps"])
+    rs, ag = mcolors.to_rgb(COLLECTIVES["reduce_scatter"]), mcolors.to_rgb(COLLECTIVES["all_gather"])
+    axes = list(axes)
+    for k, ax in zip(range(n_steps + 1), axes):
+        final = k == n_steps
+        for rec in record:
+            r = rec["rank"]
+            state = rec["final"] if final else rec["steps"][k]["before"]
+            sent = None if final else rec["steps"][k]["chunk"]
+            for c in range(n):
+                who = ranks_in(int(state[c].item()))
+                done = len(who) == n       # finished sums in the all-gather colour
+                shade = len(who) / n
+                face = ag if done else tuple(1 - shade * (1 - v) * 0.8 for v in rs)
+                ax.add_patch(_rect((c, -r - 1), face, framed=c == sent))
+                ax.text(c + 0.47, -r - 0.55, "all" if done else "+".join(map(str, who)),
+                        ha="center", va="center", fontsize=9, color="white" if done else "black")
+        ax.set_title("end: every chunk summed" if final else
+                     f"before reduce-scatter step {k + 1}" if k < n - 1 else
+                     f"before all-gather step {k - n + 2}", fontsize=10)
+        _grid_axes(ax, n, n, [f"chunk {c}" for c in range(n)])
+    if len(axes) > n_steps + 1:             # the last panel: which chunk each rank sent when
+        ax = axes[n_steps + 1]
+        for rec in record:
+            for k, step in enumerate(rec["steps"]):
+                face = COLLECTIVES["reduce_scatter"] if k < n - 1 else COLLECTIVES["all_gather"]
+                ax.add_patch(_rect((k, -rec["rank"] - 1), face))
+                ax.text(k + 0.47, -rec["rank"] - 0.55, f"c{step['chunk']}", ha="center",
+                        va="center", fontsize=9, color="white")
+        ax.set_title(f"chunk sent to the right, per step", fontsize=10)
+        _grid_axes(ax, n, n_steps, [f"{'RS' if k < n - 1 else 'AG'}{k % (n - 1) + 1}"
+                                    for k in range(n_steps)])
+        for extra in axes[n_steps + 2:]:
+            extra.set_visible(False)
+
+
+def _grid_axes(panel, rows, cols, col_labels):
+    panel.set_xlim(0, cols); panel.set_ylim(-rows, 0)
+    panel.set_xticks([c + 0.47 for c in range(cols)], col_labels)
+    panel.set_yticks([-r - 0.55 for r in range(rows)], [f"rank {r}" for r in range(rows)])
+    panel.tick_params(length=0)
+    for s in panel.spines.values():
+        s.set_visible(False)
+
+
+def _rect(xy, face, framed=False):
+    import matplotlib.pyplot as plt
+    return plt.Rectangle(xy, 0.95, 0.9, facecolor=face, edgecolor="black" if framed else face,
+                         linewidth=2.5 if framed else 0)
+
+
+def draw_collectives(xs, after, axes) -> None:
+    """The collectives figure: one panel per state (before, then after each collective), one
+    row per rank; a value's colour is the rank it came from (tens digit), grey a sum."""
+    from ..style import rank_color
+
+    panels = [("before (every collective)", xs, None)] + [
+        (f"after {op.replace('_', '-')}", outs, list(range(len(outs))) if op == "reduce_scatter" else None)
+        for op, outs in after.items()]
+    for ax, (title, rows, at) in zip(axes, panels):
+        for r, row in enumerate(rows):
+            for j, v in enumerate(row.tolist(), start=at[r] if at else 0):
+                src = int(v) // 10
+                ax.add_patch(_rect((j, -r - 1), rank_color(src) if v < 40 else "#DDDDDD"))
+                dark = v < 40 and src in (0, 3)
+                ax.text(j + 0.47, -r - 0.55, f"{v:g}", ha="center", va="center", fontsize=9,
+                        color="white" if dark else "black")
+        ax.set_xlim(0, 4); ax.set_ylim(-len(rows), 0); ax.set_title(title, fontsize=10)
+        ax.set_yticks([-r - 0.55 for r in range(len(rows))], [f"rank {r}" for r in range(len(rows))])
+        ax.set_xticks([]); ax.tick_params(length=0)
+        for s in ax.spines.values():
+            s.set_visible(False)
+
+
+def draw_traffic(ax, traffic: dict | None = None, nbytes: int = 32768) -> None:
+    """Bytes each rank sent (counted on picolib's rings, one point per rank and N:
+    `traffic[N]` is `run`'s list of per-rank results, bytes by op in item 3) against the ring
+    formulas, in units of B; dashed: in-network reduction (B once per GPU). Without
+    `traffic`, the formulas only."""
+    from ..comm import ring_sent_bytes
+    from ..style import COLLECTIVES
+
+    ns = list(range(2, 9))
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        wide = op == "reduce_scatter"             # under the all-gather line: draw it wider
+        ax.plot(ns, [ring_sent_bytes(op, nbytes, n) / nbytes for n in ns], color=COLLECTIVES[op],
+                lw=6 if wide else 1.8, alpha=0.45 if wide else 1,
+                label=f"{op.replace('_', '-')}: formula")
+        pts = [(n, r[3][op] / nbytes) for n, res in (traffic or {}).items() for r in res]
+        if pts:
+            ax.plot(*zip(*pts), "o", color=COLLECTIVES[op], mfc="none",
+                    ms=10 if op == "all_gather" else 6, label=f"{op.replace('_', '-')}: counted")
+    ax.plot(ns, [1.0] * len(ns), "k--", label="all-reduce, in-network\nreduction (computed)")
+    ax.set_xlabel("ranks N"); ax.set_ylabel("bytes sent per rank / B")
+    ax.set_title("Bytes one rank sends: counted on picolib's rings vs the formulas")
+    ax.set_ylim(0, 2.1); ax.grid(alpha=0.3)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
+def time_ring_all_reduce(sizes, repeats: int = 7) -> dict:
+    """Run on every rank: seconds of picolib's `comm.ring_all_reduce` on float32 buffers of
+    each size in `sizes` (elements), the fastest of `repeats` runs after a warm-up (the
+    machine is shared: the minimum is the run least disturbed by other processes)."""
+    import time
+
+    import torch
+
+    from .. import comm
+
+    best = {}
+    for numel in sizes:
+        x = torch.ones(numel)
+        comm.ring_all_reduce(x)                   # warm-up: connections, allocations
+        ts = []
+        for _ in range(repeats):
+            comm.barrier()
+            t0 = time.perf_counter()
+            comm.ring_all_reduce(x)
+            ts.append(time.perf_counter() - t0)
+        best[numel] = min(ts)
+    return best
