@@ -172,3 +172,113 @@ def test_unwritten_exercise_is_a_clear_failure():
     for check in (check_ring_all_reduce, check_ring_bytes):
         with pytest.raises(ExerciseFailed, match="not written yet"):
             check(todo)
+
+
+# ---------------------------------------------- the networking problems of the GPU chapter
+from picolib.grading import (check_all_gather_seconds, check_bisection_bandwidth,  # noqa: E402
+                             check_node_bandwidth, check_sharp_switch, check_su_all_gather)
+from picolib.grading import lesson00 as ref  # noqa: E402
+
+
+def test_networking_references_pass_their_checks_and_hold_the_published_answers():
+    check_node_bandwidth(ref.node_bandwidth)
+    check_bisection_bandwidth(ref.bisection_bandwidth)
+    check_sharp_switch(ref.sharp_switch)
+    check_all_gather_seconds(ref.all_gather_seconds)
+    check_su_all_gather(ref.su_all_gather)
+    assert ref.node_bandwidth(8, 450e9, 4, 64 * 25e9) == 3.6e12              # the book: 3.6 TB/s
+    assert ref.bisection_bandwidth(8, 450e9) == 3.6e12                       # both directions
+    assert round(ref.all_gather_seconds((1024, 16384), 2, 8, 450e9) * 1e6, 1) == 65.2   # not 9 µs
+    su = ref.su_all_gather(1.0, 32, 8, 3.6e12, 12.8e12)
+    assert su["node_out"] == 8 and su["top_out"] == 31 and round(1 / su["seconds"] / 1e9) == 413
+
+
+@pytest.mark.parametrize("wrong, diagnosis", [
+    (lambda gpus, per_gpu, switches, switch_bw: switches * switch_bw, "the switches' capacity"),
+    (lambda gpus, per_gpu, switches, switch_bw: gpus * per_gpu, "the GPUs' ports only"),
+    (lambda gpus, per_gpu, switches, switch_bw: gpus * per_gpu + switches * switch_bw, "a sum"),
+    (lambda gpus, per_gpu, switches, switch_bw: 2 * ref.node_bandwidth(gpus, per_gpu, switches, switch_bw),
+     "count one direction"),
+    (lambda gpus, per_gpu, switches, switch_bw: ref.node_bandwidth(gpus, per_gpu, switches, switch_bw) / 1e9,
+     "not GB/s"),
+], ids=["switches", "ports", "sum", "both directions", "GB/s"])
+def test_node_bandwidth_names_each_mistake(wrong, diagnosis):
+    lines = _one_line(check_node_bandwidth, wrong)
+    assert len(lines) == 1 and diagnosis in lines[0], lines
+
+
+@pytest.mark.parametrize("wrong, diagnosis", [
+    (lambda gpus, per_gpu: gpus // 2 * per_gpu, "one direction only"),
+    (lambda gpus, per_gpu: 2 * gpus * per_gpu, "only half the GPUs"),
+    (lambda gpus, per_gpu: per_gpu, "one GPU's port"),
+], ids=["one direction", "all GPUs", "one port"])
+def test_bisection_bandwidth_names_each_mistake(wrong, diagnosis):
+    lines = _one_line(check_bisection_bandwidth, wrong)
+    assert len(lines) == 1 and diagnosis in lines[0], lines
+
+
+def _sharp(change):
+    def fn(nbytes, n, per_gpu, switch_total):
+        out = ref.sharp_switch(nbytes, n, per_gpu, switch_total)
+        out.update(change(nbytes, n, per_gpu, switch_total))
+        return out
+    return fn
+
+
+@pytest.mark.parametrize("wrong, diagnosis", [
+    (_sharp(lambda b, n, w, s: {"in": b}), "['in']: one GPU's B"),
+    (_sharp(lambda b, n, w, s: {"in": b * (n - 1)}), "['in']: (N−1)·B"),
+    (_sharp(lambda b, n, w, s: {"out": b}), "['out']: B once"),
+    (_sharp(lambda b, n, w, s: {"seconds": b * n / s}), "the switches' share only"),
+    (_sharp(lambda b, n, w, s: {"seconds": b / w}), "a GPU's port only"),
+    (_sharp(lambda b, n, w, s: {"seconds": 2 * max(b / w, b * n / s)}), "full duplex"),
+], ids=["in: one B", "in: N-1", "out: one B", "switch time", "port time", "twice"])
+def test_sharp_switch_names_each_mistake(wrong, diagnosis):
+    lines = _one_line(check_sharp_switch, wrong)
+    assert len(lines) == 1 and diagnosis in lines[0], lines
+
+
+def _elements(shape):
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+@pytest.mark.parametrize("wrong, diagnosis", [
+    (lambda shape, itemsize, n, per_gpu: _elements(shape) * itemsize / (n * per_gpu), "the published 9 µs"),
+    (lambda shape, itemsize, n, per_gpu: _elements(shape) * itemsize / per_gpu, "all of B"),
+    (lambda shape, itemsize, n, per_gpu: (n - 1) / n * _elements(shape) / per_gpu, "elements, not bytes"),
+    (lambda shape, itemsize, n, per_gpu: 1e6 * ref.all_gather_seconds(shape, itemsize, n, per_gpu), "seconds"),
+], ids=["B/(NW)", "B/W", "elements", "µs"])
+def test_all_gather_seconds_names_each_mistake(wrong, diagnosis):
+    lines = _one_line(check_all_gather_seconds, wrong)
+    assert len(lines) == 1 and diagnosis in lines[0], lines
+
+
+def _su(change):
+    def fn(nbytes, m, n, w_node, w_top):
+        out = ref.su_all_gather(nbytes, m, n, w_node, w_top)
+        out.update(change(nbytes, m, n, w_node, w_top, out))
+        return out
+    return fn
+
+
+@pytest.mark.parametrize("wrong, diagnosis", [
+    (_su(lambda b, m, n, wn, wt, o: {"node_in": b / m}), "['node_in']: only the node's own shards"),
+    (_su(lambda b, m, n, wn, wt, o: {"node_out": b}), "['node_out']: B once"),
+    (_su(lambda b, m, n, wn, wt, o: {"top_out": b}), "['top_out']: B once"),
+    (_su(lambda b, m, n, wn, wt, o: {"seconds": o["node_out"] / wn}), "the node level's time"),
+], ids=["node in", "node out", "top out", "node time"])
+def test_su_all_gather_names_each_mistake(wrong, diagnosis):
+    lines = _one_line(check_su_all_gather, wrong)
+    assert len(lines) == 1 and diagnosis in lines[0], lines
+
+
+def test_unwritten_networking_exercises_fail():
+    def todo(*args, **kwargs):
+        raise NotImplementedError
+    for check in (check_node_bandwidth, check_bisection_bandwidth, check_sharp_switch,
+                  check_all_gather_seconds, check_su_all_gather):
+        with pytest.raises(ExerciseFailed, match="not written yet"):
+            check(todo)

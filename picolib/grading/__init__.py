@@ -6,8 +6,9 @@ Each lesson keeps its checks in its own module (`lesson00.py`, `lesson01.py`, ..
 list below is every check a notebook may call.
 """
 from ._core import ExerciseFailed, call_student, compare, report, run_student
-from .lesson00 import (check_all_reduce_from_rs_ag, check_ring_all_reduce, check_ring_bytes,
-                       check_ring_time)
+from .lesson00 import (check_all_gather_seconds, check_all_reduce_from_rs_ag,
+                       check_bisection_bandwidth, check_node_bandwidth, check_ring_all_reduce,
+                       check_ring_bytes, check_ring_time, check_sharp_switch, check_su_all_gather)
 from .lesson01 import (check_activation_bytes, check_bytes_per_param, check_grad_accumulation,
                        check_param_count)
 from .lesson02 import (check_accumulate_and_step, check_assign_buckets, check_average_gradients,
@@ -29,6 +30,8 @@ from .lesson07 import check_bubble, check_broken_schedules, check_one_f_one_b
 __all__ = [
     "ExerciseFailed", "call_student", "compare", "report", "run_student",
     "check_all_reduce_from_rs_ag", "check_ring_all_reduce", "check_ring_bytes", "check_ring_time",
+    "check_node_bandwidth", "check_bisection_bandwidth", "check_sharp_switch",
+    "check_all_gather_seconds", "check_su_all_gather",
     "check_activation_bytes", "check_bytes_per_param", "check_grad_accumulation",
     "check_param_count",
     "check_accumulate_and_step", "check_assign_buckets", "check_average_gradients",

@@ -7,6 +7,14 @@
   followed by one `comm.all_gather`; run on 2 and 4 ranks, and on two groups of 2.
 - `check_ring_bytes(fn)`: `fn(op, nbytes, n)` → bytes one rank sends in a ring collective.
 - `check_ring_time(fn)`: `fn(op, nbytes, n, alpha, bandwidth)` → seconds under the α–β model.
+
+The networking problems of the GPU chapter of *How to Scale Your Model*:
+- `check_node_bandwidth(fn)`: a node's total bandwidth, ports or switches (3.6 TB/s for H100);
+- `check_bisection_bandwidth(fn)`: across the worst cut, both directions (3.6 TB/s);
+- `check_sharp_switch(fn)`: bytes through the switches of an in-network all-reduce (B·N each
+  way, counted on real ranks) and its time;
+- `check_all_gather_seconds(fn)`: an all-gather inside a node (65 µs, not the book's 9 µs);
+- `check_su_all_gather(fn)`: bytes at the node and top switches of an all-gather in one SU.
 """
 from __future__ import annotations
 
@@ -14,11 +22,13 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Ledger, ring_sent_bytes
+from ..launch import run
 from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
                     report, run_student)
 
 __all__ = ["check_ring_all_reduce", "check_all_reduce_from_rs_ag", "check_ring_bytes",
-           "check_ring_time", "ring_time"]
+           "check_ring_time", "ring_time", "check_node_bandwidth", "check_bisection_bandwidth",
+           "check_sharp_switch", "check_all_gather_seconds", "check_su_all_gather"]
 
 RING_OPS = ("reduce_scatter", "all_gather", "all_reduce")
 
@@ -191,7 +201,8 @@ def _one_line_per_op(op: str, cases: list[dict], got: list, expected: list, hint
         return []
     i = wrong[0]
     label = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                      for k, v in cases[i].items() if k not in ("want", "steps", "W", "op"))
+                      for k, v in cases[i].items()
+                      if k not in ("want", "steps", "W", "op") and not k.startswith("_"))
     example = f"e.g. {label}: got {got[i]!r}, expected {expected[i]!r}"
     for rule, message in hints:
         try:
@@ -296,3 +307,277 @@ def check_ring_time(fn) -> None:
                     expected.append(want)
         problems += _one_line_per_op(op, cases, got, expected, TIME_HINTS)
     report("ring time (α–β)", problems, checks)
+
+
+# ------------------------------------------------- networking problems of the GPU chapter
+# (How to Scale Your Model, "GPUs"): each answer is compared with picolib.hardware and with a
+# second derivation (a count of links, routes or messages), and a wrong one is named in a line.
+
+def _grid(name: str, fn, cases: list[dict], reference, hints, keys=None) -> tuple[list[str], int]:
+    """Call `fn(**case inputs)` on every case; one line per key (or one for a number) naming
+    the first hint that explains every wrong case."""
+    got = [call_student(fn, **{k: v for k, v in c.items() if not k.startswith("_")})
+           for c in cases]
+    want = [reference(c) for c in cases]
+    if keys is None:
+        return _one_line_per_op(name, cases, got, want, hints), len(cases)
+    problems = []
+    for key in keys:
+        if not all(isinstance(g, dict) and key in g for g in got):
+            return [f"{name}: return a dict with the keys {list(keys)} (got {got[0]!r})"], len(cases)
+        problems += _one_line_per_op(f"{name}[{key!r}]", cases, [g[key] for g in got],
+                                     [w[key] for w in want], hints.get(key, []))
+    return problems, len(cases) * len(keys)
+
+
+def _unit_hints(kind="bytes/s"):
+    return [(lambda g, c: _close(g, c["_want"] / 1e9) or _close(g, c["_want"] / 1e12),
+             f"{kind}, please (not GB/s or TB/s): 450e9, not 450")]
+
+
+NODE_CASES = [  # the H100 node; a node whose switches bind; smaller and bigger nodes
+    {"gpus": 8, "per_gpu": 450e9, "switches": 4, "switch_bw": 64 * 25e9},
+    {"gpus": 8, "per_gpu": 450e9, "switches": 2, "switch_bw": 64 * 25e9},
+    {"gpus": 4, "per_gpu": 300e9, "switches": 6, "switch_bw": 1.2e12},
+    {"gpus": 16, "per_gpu": 900e9, "switches": 4, "switch_bw": 3.2e12},
+]
+
+
+def node_bandwidth(gpus: int, per_gpu: float, switches: int, switch_bw: float) -> float:
+    """Total bytes/s a switched node moves (one direction): the GPUs' ports or the switches,
+    whichever carries less."""
+    return min(gpus * per_gpu, switches * switch_bw)
+
+
+NODE_HINTS = [
+    (lambda g, c: _close(g, c["switches"] * c["switch_bw"]),
+     "the switches' capacity; every byte also passes a GPU port, and the GPUs' ports carry "
+     "only gpus·per_gpu"),
+    (lambda g, c: _close(g, c["gpus"] * c["per_gpu"]),
+     "the GPUs' ports only; when the switches carry less than the ports, the switches bound it"),
+    (lambda g, c: _close(g, c["gpus"] * c["per_gpu"] + c["switches"] * c["switch_bw"]),
+     "a sum; a byte crosses a GPU port AND a switch, so the smaller of the two bounds the node"),
+    (lambda g, c: _close(g, 2 * c["_want"]),
+     "twice the answer: count one direction (a port's 450 GB/s is per direction)"),
+] + _unit_hints()
+
+
+def check_node_bandwidth(fn) -> None:
+    """`fn(gpus, per_gpu, switches, switch_bw)` → the node's total bandwidth in bytes/s (one
+    direction). Reference: `node_bandwidth`; for the H100 node also picolib's preset."""
+    from ..hardware import PRESETS
+    assert node_bandwidth(**NODE_CASES[0]) == PRESETS["H100-SXM"].levels[0].total
+    cases = [dict(c, _want=node_bandwidth(**c)) for c in NODE_CASES]
+    problems, checks = _grid("node bandwidth", fn, cases, lambda c: c["_want"], NODE_HINTS)
+    report("node bandwidth", problems, checks)
+
+
+def bisection_bandwidth(gpus: int, per_gpu: float) -> float:
+    """Bisection bandwidth of a non-blocking switched node, both directions counted (the GPU
+    chapter's convention): half the GPUs send across at per_gpu each, and the other half back."""
+    return 2 * (gpus // 2) * per_gpu
+
+
+def _bisection_by_pairs(gpus: int, per_gpu: float) -> float:
+    """A second count: the bytes/s that cross the worst cut when every GPU streams to a
+    partner on the other side (the busiest pattern a cut sees), summed message by message."""
+    left, right = range(gpus // 2), range(gpus // 2, gpus)
+    flows = [(a, b) for a, b in zip(left, right)] + [(b, a) for a, b in zip(left, right)]
+    return sum(per_gpu for _ in flows)      # each GPU's port sends at per_gpu, one flow each
+
+
+BISECTION_HINTS = [
+    (lambda g, c: _close(g, c["_want"] / 2),
+     "one direction only; the exercise (like the GPU chapter) counts both directions across the cut"),
+    (lambda g, c: _close(g, 2 * c["_want"]),
+     "twice the answer: only half the GPUs sit on each side of the cut"),
+    (lambda g, c: _close(g, c["_want"] / c["gpus"] * 2) or _close(g, c["per_gpu"]),
+     "one GPU's port; the cut is crossed by every GPU on one side (and back)"),
+] + _unit_hints()
+
+
+def check_bisection_bandwidth(fn) -> None:
+    """`fn(gpus, per_gpu)` → bytes/s across the worst cut of the node into two halves, both
+    directions counted. Reference: `bisection_bandwidth`, checked against a count of flows."""
+    cases = []
+    for gpus, per_gpu in ((8, 450e9), (4, 300e9), (16, 900e9), (2, 50e9)):
+        assert bisection_bandwidth(gpus, per_gpu) == _bisection_by_pairs(gpus, per_gpu)
+        cases.append({"gpus": gpus, "per_gpu": per_gpu, "_want": bisection_bandwidth(gpus, per_gpu)})
+    problems, checks = _grid("bisection bandwidth", fn, cases, lambda c: c["_want"], BISECTION_HINTS)
+    report("bisection bandwidth", problems, checks)
+
+
+def sharp_switch(nbytes: float, n: int, per_gpu: float, switch_total: float) -> dict:
+    """A single-node all-reduce with in-network reduction: bytes into and out of the switches
+    (each GPU sends its B once and receives the B-byte sum once: B·N each way) and the seconds
+    it takes, set by the slower of a GPU's port (B/per_gpu) and the switches (B·N/switch_total)."""
+    return {"in": nbytes * n, "out": nbytes * n,
+            "seconds": max(nbytes / per_gpu, nbytes * n / switch_total)}
+
+
+def _switch_worker(n_gpus, numel):
+    """Ranks 0…N−1 are GPUs, rank N plays the switch (as in the lesson): the ledger counts
+    what the switch receives and sends."""
+    from .. import comm
+    me, switch = dist.get_rank(), n_gpus
+    with Ledger() as ledger:
+        if me == switch:
+            parts = [torch.empty(numel) for _ in range(n_gpus)]
+            comm.exchange(recvs=[(p, g) for g, p in enumerate(parts)])
+            total = torch.stack(parts).sum(0)
+            comm.exchange(sends=[(total, g) for g in range(n_gpus)])
+        else:
+            x = torch.ones(numel)
+            comm.exchange(sends=[(x, switch)])
+            comm.exchange(recvs=[(x, switch)])
+    return ledger.total("sent_bytes"), sum(r.nbytes for r in ledger.records if r.op == "recv")
+
+
+def switch_bytes_measured(n_gpus: int = 3, numel: int = 64) -> tuple[int, int, int]:
+    """(B, bytes the stand-in switch received, bytes it sent), counted on real ranks."""
+    res = run(_switch_worker, n_gpus + 1, n_gpus, numel)
+    sent, received = res[n_gpus]
+    return numel * 4, received, sent
+
+
+SHARP_HINTS = {
+    "in": [(lambda g, c: _close(g, c["nbytes"]), "one GPU's B; the switch receives B from each of N GPUs"),
+           (lambda g, c: _close(g, c["nbytes"] * (c["n"] - 1)),
+            "(N−1)·B: every GPU sends its B, none is left out (the switch holds no data of its own)")],
+    "out": [(lambda g, c: _close(g, c["nbytes"]), "B once; the switch sends the sum to each of N GPUs"),
+            (lambda g, c: _close(g, c["nbytes"] * (c["n"] - 1)),
+             "(N−1)·B: every GPU needs the sum, its own contribution is not in it until the switch adds it")],
+    "seconds": [
+        (lambda g, c: _close(g, c["nbytes"] * c["n"] / c["switch_total"]),
+         "the switches' share only (B·N over their total, the book's 'B·N/W'); a GPU's own port "
+         "carries B at per_gpu and is the slower of the two here"),
+        (lambda g, c: _close(g, c["nbytes"] / c["per_gpu"]),
+         "a GPU's port only; when the switches are slower (B·N/switch_total larger), they set the time"),
+        (lambda g, c: _close(g, 2 * c["_want"]["seconds"]),
+         "twice the time: sending B up and receiving the sum happen at once (full duplex)"),
+    ],
+}
+
+
+def check_sharp_switch(fn) -> None:
+    """`fn(nbytes, n, per_gpu, switch_total)` → {"in", "out", "seconds"}: the bytes through the
+    switches of a single-node all-reduce with in-network reduction, and its time. The byte
+    counts are confirmed on real ranks (one playing the switch, as in the lesson)."""
+    b, received, sent = switch_bytes_measured(3)
+    assert received == sent == 3 * b, (received, sent, b)      # measured: B·N each way
+    cases = [dict(nbytes=1e9, n=8, per_gpu=450e9, switch_total=4 * 64 * 25e9),
+             dict(nbytes=2 ** 25, n=8, per_gpu=450e9, switch_total=4 * 64 * 25e9),
+             dict(nbytes=1e6, n=4, per_gpu=300e9, switch_total=0.6e12),     # switches bind
+             dict(nbytes=float(b), n=3, per_gpu=100e9, switch_total=1e12)]
+    for c in cases:
+        c["_want"] = sharp_switch(c["nbytes"], c["n"], c["per_gpu"], c["switch_total"])
+    problems, checks = _grid("sharp_switch", fn, cases, lambda c: c["_want"], SHARP_HINTS,
+                             keys=("in", "out", "seconds"))
+    report("the switch in an in-network all-reduce", problems, checks)
+
+
+def all_gather_seconds(shape, itemsize: int, n: int, per_gpu: float) -> float:
+    """A ring all-gather inside a node of `n` GPUs of an array of `shape` with `itemsize`
+    bytes per element: every GPU receives (N−1)/N of its bytes through its own port."""
+    from ..hardware import ring_time as hw_ring_time
+    nbytes = itemsize
+    for d in shape:
+        nbytes *= d
+    return hw_ring_time("all_gather", nbytes, n, per_gpu, alpha=0)
+
+
+AG_HINTS = [
+    (lambda g, c: _close(g, c["_B"] / (c["n"] * c["per_gpu"])),
+     "B/(N·W) — the published 9 µs: dividing by the node's total forgets that each GPU must "
+     "receive (N−1)/N of B through its own port"),
+    (lambda g, c: _close(g, c["_B"] / c["per_gpu"]),
+     "all of B; each GPU already holds its own 1/N, so it receives (N−1)/N·B"),
+    (lambda g, c: _close(g * c["itemsize"], c["_want"]),
+     "elements, not bytes: multiply by the bytes per element"),
+    (lambda g, c: _close(g, c["_want"] * 1e6) or _close(g, c["_want"] * 1e3),
+     "seconds, please (not µs or ms)"),
+]
+
+
+def check_all_gather_seconds(fn) -> None:
+    """`fn(shape, itemsize, n, per_gpu)` → seconds of a ring all-gather inside a node
+    (bandwidth term only). Reference: picolib.hardware.ring_time with α = 0, and the count
+    of the bytes one GPU receives, (N−1) chunks of B/N."""
+    cases = []
+    for shape, itemsize, n, w in (((1024, 16384), 2, 8, 450e9), ((4096, 4096), 4, 8, 450e9),
+                                  ((512, 768), 2, 4, 300e9), ((1 << 20,), 1, 2, 50e9)):
+        b = itemsize
+        for d in shape:
+            b *= d
+        want = all_gather_seconds(shape, itemsize, n, w)
+        assert abs(want - (n - 1) * (b // n) / w) <= 1e-12 * want   # (N−1) chunks of B/N
+        cases.append({"shape": shape, "itemsize": itemsize, "n": n, "per_gpu": w, "_B": b,
+                      "_want": want})
+    problems, checks = _grid("all-gather seconds", fn, cases, lambda c: c["_want"], AG_HINTS)
+    report("all-gather inside a node", problems, checks)
+
+
+def su_all_gather(nbytes: float, m: int, n: int, w_node: float, w_top: float) -> dict:
+    """An all-gather of B bytes over M nodes × N GPUs under one top (leaf) switch level, each
+    GPU starting with B/(MN): bytes into and out of one node's switches and the top level,
+    and the seconds, the slower level setting the pace (each level's output over its bandwidth)."""
+    node_in = nbytes / m + nbytes * (m - 1) / m          # its GPUs' shards + the other nodes'
+    node_out = nbytes / m + n * (nbytes - nbytes / (m * n))   # up to the top + to each GPU
+    top_in, top_out = nbytes, nbytes * (m - 1)             # every node's B/M; to each the rest
+    return {"node_in": node_in, "node_out": node_out, "top_in": top_in, "top_out": top_out,
+            "seconds": max(node_out / w_node, top_out / w_top)}
+
+
+def _su_routes(m: int, n: int, shard: float) -> dict:
+    """A second count: route every shard to every GPU that lacks it (up to the node switch;
+    across the top level once per other node, then down that node's switch to each GPU) and
+    add the bytes each switch level receives and sends."""
+    tally = {"node_in": 0.0, "node_out": 0.0, "top_in": 0.0, "top_out": 0.0}
+    node = 0                                               # the node whose switch we count
+    for src_node in range(m):
+        for _ in range(n):                                 # one shard per GPU
+            if src_node == node:
+                tally["node_in"] += shard                  # from its GPU into the node switch
+                tally["node_out"] += shard * (n - 1)       # to the node's other GPUs
+                if m > 1:
+                    tally["node_out"] += shard             # up to the top, once
+            else:
+                tally["node_in"] += shard                  # down from the top, once
+                tally["node_out"] += shard * n             # to each of the node's GPUs
+            if m > 1:
+                tally["top_in"] += shard                   # every shard goes up once
+                tally["top_out"] += shard * (m - 1)        # and down to each other node
+    return tally
+
+
+SU_HINTS = {
+    "node_in": [(lambda g, c: _close(g, c["nbytes"] / c["m"]),
+                 "only the node's own shards; the other nodes' (M−1)/M·B come in from the top too")],
+    "node_out": [(lambda g, c: _close(g, c["nbytes"] * (c["n"] - 1) / c["m"] + c["nbytes"] / c["m"]),
+                  "only the node's own shards; every GPU needs all of B but its own B/(MN)"),
+                 (lambda g, c: _close(g, c["nbytes"]),
+                  "B once; each of the N GPUs needs its own copy of B − B/(MN)")],
+    "top_out": [(lambda g, c: _close(g, c["nbytes"]),
+                 "B once; each of the M nodes needs the other nodes' (M−1)/M·B: (M−1)·B in all")],
+    "top_in": [],
+    "seconds": [(lambda g, c: _close(g, c["_want"]["node_out"] / c["w_node"]),
+                 "the node level's time; the top level is slower here: (M−1)·B/w_top"),
+                (lambda g, c: _close(g, c["_want"]["top_out"] / c["w_top"]),
+                 "the top level's time; the node level is slower here: N·B/w_node")],
+}
+
+
+def check_su_all_gather(fn) -> None:
+    """`fn(nbytes, m, n, w_node, w_top)` → {"node_in", "node_out", "top_in", "top_out",
+    "seconds"}. Reference: `su_all_gather`, its bytes checked against a count of every
+    shard's route (`_su_routes`)."""
+    cases = []
+    for b, m, n, w_node, w_top in ((2 ** 25, 32, 8, 3.6e12, 12.8e12), (1e9, 32, 8, 3.6e12, 12.8e12),
+                                   (1e6, 2, 4, 1.2e12, 0.1e12), (6e6, 3, 2, 1e12, 1e12)):
+        want = su_all_gather(b, m, n, w_node, w_top)
+        routed = _su_routes(m, n, b / (m * n))
+        assert all(abs(routed[k] - want[k]) <= 1e-9 * b * m * n for k in routed), (routed, want)
+        cases.append({"nbytes": b, "m": m, "n": n, "w_node": w_node, "w_top": w_top, "_want": want})
+    problems, checks = _grid("su_all_gather", fn, cases, lambda c: c["_want"], SU_HINTS,
+                             keys=("node_in", "node_out", "top_in", "top_out", "seconds"))
+    report("all-gather inside one scalable unit", problems, checks)
