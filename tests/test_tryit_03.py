@@ -55,9 +55,25 @@ def test_bf16_bars_equal_zero1_with_bf16_weights():
 
 
 def test_the_knobs_cell_draws_and_returns_the_bars():
-    mem = knobs(zero_bars, stage=[3, 1, 2], n=(1, 64, 1), model=list(MODELS))
-    assert mem == per_rank(3, 1, MODELS["7.5B (ZeRO paper)"])
-    assert mem["DP"] == mem["ZeRO-3"]                 # N = 1: nobody to share with
+    # the lesson's cell opens on a meaningful setting: ZeRO-3 on 8 ranks, not N = 1
+    mem = knobs(zero_bars, stage=[3, 1, 2], n=[8, 1, 2, 4, 16, 64, 256, 1024], model=list(MODELS))
+    assert mem == per_rank(3, 8, MODELS["7.5B (ZeRO paper)"])
+    assert sum(mem["DP"].values()) == 8 * sum(mem["ZeRO-3"].values())
+    one = per_rank(3, 1, MODELS["7.5B (ZeRO paper)"])
+    assert one["DP"] == one["ZeRO-3"]                 # N = 1: nobody to share with
     assert sum(zero_bars(3, 64)["ZeRO-3"].values()) == 120_000_000_000 // 64
     with pytest.raises(ValueError):
         per_rank(0, 2, 100)
+
+
+def test_the_lessons_bars_pass_the_figure_check():
+    import matplotlib.pyplot as plt
+    from picolib.figure_check import problems
+    from picolib.style import MEMORY
+    from picolib.tryit.lesson03 import COLORS, plot_groups
+    assert COLORS == {k: MEMORY[k] for k in ("params", "grads", "optimizer")}
+    fig, ax = plt.subplots(figsize=(6, 3.8), layout="constrained")
+    plot_groups({f"N = {n}": per_rank(3, n, MODELS["tiny Llama"], "fp32") for n in (1, 8)}, ax=ax)
+    assert ax.get_ylabel() == "KiB per rank"          # binary units for memory
+    assert problems(fig) == []
+    plt.close(fig)

@@ -11,7 +11,8 @@ from picolib import comm
 from picolib.launch import run
 from picolib.model import LlamaConfig, TinyLlama
 from picolib.tensor_parallel import apply_tensor_parallel
-from picolib.tryit.lesson04 import LLAMA3, layer_bytes, tp_layer_bytes
+from picolib.tryit.lesson04 import (LLAMA3, block_layout, layer_bytes, norm_inputs, plot_shards,
+                                    plot_tp_block, tp_layer_bytes)
 
 matplotlib.use("Agg")
 
@@ -70,3 +71,32 @@ def test_every_knob_combination_runs(monkeypatch):
         plt.close("all")
     with pytest.raises(ValueError, match="model must be one of"):
         tp_layer_bytes(2, "GPT-5", 1024)
+
+
+def test_the_lessons_drawings_pass_the_figure_check():
+    import matplotlib.pyplot as plt
+    from picolib.figure_check import problems
+    cfg = LlamaConfig(vocab_size=64, hidden=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+    layouts = run(block_layout, 2, cfg)
+    assert [k for _, k, _ in layouts[0]["mlp"]] == ["ColumnParallelLinear", "ColumnParallelLinear",
+                                                   "RowParallelLinear"]
+    fig = plot_tp_block(layouts, cfg.hidden // cfg.n_heads)
+    assert problems(fig) == []
+    plt.close(fig)
+    W = torch.randn(6, 8)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), layout="constrained")
+    plot_shards(axes[0], W, W.chunk(2, 0), 0, "column")
+    plot_shards(axes[1], W, W.chunk(2, 1), 1, "row")
+    assert problems(fig) == []
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_norms_see_whole_hidden_vectors(sp):
+    cfg = LlamaConfig(vocab_size=64, hidden=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+    tokens = torch.randint(0, 64, (2, 8))
+    seen = run(norm_inputs, 2, cfg, tokens, sp)
+    assert len(seen[0]) == 3                       # two per block and the final norm
+    for x0, x1 in zip(seen[0].values(), seen[1].values()):
+        assert x0.shape == ((2, 4, 32) if sp else (2, 8, 32))
+        assert torch.equal(x0, x1) != sp           # TP: identical on both ranks; SP: each its tokens

@@ -7,18 +7,29 @@
 `per_rank` is the arithmetic (picolib.zero.zero_memory_bytes, padding included);
 tests/test_tryit_03.py checks it against the bytes real ZeRO ranks hold
 (`ZeRO(...).memory()`). `plot_groups` draws the lesson's grouped, stacked bars.
+
+The lesson's rank functions live here too, so that its cells show what is measured and the
+asserts that settle it, not the bookkeeping: `one_step` (one training step of DP and each
+ZeRO stage: bytes held, calls made, saved activations), `replay` (a list of recorded calls
+run again on picolib's own rings, which count the bytes they send), `accumulate` (one ZeRO
+step over m micro-batches), `zero3_timeline` and `gathers_under_compute` (the prefetch
+figure), and `fsdp2_vs_zero` (PyTorch's FSDP2 beside picolib's ZeRO-2/3: its two
+collectives are wrapped to count the calls, and unwrapped again before it returns).
 """
 from __future__ import annotations
 
+from ..style import MEMORY
 from ..zero import optimizer_state_factor, zero_memory_bytes
 
-__all__ = ["PRECISIONS", "MODELS", "per_rank", "plot_groups", "zero_bars"]
+__all__ = ["PRECISIONS", "MODELS", "per_rank", "plot_groups", "zero_bars", "CONFIGS",
+           "one_step", "replay", "accumulate", "zero3_timeline", "gathers_under_compute",
+           "hidden_fraction", "fsdp2_vs_zero"]
 
 # bytes per parameter (params, grads) and optimizer bytes k, Adam
 PRECISIONS = {"bf16 + fp32 master": (2, 12), "fp32": (4, optimizer_state_factor("adam"))}
 # the ZeRO paper's 7.5B example, and the lesson's tiny Llama (its ZeRO units)
 MODELS = {"7.5B (ZeRO paper)": 7_500_000_000, "tiny Llama": [2214, 2142, 2142]}
-COLORS = {"params": "#2a9d8f", "grads": "#f4a261", "optimizer": "#e76f8a"}
+COLORS = {kind: MEMORY[kind] for kind in ("params", "grads", "optimizer")}   # picolib.style
 
 
 def per_rank(stage: int, n: int, numels, precision: str = "bf16 + fp32 master") -> dict:
@@ -32,7 +43,8 @@ def per_rank(stage: int, n: int, numels, precision: str = "bf16 + fp32 master") 
 
 
 def _unit(nbytes: float):
-    for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+    """Memory in binary units (picolib.style): GiB, MiB, KiB."""
+    for scale, name in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
         if nbytes >= scale:
             return scale, name
     return 1, "B"
@@ -65,7 +77,7 @@ def plot_groups(groups: dict, ax=None, title: str = "bytes per rank"):
         ax.annotate(group, (cx, 0), xycoords=("data", "axes fraction"), xytext=(0, -24),
                     textcoords="offset points", ha="center", va="top", fontsize=10,
                     fontweight="bold", annotation_clip=False)
-    ax.set(ylabel=unit, title=title)
+    ax.set(ylabel=f"{unit} per rank", title=title)
     ax.legend(fontsize=9, loc="upper right")
     return ax
 
@@ -84,3 +96,190 @@ def zero_bars(stage: int = 3, n: int = 8, model: str = "7.5B (ZeRO paper)",
     dp, z = (sum(m.values()) for m in mem.values())
     print(f"DP {dp:,} B, ZeRO-{stage} {z:,} B per rank: {dp / z:.2f}× less")
     return mem
+
+
+# --------------------------------------------------------------------------- the lesson's runs
+CONFIGS = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-1 bf16"]
+
+
+def one_step(cfg, mb: int, seq: int) -> dict:
+    """On every rank: one Adam step of DP (picolib's DDP + torch.optim.Adam) and of each
+    ZeRO configuration of CONFIGS, each on a fresh TinyLlama(cfg) and this rank's micro-batch
+    of `mb` sequences of `seq` tokens. Per configuration: the bytes held after the step
+    ("memory": params, grads, optimizer — `picolib.memory.measure` for DP, `ZeRO.memory()`
+    otherwise), the ledger's summary and calls (op, buffer bytes, ring-formula bytes), the
+    saved activations' bytes, ZeRO's (padded buffer, shard) sizes, and the buffers DP's
+    buckets or ZeRO's units hold."""
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import Ledger
+    from ..data_parallel import DDP
+    from ..memory import SavedActivations, measure
+    from ..model import TinyLlama, random_tokens
+    from ..zero import ZeRO
+
+    x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())
+    out = {}
+    for name in CONFIGS:
+        model = TinyLlama(cfg)
+        if name == "DP":
+            ddp = DDP(model)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        else:
+            dtype = torch.bfloat16 if "bf16" in name else torch.float32
+            zero = ZeRO(model, int(name[5]), optimizer="adam", lr=1e-3, param_dtype=dtype)
+        with Ledger() as led, SavedActivations() as acts:
+            model.loss(x, y).backward()
+            opt.step() if name == "DP" else zero.step()
+        if name == "DP":
+            b = measure(model, opt)
+            mem = {"params": b.params, "grads": b.grads, "optimizer": b.optimizer}
+        else:
+            mem = zero.memory()
+        out[name] = dict(memory=mem, traffic=led.summary(), activations=acts.bytes,
+                         calls=[(r.op, r.nbytes, r.sent_bytes) for r in led.records],
+                         layout=None if name == "DP" else [(u.full.numel(), u.shard.numel())
+                                                           for u in zero.units],
+                         buckets=([b.buffer.numel() for b in ddp.buckets] if name == "DP"
+                                  else zero.unit_numels()))
+    return out
+
+
+def replay(calls) -> list:
+    """Run each recorded (op, buffer bytes, …) call again on picolib's own rings (built from
+    send/recv, lesson 00) with a buffer of the same size; return the bytes this rank really
+    sent, one entry per call. Every rank of the group calls it with the same list."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..comm import Ledger
+
+    n = dist.get_world_size()
+    with Ledger() as led:
+        for op, nbytes, *_ in calls:
+            buf = torch.ones(nbytes // 4)
+            if op == "all_reduce":
+                comm.ring_all_reduce(buf)
+            elif op == "reduce_scatter":
+                comm.ring_reduce_scatter(buf)
+            elif op == "all_gather":                    # the buffer is the gathered output
+                comm.ring_all_gather(buf[: buf.numel() // n])
+            else:
+                raise ValueError(f"cannot replay {op!r}")
+    if not all(r.measured for r in led.records):
+        raise AssertionError("a replayed call was not counted on picolib's rings")
+    return [r.sent_bytes for r in led.records]
+
+
+def accumulate(cfg, stage: int, m: int, mb: int, seq: int) -> dict:
+    """One ZeRO-`stage` step of `m` micro-batches (`no_sync()` on all but the last backward)
+    on this rank: the gradient bytes held after each backward ("held"), the calls made
+    ("calls") and the bytes those calls send on picolib's rings ("wire", via `replay`)."""
+    from contextlib import nullcontext
+
+    import torch.distributed as dist
+
+    from ..comm import Ledger
+    from ..model import TinyLlama, random_tokens
+    from ..zero import ZeRO
+
+    model = TinyLlama(cfg)
+    zero = ZeRO(model, stage, optimizer="adam", lr=1e-3)
+    x, y = random_tokens(mb * m, seq, cfg.vocab_size, seed=dist.get_rank())
+    held = []
+    with Ledger() as led:
+        for i in range(m):
+            with zero.no_sync() if i < m - 1 else nullcontext():
+                (model.loss(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) / m).backward()
+            held.append(zero.memory()["grads"])
+        zero.step()
+    calls = [(r.op, r.nbytes, r.sent_bytes) for r in led.records]
+    return dict(held=held, calls=calls, wire=replay(calls))
+
+
+def zero3_timeline(cfg, costs: dict, prefetch: bool, mb: int, seq: int) -> list:
+    """One ZeRO-3 step with emulated costs (`Timeline(emulate=costs)`), with or without
+    prefetch; returns this rank's timeline events."""
+    import torch.distributed as dist
+
+    from ..model import TinyLlama, random_tokens
+    from ..timeline import Timeline
+    from ..zero import ZeRO
+
+    tl = Timeline(emulate=costs)
+    model = TinyLlama(cfg)
+    zero = ZeRO(model, 3, optimizer="adam", lr=1e-3, prefetch=prefetch, timeline=tl)
+    x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())
+    model.loss(x, y).backward()
+    zero.step()
+    return tl.events
+
+
+def hidden_fraction(events, rank: int = 0) -> float:
+    """Share of `rank`'s all-gather time that runs under some forward or backward span."""
+    from ..timeline import busy_time, overlap_time
+    return overlap_time(events, rank, "all_gather", ["F", "B"]) / busy_time(events, rank, "all_gather")
+
+
+def gathers_under_compute(events, rank: int = 0) -> tuple:
+    """(all-gathers of `rank` that spend at least half their time under a forward or
+    backward span, all-gathers of `rank`)."""
+    comp = [e for e in events if e["rank"] == rank and e["name"] in ("F", "B")]
+    gathers = [e for e in events if e["rank"] == rank and e["name"] == "all_gather"]
+    under = [g for g in gathers if any(min(g["end"], c["end"]) - max(g["start"], c["start"])
+                                       >= 0.5 * (g["end"] - g["start"]) for c in comp)]
+    return len(under), len(gathers)
+
+
+def _local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+    return sum((t._local_tensor if isinstance(t, DTensor) else t).numel() * 4 for t in tensors)
+
+
+def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
+    """On every rank: one Adam step of PyTorch's FSDP2 (`fully_shard` on each block, then on
+    the root) and one of picolib's ZeRO-3 (`reshard_after_forward=True`) or ZeRO-2 (False) on
+    the same micro-batch. Returns (FSDP2's bytes held — the local shards of its DTensors —,
+    FSDP2's calls {op: sorted full-buffer sizes}, ZeRO's `memory()`, ZeRO's ledger summary,
+    ZeRO's unit sizes). FSDP2's calls are counted by wrapping `dist.all_gather_single` and
+    `dist.reduce_scatter_single` for the duration of its step."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from ..comm import Ledger
+    from ..model import TinyLlama, random_tokens
+    from ..zero import ZeRO
+
+    calls = {"all_gather": [], "reduce_scatter": []}
+    wrapped = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
+
+    def counting(op):
+        def call(output, input, *args, **kwargs):
+            calls[op].append(max(output.numel(), input.numel()))    # the full buffer
+            return wrapped[op](output, input, *args, **kwargs)
+        return call
+
+    x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())
+    dist.all_gather_single, dist.reduce_scatter_single = counting("all_gather"), counting("reduce_scatter")
+    try:
+        model = TinyLlama(cfg)
+        for block in model.blocks:                  # bottom-up: each block, then the root
+            fully_shard(block, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model.loss(x, y).backward()
+        opt.step()
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = wrapped.values()
+    fsdp = {"params": _local_bytes(model.parameters()),
+            "grads": _local_bytes(p.grad for p in model.parameters()),
+            "optimizer": _local_bytes(v for s in opt.state.values() for k, v in s.items() if k != "step")}
+    ours = TinyLlama(cfg)
+    zero = ZeRO(ours, 3 if reshard_after_forward else 2, optimizer="adam", lr=1e-3)
+    with Ledger() as led:
+        ours.loss(x, y).backward()
+        zero.step()
+    return fsdp, {op: sorted(v) for op, v in calls.items()}, zero.memory(), led.summary(), zero.unit_numels()
