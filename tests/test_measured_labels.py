@@ -64,7 +64,6 @@ SETTLES = re.compile(r"measured_total\(|Ledger\(\s*rings\s*=\s*True|ring_all_red
 # runs on them and is marked xfail with the reason.
 PENDING = {
     "09": "issue 28: the all-to-all bytes come from the ledger's computed records",
-    "10": "issue 28: 'bytes sent by kind … all *measured*' are the trainer ledger's computed records",
 }
 
 

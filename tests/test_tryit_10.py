@@ -121,3 +121,52 @@ def test_section_3s_bubble_remark():
     cost = {"F": 1, "B": 2, "W": 0}
     assert bubble_ratio(simulate(make_schedule("1f1b", 2, 4), cost)) == pytest.approx(0.25)
     assert bubble_ratio(simulate(make_schedule("interleaved", 2, 4, 2), cost)) == pytest.approx(0.125)
+
+
+# ------------------------------------------------- lesson 10's figures (issue: figures that show)
+
+def _fake_runs():
+    ref = [{"loss": 3.0 - 0.1 * i} for i in range(10)]
+    runs = {"exact": [dict(r) for r in ref],
+            "close": [{"loss": r["loss"] + (1e-6 if i % 2 else 0.0)} for i, r in enumerate(ref)]}
+    return ref, runs
+
+
+def test_loss_difference_draws_zeros_at_zero_and_the_bound():
+    import matplotlib.pyplot as plt
+
+    from picolib.figure_check import problems
+    from picolib.tryit.lesson10 import plot_loss_curves
+
+    ref, runs = _fake_runs()
+    fig = plot_loss_curves(ref, runs, bound=2e-5)
+    dx = fig.axes[1]
+    assert dx.get_yscale() == "symlog"
+    exact = [ln for ln in dx.lines if ln.get_label() == "exact"][0]
+    assert list(exact.get_ydata()) == [0.0] * 10                  # exact zeros drawn as 0, no +1e-9
+    assert any(list(ln.get_ydata()) == [2e-5, 2e-5] for ln in dx.lines)   # the asserted bound
+    assert problems(fig) == []
+    plt.close(fig)
+
+
+def test_bytes_by_kind_figure_uses_the_parallelism_colours():
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    from picolib.figure_check import problems
+    from picolib.style import PARALLELISM
+    from picolib.tryit.lesson10 import plot_bytes_by_kind
+
+    MiB = 2 ** 20
+    table = {"one process": dict(state=8 * MiB, act=2 * MiB, sent={}, bubble=0.0),
+             "dp8": dict(state=8 * MiB, act=MiB, sent={"DP": 14 * MiB}, bubble=0.0),
+             "dp2×pp2×tp2": dict(state=2 * MiB, act=MiB, sent={"DP": MiB, "TP": 3 * MiB, "PP": MiB // 8},
+                                 bubble=0.5)}
+    fig = plot_bytes_by_kind(table)
+    ax = fig.axes[0]
+    colours = {to_hex(p.get_facecolor()) for p in ax.patches}
+    assert colours == {PARALLELISM[k].lower() for k in ("DP", "TP", "PP")}
+    widths = sorted(round(p.get_width(), 6) for p in ax.patches if p.get_width() > 0)
+    assert widths == sorted([14.0, 1.0, 3.0, 0.125])                # MiB, binary
+    assert problems(fig) == []
+    plt.close(fig)

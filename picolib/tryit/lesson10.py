@@ -21,7 +21,8 @@ from ..model import LlamaConfig, TinyLlama, random_tokens
 from ..planner import Parallelism, memory
 from . import rank_bars
 
-__all__ = ["memory_budget", "zero_under_micro_batches"]
+__all__ = ["memory_budget", "zero_under_micro_batches", "plot_loss_curves", "layout_table",
+           "plot_bytes_by_kind"]
 
 
 def zero_under_micro_batches(variants, ms=(1, 2, 4), n_layers: int = 8, rows: int = 2, seq: int = 32):
@@ -100,3 +101,104 @@ def memory_budget(dp: int = 2, tp: int = 2, pp: int = 2, zero: int = 1, micro_ba
           f"activations {b['activations'] / 1e6:.3f} MB; {peak / 1e6:.3f} MB of {budget_mb:g} MB: "
           f"{'fits' if out['fits'] else 'does NOT fit'}", flush=True)
     return out
+
+
+# ----------------------------------------------------------- lesson 10's figures and its table
+
+def plot_loss_curves(reference, runs: dict, bound: float = 2e-5):
+    """Lesson 10 §2: every layout's loss curve over one process's (left) and |Δloss| per step
+    (right) on a symmetric-log axis, where an exact 0 sits at 0 (not at a fake floor), with
+    the asserted bound drawn as a line. Shows the figure; returns it."""
+    import matplotlib.pyplot as plt
+
+    from ..style import rank_color
+
+    fig, (ax, dx) = plt.subplots(1, 2, figsize=(13, 4.2), layout="constrained")
+    ax.plot([r["loss"] for r in reference], "k-", lw=5, alpha=0.25, label="one process")
+    worst = 0.0
+    for i, (name, recs) in enumerate(runs.items()):
+        gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(recs, reference)]
+        worst = max(worst, *gaps)
+        ax.plot([r["loss"] for r in recs], lw=1.2, color=rank_color(i), label=name)
+        dx.plot(gaps, "o-", ms=4, lw=1, color=rank_color(i), label=name)
+    dx.axhline(bound, color="black", ls="--", lw=1)
+    dx.text(0, bound * 1.3, f"asserted bound {bound:g}", fontsize=9, va="bottom")
+    dx.set_yscale("symlog", linthresh=1e-7, linscale=0.5)
+    dx.set_ylim(0, bound * 4)
+    ax.set(xlabel="step", ylabel="loss", title="eight ranks, five layouts, one curve")
+    dx.set(xlabel="step", ylabel="|loss − one process| (0 = exactly equal)",
+           title=f"the difference (largest {worst:.1e})")
+    dx.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(fontsize=9, loc="upper right", frameon=False)
+    plt.show()
+    return fig
+
+
+def layout_table(reference, runs: dict, grid: dict, micro_batches: int) -> dict:
+    """Lesson 10 §3: {layout: {"state", "act", "sent", "bubble"}} from the trainer's last
+    record of each run (the busiest rank): state and activation bytes (measured by the
+    trainer), bytes sent by kind (counted from the calls the ledger recorded, the ring
+    formula applied to each), and the pipeline bubble, simulated with unit costs and checked
+    against (p − 1)/(v·m)."""
+    from ..pipeline_schedules import bubble_formula, make_schedule
+    from ..pipeline_simulator import simulate
+    from ..timeline import bubble_ratio
+
+    def bubble(opts):
+        p, m = opts.get("pp", 1), micro_batches
+        if p == 1:
+            return 0.0
+        v = 2 if opts.get("schedule") == "interleaved" else 1
+        simulated = bubble_ratio(simulate(make_schedule(opts.get("schedule", "1f1b"), p, m, v),
+                                          {"F": 1, "B": 2, "W": 0}))
+        if abs(simulated - bubble_formula(p, m, v)) > 1e-9:
+            raise AssertionError(f"{opts}: simulated bubble {simulated} ≠ (p−1)/(v·m)")
+        return simulated
+
+    table = {}
+    for name, recs in [("one process", reference)] + list(runs.items()):
+        last = recs[-1]
+        table[name] = dict(state=last["state_bytes"], act=last["activation_bytes"],
+                           sent=dict(last["sent_bytes_by_kind"]), bubble=bubble(grid.get(name, {})))
+    return table
+
+
+def plot_bytes_by_kind(table: dict, kinds=("DP", "TP", "PP", "CP", "EP")):
+    """Lesson 10 §3: per layout, the busiest rank's bytes sent per step, stacked by kind of
+    parallelism (colours of `picolib.style.PARALLELISM`), beside the memory it holds, both in
+    MiB. Shows the figure; returns it."""
+    import matplotlib.pyplot as plt
+
+    from ..style import MEMORY, PARALLELISM
+
+    names = list(table)
+    MiB = 2 ** 20
+    fig, (ax, mx) = plt.subplots(1, 2, figsize=(13, 4.4), layout="constrained",
+                                 gridspec_kw={"width_ratios": [3, 2]})
+    y = range(len(names))
+    left = [0.0] * len(names)
+    for k in kinds:
+        w = [table[n]["sent"].get(k, 0) / MiB for n in names]
+        if any(w):
+            ax.barh(y, w, left=left, color=PARALLELISM[k], label=k, edgecolor="white")
+            left = [a + b for a, b in zip(left, w)]
+    for i, total in enumerate(left):
+        ax.text(total, i, f" {total:.2f}", va="center", fontsize=9)
+    ax.set_yticks(list(y), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(left) * 1.18)
+    ax.set(xlabel="bytes sent per step by the busiest rank (MiB) — counted from the calls made",
+           title="traffic by kind of parallelism")
+    ax.legend(fontsize=9, loc="lower right", frameon=False)
+    state = [table[n]["state"] / MiB for n in names]
+    act = [table[n]["act"] / MiB for n in names]
+    mx.barh(y, state, color=MEMORY["params"], label="state (params + grads + AdamW)")
+    mx.barh(y, act, left=state, color=MEMORY["activations"], label="activations (peak)")
+    mx.set_yticks(list(y), [""] * len(names))
+    mx.invert_yaxis()
+    mx.set_xlim(0, max(a + b for a, b in zip(state, act)) * 1.05)
+    mx.set(xlabel="memory held by the busiest rank (MiB) — measured", title="what each rank holds")
+    mx.legend(fontsize=9, loc="lower right", frameon=False)
+    plt.show()
+    return fig
+
