@@ -13,7 +13,8 @@ from ..pipeline_schedules import SCHEDULES, make_schedule
 from ..pipeline_simulator import simulate
 from ..timeline import bubble_ratio, plot_gantt
 
-__all__ = ["schedule_gantt"]
+__all__ = ["schedule_gantt", "CASES", "T_OP", "op_costs", "param_bytes", "every_schedule",
+           "idle_gaps", "schedule_figure", "activation_peaks"]
 
 _CHUNKS = {"interleaved": 2, "dualpipev": 2}    # stages per rank when v is not given
 
@@ -43,3 +44,111 @@ def schedule_gantt(schedule: str = "1f1b", p: int = 4, m: int = 8, v: int | None
         ax.set_xlabel("ideal time (F = B = W = 1 per stage of a p-stage cut)")
         plt.show()
     return bubble
+
+
+# ----------------------------------------------------------------- the lesson's own helpers
+# (the run on real ranks and the figures of lesson 07, kept here so its cells stay short)
+
+CASES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("dualpipev", 1), ("dualpipe", 1)]
+T_OP = 0.04                      # emulated seconds of F, B or W for a stage of 2 blocks
+
+
+def op_costs(sched, t: float = T_OP) -> dict:
+    """Emulated op costs: F = B = W = t for a stage of a p-stage cut, half that for the
+    half-size stages of `interleaved` (v = 2) and `dualpipev`; BW = B + W."""
+    v = 2 if sched.name in ("interleaved", "dualpipev") else 1
+    return {"F": t / v, "B": t / v, "W": t / v, "BW": 2 * t / v}
+
+
+def param_bytes(modules) -> int:
+    """Bytes of parameter storage held by the modules (each tensor once)."""
+    return sum({p.data_ptr(): p.untyped_storage().nbytes()
+                for mod in modules for p in mod.parameters()}.values())
+
+
+def every_schedule(cfg, p: int, m: int, mb: int, seq: int, cases=CASES):
+    """On each of p ranks (run with picolib.launch.run): every schedule of `cases` on a fresh
+    TinyLlama(cfg), warmed up once, then timed with emulated costs. Returns {name: (events,
+    loss or None, {param name: grad}, parameter bytes held)}. DualPipe's two copies of a layer
+    (ranks r and p−1−r) all-reduce their gradients before they are returned."""
+    import torch.distributed as dist
+
+    from ..model import TinyLlama, random_tokens
+    from ..pipeline_parallel import run_schedule, schedule_stages, stage_grads
+    from ..timeline import Timeline
+
+    out, me = {}, dist.get_rank()
+    pairs = [dist.new_group([r, p - 1 - r]) for r in range(p // 2)]
+    tokens, targets = random_tokens(mb * m, seq, cfg.vocab_size, seed=1)
+    for name, v in cases:
+        model = TinyLlama(cfg)
+        sched = make_schedule(name, p, m, v)
+        mine = {s: st for s, st in schedule_stages(model, sched).items() if s in sched.stages_of(me)}
+        args = (list(tokens.chunk(m)), list(targets.chunk(m)))
+        run_schedule(sched, mine, *args)                 # warm-up (the first backward is slow)
+        for st in mine.values():
+            st.zero_grad(set_to_none=True)
+        tl = Timeline(emulate=op_costs(sched))
+        dist.barrier()
+        res = run_schedule(sched, mine, *args, timeline=tl)
+        if name == "dualpipe":                           # sum the two copies' gradients
+            for prm in model.parameters():              # one order on both ranks of the pair
+                if prm.grad is not None:
+                    dist.all_reduce(prm.grad, group=pairs[min(me, p - 1 - me)])
+        grads = {k: g for st in mine.values() for k, g in stage_grads(st, model).items()}
+        out[name] = (tl.events, res["loss"], grads, param_bytes(mine.values()))
+    return out
+
+
+def idle_gaps(events, rank: int) -> list[tuple[float, float]]:
+    """The idle intervals of `rank` between time 0 and the makespan (the white of its row)."""
+    end, t, gaps = max(e["end"] for e in events), min(e["start"] for e in events), []
+    for e in sorted((e for e in events if e["rank"] == rank), key=lambda e: e["start"]):
+        if e["start"] > t + 1e-12:
+            gaps.append((t, e["start"]))
+        t = max(t, e["end"])
+    if end > t + 1e-12:
+        gaps.append((t, end))
+    return gaps
+
+
+def schedule_figure(panels: dict, xmax: float, unit: str = "ms", xlabel: str | None = None):
+    """One figure, one panel per (title → events), stacked on a shared time axis up to
+    `xmax` seconds; each panel's title carries its bubble (Σ idle / Σ busy over the ranks).
+    Box labels are micro-batch numbers, colours the ops (picolib.style.OPS); a rank's second
+    chunk is drawn lighter. Returns the figure (the caller shows it)."""
+    import matplotlib.pyplot as plt
+
+    n_ranks = max(len({e["rank"] for e in evs}) for evs in panels.values())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, len(panels) * (0.42 * n_ranks + 1.0) + 0.4),
+                             sharex=True, layout="constrained", squeeze=False)
+    for ax, (title, evs) in zip(axes[:, 0], panels.items()):
+        for e in evs:
+            e["meta"]["label"] = str(e["meta"]["mb"])    # micro-batch numbers fit in small boxes
+        plot_gantt(evs, ax=ax, unit=unit, xmax=xmax,
+                   title=f"{title} — bubble {bubble_ratio(evs):.3f} of the busy time")
+        ax.set_xlabel("")
+    axes[-1, 0].set_xlabel(xlabel or f"time ({unit})")
+    return fig
+
+
+def activation_peaks(cfg, p: int, ms=(1, 2, 4, 8), mb: int = 2, seq: int = 8,
+                     names=("afab", "1f1b")) -> dict:
+    """On each of p ranks: run each schedule of `names` at each m of `ms` on one stage per
+    rank and return {(name, m): peak bytes autograd saved on this rank} (SavedActivations)."""
+    import torch.distributed as dist
+
+    from ..memory import SavedActivations
+    from ..model import TinyLlama, random_tokens
+    from ..pipeline_parallel import run_schedule, split_stages
+
+    tokens, targets = random_tokens(mb * max(ms), seq, cfg.vocab_size, seed=1)
+    out = {}
+    for name in names:
+        for m in ms:
+            stage = split_stages(TinyLlama(cfg), p)[dist.get_rank()]
+            act = SavedActivations(stage, per_module=False)
+            run_schedule(make_schedule(name, p, m), {dist.get_rank(): stage},
+                         list(tokens[:mb * m].chunk(m)), list(targets[:mb * m].chunk(m)), measure=act)
+            out[(name, m)] = act.peak
+    return out
