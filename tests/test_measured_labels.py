@@ -63,7 +63,6 @@ SETTLES = re.compile(r"measured_total\(|Ledger\(\s*rings\s*=\s*True|ring_all_red
 # owners fix them in the lesson; remove the entry then). Reported, never hidden: the test
 # runs on them and is marked xfail with the reason.
 PENDING = {
-    "09": "issue 28: the all-to-all bytes come from the ledger's computed records",
 }
 
 
