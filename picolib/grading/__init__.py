@@ -24,7 +24,8 @@ from .lesson08 import check_dp_slicer, check_pipeline_latency, check_slice_mask
 from .lesson10 import check_mesh_coordinates, check_mesh_groups, check_state_bytes
 from .lesson09 import (check_moe_critical_batch, check_sort_by_expert, check_split_sizes,
                        check_top_k_capacity)
-from .lesson11 import check_all_reduce_time, check_critical_tokens, check_fits
+from .lesson11 import (check_all_reduce_time, check_critical_tokens, check_fits,
+                       check_sharded_all_reduce, check_spine_batch)
 from .lesson07 import check_bubble, check_broken_schedules, check_one_f_one_b
 
 __all__ = [
@@ -44,7 +45,8 @@ __all__ = [
     "check_merge_partials", "check_ring_pairs", "check_zigzag_positions",
     "check_bubble", "check_broken_schedules", "check_one_f_one_b",
     "check_dp_slicer", "check_pipeline_latency", "check_slice_mask",
-    "check_all_reduce_time", "check_critical_tokens", "check_fits",
+    "check_all_reduce_time", "check_critical_tokens", "check_fits", "check_sharded_all_reduce",
+    "check_spine_batch",
     "check_mesh_coordinates", "check_mesh_groups", "check_state_bytes",
     "check_moe_critical_batch", "check_sort_by_expert", "check_split_sizes", "check_top_k_capacity",
 ]
