@@ -94,7 +94,7 @@ def test_zero1_step_right_and_wrong():
     check_zero1_step(zero1_right)
     with fails("used all_reduce"):
         check_zero1_step(zero1_with_all_reduce)
-    with fails("new parameters"):
+    with fails("2× too large: a sum where a mean"):
         check_zero1_step(zero1_sum_not_mean)
 
 
@@ -132,7 +132,7 @@ def rs_all_reduce(grads, group=None):
 
 def test_reduce_scatter_gradients_right_and_wrong():
     check_reduce_scatter_gradients(rs_right)
-    with fails(r"N=2, every rank \(6 cases like this one\): unit 0 .* 2× too large: a sum where a mean"):
+    with fails(r"N=4, every rank \(12 cases like this one\): unit 0 .* 4× too large: a sum where a mean"):
         check_reduce_scatter_gradients(rs_sum)
     with fails("the whole gradient; return only this rank's shard"):
         check_reduce_scatter_gradients(rs_all_reduce)
@@ -185,3 +185,122 @@ def test_shard_bounds_names_floor_division_and_clipping():
     with fails("the shards stop at numel"):
         check_shard_bounds(lambda numel, n, r: (min(r * -(-numel // n), numel),
                                                         min((r + 1) * -(-numel // n), numel)))
+
+
+# ---------------------------------------------------------------- issue 37: each mistake named
+import torch.nn.functional as F  # noqa: E402
+
+
+def zero1_padded_with_F(param, grad, lr, group=None):
+    """Right, written differently: F.pad, a summing reduce-scatter divided afterwards."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    pad = -param.numel() % n
+    g, w = F.pad(grad, (0, pad)), F.pad(param, (0, pad))
+    mine = torch.empty(g.numel() // n)
+    comm.reduce_scatter(mine, g, op="sum", group=group)
+    shard = w.chunk(n)[r] - lr * mine / n
+    out = torch.empty_like(w)
+    comm.all_gather(out, shard, group=group)
+    return out[:param.numel()]
+
+
+def zero1_on_the_world(param, grad, lr, group=None):
+    return zero1_right(param, grad, lr, None)
+
+
+def zero1_own_gradient(param, grad, lr, group=None):
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    pad = -param.numel() % n
+    mine = torch.empty((param.numel() + pad) // n)
+    comm.reduce_scatter(mine, F.pad(grad, (0, pad)), op="avg", group=group)   # result unused
+    w = F.pad(param - lr * grad, (0, pad))
+    out = torch.empty_like(w)
+    comm.all_gather(out, w.chunk(n)[r], group=group)
+    return out[:param.numel()]
+
+
+def zero1_no_gather(param, grad, lr, group=None):
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    pad = -param.numel() % n
+    mine = torch.empty((param.numel() + pad) // n)
+    comm.reduce_scatter(mine, F.pad(grad, (0, pad)), op="avg", group=group)
+    return F.pad(param, (0, pad)).chunk(n)[r] - lr * mine
+
+
+def zero1_shard_only(param, grad, lr, group=None):
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    pad = -param.numel() % n
+    mine = torch.empty((param.numel() + pad) // n)
+    comm.reduce_scatter(mine, F.pad(grad, (0, pad)), op="avg", group=group)
+    w = F.pad(param, (0, pad))
+    w.chunk(n)[r].sub_(lr * mine)
+    comm.all_gather(torch.empty_like(w), w.chunk(n)[r], group=group)   # gathered, then dropped
+    return w[:param.numel()]
+
+
+def test_zero1_step_names_each_mistake():
+    check_zero1_step(zero1_padded_with_F)
+    with fails(r"N=2, every rank: 11 elements: the gradient your step applied .* 2× too large: "
+               "a sum where a mean"):
+        check_zero1_step(zero1_sum_not_mean)
+    with fails(r"group of 2 in \[\[0, 2\], \[1, 3\]\], every rank: the group of your all_gather "
+               "is that of all 4 ranks, not of `group`"):
+        check_zero1_step(zero1_on_the_world)
+    with fails("each shard was updated with its rank's own gradient — reduce-scatter"):
+        check_zero1_step(zero1_own_gradient)
+    with fails("returned 6 elements, this rank's shard — all-gather the updated shards"):
+        check_zero1_step(zero1_no_gather)
+    with fails("only this rank's shard was updated — all-gather"):
+        check_zero1_step(zero1_shard_only)
+    with fails("used all_reduce — ZeRO-1 reduce-scatters"):
+        check_zero1_step(zero1_with_all_reduce)
+
+
+def rs_with_F(grads, group=None):
+    """Right, written differently: F.pad and a summing reduce-scatter divided afterwards."""
+    n = dist.get_world_size(group)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = F.pad(flat, (0, -flat.numel() % n))
+    mine = torch.empty(flat.numel() // n)
+    comm.reduce_scatter(mine, flat, group=group)
+    return mine / n
+
+
+def rs_reversed(grads, group=None):
+    return rs_right(grads[::-1], group)
+
+
+def rs_on_the_world(grads, group=None):
+    return rs_right(grads, None)
+
+
+def test_reduce_scatter_gradients_names_each_mistake():
+    check_reduce_scatter_gradients(rs_with_F)
+    with fails("the gradients were flattened in reverse order — keep the order given"):
+        check_reduce_scatter_gradients(rs_reversed)
+    with fails(r"group of 2 in \[\[0, 2\], \[1, 3\]\], every rank .*the shard is that of all 4 "
+               "ranks, not of `group`"):
+        check_reduce_scatter_gradients(rs_on_the_world)
+
+
+def gather_with_a_list(shard, shapes, group=None):
+    """Right, written differently: a list of shards, torch.cat, split by sizes."""
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    for r, p in enumerate(parts):
+        out = torch.empty(len(parts) * shard.numel())
+        if r == 0:
+            comm.all_gather(out, shard, group=group)
+            full = out
+    sizes = [torch.Size(s).numel() for s in shapes]
+    return [t.reshape(s) for t, s in zip(full[:sum(sizes)].split(sizes), shapes)]
+
+
+def gather_on_the_world(shard, shapes, group=None):
+    return gather_right(shard, shapes, None)
+
+
+def test_gather_unit_names_each_mistake():
+    check_gather_unit(gather_with_a_list)
+    with fails(r"group of 2 in \[\[0, 2\], \[1, 3\]\], every rank .*the gather is that of all 4 "
+               "ranks, not of `group`"):
+        check_gather_unit(gather_on_the_world)

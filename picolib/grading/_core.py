@@ -208,3 +208,11 @@ def report(title: str, problems: list[str], passed: int | None = None) -> None:
         print(f"{title}: {len(ordered)} problem(s)\n{lines}{more}")
         raise ExerciseFailed(f"{title}: {len(ordered)} problem(s), listed above", ordered)
     print(f"✓ {title}" + (f": all {passed} checks passed" if passed else ""))
+
+
+def world_calls(ledger) -> list[str]:
+    """On a rank whose world is split into groups: the picolib.comm collectives in `ledger`
+    that ran on every rank of the world (group=None) rather than on a sub-group."""
+    n = dist.get_world_size()
+    return sorted({r.op for r in ledger.records if r.group_size == n and n > 1
+                   and r.op not in ("send", "recv", "isend")})

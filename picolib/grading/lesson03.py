@@ -30,7 +30,8 @@ from ..comm import Ledger
 from ..model import LlamaConfig, TinyLlama, random_tokens
 from ..sharded_optim import split_units
 from ..zero import ZeRO, padded_numel, shard_bounds, zero_memory_bytes
-from ._core import call_student, compare, report, run_student
+from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
+                    report, run_student, world_calls)
 
 __all__ = ["check_shard_bounds", "check_zero_memory", "check_zero1_step",
            "check_reduce_scatter_gradients", "check_gather_unit"]
@@ -74,44 +75,108 @@ def check_zero_memory(fn) -> None:
     report("ZeRO memory per rank", problems, len(cases))
 
 
-def _zero1_worker(fn, numel, lr):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(7)
+def _zero1_data(numel, n, rank, split):
+    """(param, every rank's gradient): one parameter vector per group (the groups' data
+    differ, so an answer that reduces over the world shows), one gradient per rank."""
+    team = members(rank)[0] if split else 0
+    g = torch.Generator().manual_seed(7 + 100 * team)
     param = torch.randn(numel, generator=g)
-    grads = torch.randn(n, numel, generator=g)
+    grads = torch.randn(n, numel, generator=torch.Generator().manual_seed(8))
+    return param, grads
+
+
+def _zero1_worker(fn, numel, lr, split):
+    group = my_group(split)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    param, grads = _zero1_data(numel, n, rank, split)
     with Ledger() as ledger:
-        out = fn(param.clone(), grads[rank].clone(), lr)
+        out = call_student(fn, param.clone(), grads[rank].clone(), lr, group=group)
     if isinstance(out, torch.Tensor):
         out = out.detach().clone()
-    return out, ledger.summary(), param - lr * grads.mean(0)
+    return out, ledger.summary(), world_calls(ledger) if split else []
 
 
-def check_zero1_step(fn) -> None:
-    """Values equal to one SGD step on the mean gradient, the same on every rank, and the
-    traffic of a reduce-scatter plus an all-gather of the padded buffer (no all-reduce)."""
+def _zero1_problem(where, out, param, grads, rank, lr, split) -> list[str]:
+    """The values, with the mistake named: compared as the gradient the step applied
+    ((param − new) / lr), which tells a sum from a mean and a group from the world."""
+    n_group = len(members(rank)) if split else grads.shape[0]
+    mine = members(rank) if split else list(range(grads.shape[0]))
+    mean = grads[mine].mean(0)
+    if not isinstance(out, torch.Tensor):
+        return [f"{where}: return the new parameter vector (a tensor), got {type(out).__name__}"]
+    if out.shape != param.shape:
+        size = -(-param.numel() // n_group)
+        if out.numel() in (size, -(-param.numel() // grads.shape[0])):
+            return [f"{where}: returned {out.numel()} elements, this rank's shard — all-gather "
+                    f"the updated shards and return all {param.numel()}"]
+        return compare(f"{where}: new parameters", out, param - lr * mean, atol=1e-6)
+    applied = (param - out.double().float()) / lr
+    if torch.allclose(applied, mean, atol=1e-4):
+        return []
+    if split and torch.allclose(applied, grads.mean(0), atol=1e-4):
+        return [f"{where}: " + on_world_not_group("the mean gradient")]
+    size = -(-param.numel() // n_group)
+    owners = torch.cat([grads[r] for r in mine])      # shard j updated with its owner's gradient
+    owners = torch.cat([owners.view(len(mine), -1)[j, j * size:(j + 1) * size]
+                        for j in range(len(mine))])[:param.numel()]
+    if torch.allclose(applied, grads[rank], atol=1e-4) or torch.allclose(applied, owners, atol=1e-4):
+        return [f"{where}: each shard was updated with its rank's own gradient — reduce-scatter "
+                "the gradient (op=\"avg\") and update with the mean"]
+    me = mine.index(rank)
+    stale = torch.ones(param.numel(), dtype=torch.bool)
+    stale[me * size:(me + 1) * size] = False
+    if (n_group > 1 and torch.allclose(applied[~stale], mean[~stale], atol=1e-4)
+            and torch.allclose(applied[stale], torch.zeros(int(stale.sum())), atol=1e-6)):
+        return [f"{where}: only this rank's shard was updated — all-gather the updated shards "
+                "so every rank returns the whole new vector"]
+    lines = compare(f"{where}: the gradient your step applied ((param − new)/lr)", applied,
+                    mean, atol=1e-4)
+    return lines
+
+
+def check_zero1_step(fn, timeout: float | None = None) -> None:
+    """Values equal to one SGD step on the mean gradient of the group, the same on every rank,
+    and the traffic of a reduce-scatter plus an all-gather of the padded buffer (no
+    all-reduce): on 2 and 3 ranks and on 4 ranks split into two groups of 2."""
     problems, count = [], 0
-    for n, numel in [(2, 11), (3, 11), (3, 12)]:
-        ranks = run_student(_zero1_worker, n, fn, numel, 0.1, name="zero1_step")
-        for rank, (out, led, want) in enumerate(ranks):
+    for n, numel, split in [(2, 11, False), (3, 11, False), (3, 12, False), (4, 11, True)]:
+        ranks = run_student(_zero1_worker, n, fn, numel, 0.1, split, name="zero1_step",
+                            timeout=timeout)
+        per_rank = []
+        for rank, (out, led, world) in enumerate(ranks):
             count += 1
-            where = f"N={n}, {numel} elements, rank {rank}"
-            problems += compare(f"{where}: new parameters", out, want, atol=1e-6)
+            param, grads = _zero1_data(numel, n, rank, split)
+            where = f"{numel} elements"
+            if world:
+                per_rank.append([on_world_not_group(f"the group of your {world[0]}")])
+                continue
+            mine = _zero1_problem(where, out, param, grads, rank, 0.1, split)
             if "all_reduce" in led:
-                problems.append(f"{where}: used all_reduce — ZeRO-1 reduce-scatters instead")
-            ring = (n - 1) * padded_numel(numel, n) * 4 // n
+                mine.append(f"{where}: used all_reduce — ZeRO-1 reduce-scatters instead")
+            m = 2 if split else n
+            ring = (m - 1) * padded_numel(numel, m) * 4 // m
             for op in ("reduce_scatter", "all_gather"):
                 sent = led.get(op, {}).get("sent_bytes", 0)
                 if sent != ring:
-                    problems.append(f"{where}: {op} sent {sent} bytes; one {op} of the padded "
-                                    f"buffer ({padded_numel(numel, n)} fp32) sends {ring}")
+                    mine.append(f"{where}: {op} sent {sent} bytes; one {op} of the padded "
+                                f"buffer ({padded_numel(numel, m)} fp32) over {m} ranks "
+                                f"sends {ring}")
+            per_rank.append(mine)
+        problems += _every_rank(_label(n, split), per_rank)
+        if problems:
+            break                                    # the same mistake again on more ranks
     report("ZeRO-1 step", problems, count)
 
 
 # ---------------------------------------------------------------- ZeRO-2 and ZeRO-3 by hand
 
-# odd sizes: every unit needs padding on 4 ranks
+# odd sizes: every unit needs padding on 4 ranks (the checks run 4 ranks first)
 _CFG = LlamaConfig(vocab_size=61, hidden=18, n_layers=2, n_heads=3, n_kv_heads=1,
                    ffn_hidden=23, max_seq=16)
+
+
+def _label(n: int, split: bool) -> str:
+    return f"group of 2 in {list(SUBGROUPS)}" if split else f"N={n}"
 
 
 def _every_rank(n, per_rank: list[list[str]]) -> list[str]:
@@ -127,7 +192,7 @@ def _every_rank(n, per_rank: list[list[str]]) -> list[str]:
     for k, (first, ranks) in ranks_with.items():
         cases = sum(key(x) == k for q in per_rank for x in q)
         who = "every rank" if len(ranks) == len(per_rank) else "rank " + ", ".join(map(str, sorted(ranks)))
-        out.append(f"N={n}, {who}" + (f" ({cases} cases like this one)" if cases > 1 else "")
+        out.append(f"{n if isinstance(n, str) else f'N={n}'}, {who}" + (f" ({cases} cases like this one)" if cases > len(ranks) else "")
                    + f": {first}")
     return out
 
@@ -149,52 +214,81 @@ def _traffic(led: dict, op: str, nbytes: int) -> list[str]:
     return out
 
 
-def _rs_worker(fn):
+def _unit_grads(model):
+    return [[p.grad.detach().clone() for _, p in named] for _, named in split_units(model)]
+
+
+def _rs_worker(fn, split):
+    group = my_group(split)
     rank = dist.get_rank()
     x, y = random_tokens(2, 8, _CFG.vocab_size, seed=rank)
     plain = TinyLlama(_CFG)                      # same seed: the same weights as ZeRO's
     plain.loss(x, y).backward()
     answers = []
-    for _, named in split_units(plain):
-        grads = [p.grad.detach().clone() for _, p in named]
+    for grads in _unit_grads(plain):
         with Ledger() as led:
-            got = call_student(fn, grads)
+            got = call_student(fn, [g.clone() for g in grads], group=group)
+        # the shard a reversed flattening (or the world) would give, to name those mistakes
+        others = {}
+        for key, order, grp in (("reversed", grads[::-1], group), ("world", grads, None)):
+            flat = torch.cat([g.flatten() for g in order])
+            flat = flat.clone()
+            dist.all_reduce(flat, group=grp)
+            m = dist.get_world_size(grp)
+            size = -(-flat.numel() // m)
+            padded = torch.cat([flat / m, flat.new_zeros(size * m - flat.numel())])
+            others[key] = padded[dist.get_rank(grp) * size:(dist.get_rank(grp) + 1) * size]
         answers.append((got.detach().clone() if isinstance(got, torch.Tensor) else got,
-                        led.summary(), sum(g.numel() for g in grads)))
+                        led.summary(), sum(g.numel() for g in grads), others))
     model = TinyLlama(_CFG)
-    zero = ZeRO(model, 2, optimizer="sgd", lr=0.1)
+    zero = ZeRO(model, 2, group=group, optimizer="sgd", lr=0.1)
     model.loss(x, y).backward()
     zero.finish_gradient_sync()                  # picolib's reduce-scatter, unit by unit
     return answers, [u.grad.clone() for u in zero.units]
 
 
-def check_reduce_scatter_gradients(fn) -> None:
-    """This rank's shard of the mean gradient, for each unit, equal to picolib ZeRO-2's."""
+def check_reduce_scatter_gradients(fn, timeout: float | None = None) -> None:
+    """This rank's shard of the mean gradient, for each unit, equal to picolib ZeRO-2's: on 2
+    and 4 ranks and on 4 ranks split into two groups of 2."""
     problems, count = [], 0
-    for n in (2, 4):
+    for n, split in ((4, False), (2, False), (4, True)):
         per_rank = []
-        for rank, (answers, shards) in enumerate(run_student(_rs_worker, n, fn,
-                                                             name="reduce_scatter_gradients")):
+        m = 2 if split else n
+        for rank, (answers, shards) in enumerate(run_student(
+                _rs_worker, n, fn, split, name="reduce_scatter_gradients", timeout=timeout)):
             mine = []
-            for unit, ((got, led, numel), want) in enumerate(zip(answers, shards)):
+            for unit, ((got, led, numel, others), want) in enumerate(zip(answers, shards)):
                 count += 1
                 what = f"unit {unit} ({numel} elements)"
-                if isinstance(got, torch.Tensor) and got.numel() in (numel, padded_numel(numel, n)):
+                ok = isinstance(got, torch.Tensor) and got.shape == want.shape
+                if ok and torch.allclose(got, want, atol=1e-6):
+                    pass
+                elif isinstance(got, torch.Tensor) and got.numel() in (numel, padded_numel(numel, m)):
                     mine.append(f"{what}: returned {got.numel()} elements — the whole gradient; "
-                                f"return only this rank's shard of ⌈{numel}/{n}⌉ = {want.numel()}")
+                                f"return only this rank's shard of ⌈{numel}/{m}⌉ = {want.numel()}")
+                elif split and isinstance(got, torch.Tensor) and (
+                        got.numel() == -(-numel // 4) or got.shape == want.shape
+                        and torch.allclose(got, others["world"], atol=1e-6)):
+                    mine.append(f"{what}: " + on_world_not_group("the shard"))
+                elif ok and torch.allclose(got, others["reversed"], atol=1e-6):
+                    mine.append(f"{what}: the gradients were flattened in reverse order — keep the "
+                                "order given (the unit's flat buffer holds its parameters in order)")
                 else:
                     mine += compare(f"{what}: your shard", got, want, atol=1e-6)
                 mine += [f"{what}: {p}" for p in
-                         _traffic(led, "reduce_scatter", padded_numel(numel, n) * 4)]
+                         _traffic(led, "reduce_scatter", padded_numel(numel, m) * 4)]
             per_rank.append(mine)
-        problems += _every_rank(n, per_rank)
+        problems += _every_rank(_label(n, split), per_rank)
+        if problems:
+            break
     report("ZeRO-2 gradient reduce-scatter", problems, count)
 
 
-def _gather_worker(fn):
+def _gather_worker(fn, split):
+    group = my_group(split)
     rank = dist.get_rank()
     model = TinyLlama(_CFG)
-    zero = ZeRO(model, 3, optimizer="adam", lr=0.01)
+    zero = ZeRO(model, 3, group=group, optimizer="adam", lr=0.01)
     x, y = random_tokens(2, 8, _CFG.vocab_size, seed=rank)
     model.loss(x, y).backward()
     zero.step()                                   # the shards now differ from the start
@@ -202,11 +296,14 @@ def _gather_worker(fn):
     answers = []
     for u in zero.units:
         shapes = [tuple(p.shape) for p in u.params]
+        world = [torch.empty_like(u.shard) for _ in range(dist.get_world_size())]
+        dist.all_gather(world, u.shard.detach().clone())   # what ignoring `group` gathers
         with Ledger() as led:
-            got = call_student(fn, u.shard.detach().clone(), shapes)
+            got = call_student(fn, u.shard.detach().clone(), shapes, group=group)
         if isinstance(got, (list, tuple)):
             got = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in got]
-        answers.append((got, led.summary(), [full[name] for name in u.names], u.numel))
+        answers.append((got, led.summary(), [full[name] for name in u.names], u.numel,
+                        torch.cat(world)))
     return answers
 
 
@@ -227,14 +324,17 @@ def _gather_hint(got: list, want: list, n: int, numel: int) -> str:
     return ""
 
 
-def check_gather_unit(fn) -> None:
-    """Each unit's parameters, gathered from the shards, equal picolib ZeRO-3's."""
+def check_gather_unit(fn, timeout: float | None = None) -> None:
+    """Each unit's parameters, gathered from the shards, equal picolib ZeRO-3's: on 2 and 4
+    ranks and on 4 ranks split into two groups of 2."""
     problems, count = [], 0
-    for n in (2, 4):
+    for n, split in ((4, False), (2, False), (4, True)):
         per_rank = []
-        for answers in run_student(_gather_worker, n, fn, name="gather_unit"):
+        m = 2 if split else n
+        for answers in run_student(_gather_worker, n, fn, split, name="gather_unit",
+                                   timeout=timeout):
             mine = []
-            for unit, (got, led, want, numel) in enumerate(answers):
+            for unit, (got, led, want, numel, world) in enumerate(answers):
                 count += 1
                 what = f"unit {unit} ({numel} elements)"
                 if not isinstance(got, (list, tuple)) or not all(isinstance(t, torch.Tensor)
@@ -242,8 +342,12 @@ def check_gather_unit(fn) -> None:
                     mine.append(f"{what}: return a list of tensors, one per parameter "
                                 f"(got {type(got).__name__})")
                     continue
-                hint = _gather_hint(got, want, n, numel)
-                if hint:
+                flat = torch.cat([t.flatten() for t in got])
+                hint = _gather_hint(got, want, m, numel)
+                if split and (flat.numel() == world.numel() or flat.numel() == numel
+                              and torch.allclose(flat, world[:numel], atol=1e-6)):
+                    mine.append(f"{what}: " + on_world_not_group("the gather"))
+                elif hint:
                     mine.append(f"{what}: {hint}")
                 else:
                     shapes = [tuple(t.shape) for t in got]
@@ -253,7 +357,9 @@ def check_gather_unit(fn) -> None:
                     else:
                         mine += compare(f"{what}: parameters", got, want, atol=1e-6)[:1]
                 mine += [f"{what}: {p}" for p in
-                         _traffic(led, "all_gather", padded_numel(numel, n) * 4)]
+                         _traffic(led, "all_gather", padded_numel(numel, m) * 4)]
             per_rank.append(mine)
-        problems += _every_rank(n, per_rank)
+        problems += _every_rank(_label(n, split), per_rank)
+        if problems:
+            break
     report("ZeRO-3 gather before forward", problems, count)
