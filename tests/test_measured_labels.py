@@ -20,7 +20,7 @@ Two guards, one at run time and one on the text:
      (on the wire, bytes sent, sent, sends, traffic, same bytes).
    A claim is *settled* when counted bytes stand behind it: a code line claim in its own cell,
    a markdown claim in its own section (from one `## ` heading to the next; the goals before
-   the first heading and the takeaways at the end: anywhere in the lesson). A cell settles when
+   the first heading, and the closing summary, try-it and takeaways: anywhere in the lesson). A cell settles when
    it calls `measured_total(`, opens `Ledger(rings=True)`, or calls picolib's rings
    (`ring_all_reduce`, `ring_reduce_scatter`, `ring_all_gather`) — or returns a value
    from a rank that was computed that way (`measured_total` / `.measured` checked there).
@@ -125,9 +125,10 @@ def _text_claims(src: str) -> list[str]:
 
 
 def _settles(src: str, counting: set[str]) -> bool:
-    """The cell counts bytes itself, calls a function an earlier cell defined that does
-    (`counting`), or calls a picolib function whose module does."""
-    if SETTLES.search(src) or any(re.search(rf"\b{n}\(", src) for n in counting):
+    """The cell counts bytes itself, calls (or hands to `run`) a function an earlier cell
+    defined that does or a try-it helper whose module does (`counting`), or calls a picolib
+    function whose module does."""
+    if SETTLES.search(src) or any(re.search(rf"\b{n}\b", src) for n in counting):   # called, or run()
         return True
     for module, names in re.findall(r"from (picolib(?:\.\w+)+) import ([\w, ()]+)", src):
         path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
@@ -141,6 +142,12 @@ def unsettled(cells: list[dict]) -> list[str]:
     """Every measured-traffic claim in `cells` (notebook cells as in the .ipynb JSON) that no
     counted bytes stand behind, as 'cN: text'."""
     sections, current, counting, settled_cells = [], [], set(), set()
+    for c in cells:     # try-it helpers imported in any cell whose module counts bytes
+        src = "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+        for module, names in re.findall(r"from (picolib\.tryit\.\w+) import ([\w, ()\n]+)", src):
+            path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+            if c["cell_type"] == "code" and path.exists() and SETTLES.search(path.read_text()):
+                counting |= set(re.findall(r"\w+", names))
     for i, c in enumerate(cells):
         src = "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
         if c["cell_type"] == "markdown" and re.match(r"\s*## ", src):
@@ -156,7 +163,7 @@ def unsettled(cells: list[dict]) -> list[str]:
     for k, sec in enumerate(sections):
         settled = any(i in settled_cells for i, _, _ in sec)
         head = sec[0][2] if sec else ""
-        edge = k == 0 or re.match(r"\s*## (Takeaways|Try it)", head)
+        edge = k == 0 or re.match(r"\s*## (Takeaways|Try it|Summary)", head)   # look back over the lesson
         for i, kind, src in sec:
             if settled or (edge and anywhere and kind == "markdown"):
                 continue
