@@ -71,3 +71,16 @@ def test_pytorch_closes_a_bucket_after_the_cap_picolib_before():
         assert all(tot(g) >= cap for g in theirs[:-1])
         assert all(tot(g) - sizes[g[-1]] < cap for g in theirs)
         assert len(theirs) <= len(ours)
+
+
+def test_averaging_through_a_root_sends_n_over_2_times_a_ring_ranks_bytes():
+    """Lesson 02's nn.DataParallel aside: rank 0 sends (N-1)·bytes through a root; a ring
+    rank sends 2(N-1)/N·bytes (counted on picolib's ring) — N/2 times less, on every rank."""
+    from picolib.tryit.lesson02 import through_root_vs_ring
+    numel = 1000
+    for n in (2, 4):
+        out = run(through_root_vs_ring, n, numel)
+        assert all(o["root"]["result"] == o["ring"]["result"] == n * (n + 1) / 2 for o in out)
+        root, ring = out[0]["root"]["sent"], out[0]["ring"]["sent"]
+        assert root == out[0]["root"]["received"] == (n - 1) * 4 * numel
+        assert ring * n == root * 2                      # N/2 times less than the root

@@ -100,3 +100,26 @@ def test_zero_under_gradient_accumulation_holds_whole_gradients_and_zero3_regath
         for held, sent in run(_accumulate, n, stage, m):
             assert held == [4 * psi + 4 * pad // n] * (m - 1) + [4 * pad // n], stage
             assert sent == (2 * m + 1 if stage == 3 else 2) * one_pass, stage
+
+
+def test_gradient_accumulation_peak_holds_the_gradient_buffer():
+    """Lesson 01 §7: with k > 1 micro-batches the gradients of the first are alive during
+    the next forward, so the peak holds 16Ψ of model state (12Ψ without accumulation)."""
+    cfg = LlamaConfig(hidden=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=64)
+    psi = param_count(cfg)
+    x, y = random_tokens(4, 32, cfg.vocab_size, seed=3)
+    tops = {}
+    for k in (1, 2):
+        model = TinyLlama(cfg)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        with MemoryTrace(model, opt) as trace:
+            for _ in range(2):
+                for i in range(k):
+                    mb = 4 // k
+                    (model.loss(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) / k).backward()
+                opt.step()
+                opt.zero_grad()
+        later = trace.samples[[s.event for s in trace.samples].index("zero_grad") + 1:]
+        tops[k] = max(later, key=lambda s: s.total)
+    assert tops[1].grads == 0 and tops[1].params + tops[1].optimizer == 12 * psi
+    assert tops[2].grads == 4 * psi and tops[2].event == "forward"

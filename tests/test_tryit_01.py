@@ -27,3 +27,22 @@ def test_bad_recompute_is_an_error_and_the_plot_draws():
         memory_bars(1, 32, "sometimes", plot=False)
     memory_bars(1, 32)
     plt.close("all")
+
+
+def test_pure_bf16_stalls_where_fp32_masters_do_not():
+    """Lesson 01's mixed-precision run, shortened: bf16 rounds away most first-step updates,
+    the fp32 masters keep all of them and track fp32."""
+    from picolib.tryit.lesson01 import precision_runs
+    runs = precision_runs(steps=20, lr=1e-5, batch=2, seq=32)
+    assert runs["fp32"]["unchanged"] == runs["bf16 + fp32 master"]["unchanged"] == 0
+    assert runs["bf16"]["unchanged"] > 0.5
+    drop = {m: r["losses"][0] - min(r["losses"][-5:]) for m, r in runs.items()}
+    assert drop["fp32"] > 0 and abs(drop["bf16 + fp32 master"] - drop["fp32"]) < 0.2 * drop["fp32"]
+    last = {m: sum(r["losses"][-5:]) / 5 for m, r in runs.items()}
+    assert last["bf16"] - last["fp32"] > 5 * abs(last["bf16 + fp32 master"] - last["fp32"])
+
+
+def test_a_bf16_gradient_sum_drifts_and_an_fp32_one_does_not():
+    from picolib.tryit.lesson01 import accumulation_error
+    err = accumulation_error(micro_batches=16)
+    assert err["bf16"] > 1e-3 > 1e-6 > err["fp32"]

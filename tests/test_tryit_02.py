@@ -41,6 +41,27 @@ def test_more_layers_more_calls_and_a_big_cap_is_one_call():
         bucket_plan(64, 0)
 
 
-def test_the_knobs_cell_draws_and_returns_the_plan():
-    plan = knobs(buckets, cap_kib=(16, 512, 16), n_layers=(1, 8, 1))
-    assert plan == bucket_plan(16, 1)
+def test_the_knobs_cell_opens_on_the_lessons_setting():
+    plan = knobs(buckets, cap_kib=[64, 16, 32, 128, 256, 1024], n_layers=[4, 1, 2, 8])
+    assert plan == bucket_plan(64, 4) and plan["calls"] == 13
+
+
+def test_every_bucket_is_visible_and_labelled_with_its_size():
+    """Issue 36: the 256-byte buckets of one norm's gradient were drawn 0.2 KiB high on a
+    linear axis next to 64 KiB ones and read as missing."""
+    import matplotlib.pyplot as plt
+    from picolib.figure_check import problems
+    fig, ax = plt.subplots(figsize=(9, 3.4), layout="constrained")
+    plan = buckets(16, 1, ax=ax)
+    assert 256 in plan["buckets"]                       # the case that was invisible
+    assert ax.get_yscale() == "log"
+    bottom, top = ax.get_ylim()
+    bars = [p for p in ax.patches if p.get_height() > 0]
+    assert len(bars) == plan["calls"]
+    for bar, nbytes in zip(bars, plan["buckets"]):
+        shown = bar.get_y() + bar.get_height()
+        assert abs(shown - nbytes / 1024) < 1e-9 and shown > bottom * 2   # visibly above the floor
+    labels = [t.get_text() for t in ax.texts]
+    assert "256 B" in labels and "64 KiB" in labels and len(labels) == plan["calls"]
+    assert problems(fig) == []
+    plt.close(fig)

@@ -2,7 +2,7 @@
 
     from picolib.tryit import knobs
     from picolib.tryit.lesson02 import buckets
-    knobs(buckets, cap_kib=(16, 512, 16), n_layers=(1, 8, 1))
+    knobs(buckets, cap_kib=[64, 16, 32, 128, 256, 1024], n_layers=[4, 1, 2, 8])
 
 `bucket_plan` is the arithmetic (no ranks, no plot): the gradient sizes of a tiny Llama
 with `n_layers` blocks, in the order backward produces them, packed by
@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..data_parallel import assign_buckets
 from ..model import LlamaConfig, TinyLlama
 
-__all__ = ["bucket_plan", "buckets"]
+__all__ = ["bucket_plan", "buckets", "through_root_vs_ring", "emulate_backward"]
 
 
 def bucket_plan(cap_kib: int, n_layers: int, base: LlamaConfig | None = None) -> dict:
@@ -34,22 +34,37 @@ def bucket_plan(cap_kib: int, n_layers: int, base: LlamaConfig | None = None) ->
 
 def buckets(cap_kib: int = 64, n_layers: int = 4, ax=None) -> dict:
     """Draw the buckets of one backward (bytes per bucket, in the order they are
-    all-reduced, the cap as a dashed line) and return `bucket_plan(cap_kib, n_layers)`."""
+    all-reduced, the cap as a dashed line) and return `bucket_plan(cap_kib, n_layers)`.
+    The axis is logarithmic and every bar carries its size: a bucket of one norm's
+    gradient (0.25 KiB) next to one of the head's (64 KiB) stays visible."""
     import matplotlib.pyplot as plt
+    from ..style import MEMORY, fmt_bytes
     plan = bucket_plan(cap_kib, n_layers)
     created = ax is None
-    ax = ax or plt.subplots(figsize=(7, 3), layout="constrained")[1]
+    if created:
+        ax = plt.subplots(figsize=(min(12.0, max(6.5, 0.5 * plan["calls"] + 3)), 3.4),
+                          layout="constrained")[1]
     kib = [b / 1024 for b in plan["buckets"]]
-    ax.bar(range(len(kib)), kib, color="#2a9d8f")
-    ax.axhline(cap_kib, color="grey", ls="--", lw=1, label=f"cap {cap_kib} KiB")
-    ax.set(xlabel="bucket (order of its all-reduce: output head first)", ylabel="KiB",
+    floor = 0.1                                   # the log axis starts at 0.1 KiB
+    ax.bar(range(len(kib)), [k - floor for k in kib], bottom=floor, color=MEMORY["grads"],
+           label="bucket (gradient bytes)")
+    if len(kib) <= 20:                            # sizes written on the bars while they fit
+        for i, b in enumerate(plan["buckets"]):
+            ax.text(i, kib[i] * 1.15, fmt_bytes(b).replace(".0 ", " "), ha="center", va="bottom",
+                    fontsize=9, rotation=90 if len(kib) > 8 else 0,
+                    bbox=dict(fc="white", ec="none", alpha=0.8, pad=0.5))
+    ax.axhline(cap_kib, color="k", ls="--", lw=1, label=f"cap {cap_kib} KiB")
+    ax.set_yscale("log")
+    ax.set_ylim(floor, max(max(kib), cap_kib) * 12)
+    ax.set(xlabel="bucket, in the order of its all-reduce (output head first)",
+           ylabel="bucket size (KiB, log scale)",
            title=f"{n_layers} layer(s), cap {cap_kib} KiB: {plan['calls']} all-reduces per step "
                  f"instead of {plan['tensors']}")
     ax.set_xticks(range(len(kib)))
-    ax.legend(fontsize=9)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
     if created:
         plt.show()
-    print(f"{plan['calls']} buckets of {[round(k, 1) for k in kib]} KiB "
+    print(f"{plan['calls']} buckets of {[round(k, 2) for k in kib]} KiB "
           f"(a bucket above the dashed cap holds one tensor larger than the cap)")
     return plan
 
@@ -135,3 +150,64 @@ def zero_wire_bytes(n: int = 2, configs=("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")) ->
     from ..launch import run
     calls = run(_one_step_calls, n, list(configs))[0]
     return run(_replay, n, calls)[0]
+
+
+def through_root_vs_ring(numel: int) -> dict:
+    """On a rank: average a gradient buffer of `numel` fp32 values two ways and return the
+    bytes this rank sent and received in each.
+
+    - "root": what `nn.DataParallel` does with gradients (one process, GPU 0 the root):
+      every other rank sends its buffer to rank 0, rank 0 sums and sends the result back
+      to each (point-to-point sends; the Ledger records each with its tensor's bytes);
+    - "ring": picolib's ring all-reduce (bytes sent, counted by the ring: measured=True)."""
+    import torch
+    import torch.distributed as dist
+    from .. import comm
+    from ..comm import Ledger
+    rank, n = dist.get_rank(), dist.get_world_size()
+    grad = torch.full((numel,), float(rank + 1))
+    out = {}
+    with Ledger() as led:
+        if rank == 0:
+            total, part = grad.clone(), torch.empty(numel)
+            for src in range(1, n):
+                comm.recv(part, src)
+                total += part
+            for dst in range(1, n):
+                comm.send(total, dst)
+        else:
+            comm.send(grad, 0)
+            total = torch.empty(numel)
+            comm.recv(total, 0)
+    out["root"] = {"sent": led.total("nbytes", "send"), "received": led.total("nbytes", "recv"),
+                   "result": total[0].item()}
+    ring = grad.clone()
+    with Ledger() as led:
+        comm.ring_all_reduce(ring)
+    assert all(r.measured for r in led.records)
+    sent = led.total("sent_bytes")
+    out["ring"] = {"sent": sent, "result": ring[0].item()}
+    return out
+
+
+def emulate_backward(model, timeline, seconds: float) -> None:
+    """Lesson 02's overlap figure: make the backward of the output head and of each block
+    last at least `seconds` (a sleep when it begins) and record it on `timeline` as a "B"
+    span labelled head, B0, B1, … (emulated=True). Hooks stay on the model."""
+    import time
+    started = {}
+
+    def before(name):                      # backward of this module begins: emulate its cost
+        def hook(module, grad_output):
+            started[name] = time.perf_counter()
+            time.sleep(seconds)
+        return hook
+
+    def after(name):                       # gradient w.r.t. its input is ready: span ends
+        def hook(module, grad_input, grad_output):
+            timeline.add("B", started[name], time.perf_counter(), label=name)["emulated"] = True
+        return hook
+
+    for name, module in [("head", model.lm_head)] + [(f"B{i}", b) for i, b in enumerate(model.blocks)]:
+        module.register_full_backward_pre_hook(before(name))
+        module.register_full_backward_hook(after(name))
