@@ -50,8 +50,10 @@ def test_a_helper_handed_an_ax_draws_into_it_and_never_shows_it(helper, monkeypa
     fig, ax = plt.subplots(1, panels)
     needs = [k for k, p in inspect.signature(helper).parameters.items()
              if k != "ax" and p.default is p.empty]
-    args = {"groups": {"N = 2": {"DP": {"params": 4.0, "grads": 4.0, "optimizer": 8.0},
-                                 "ZeRO-1": {"params": 4.0, "grads": 4.0, "optimizer": 4.0}}}} if needs == ["groups"] else {}
+    given = {"groups": {"N = 2": {"DP": {"params": 4.0, "grads": 4.0, "optimizer": 8.0},
+                                  "ZeRO-1": {"params": 4.0, "grads": 4.0, "optimizer": 4.0}}},
+             "runs": {"fp32": {"losses": [5.6, 5.5, 5.4]}, "bf16": {"losses": [5.6, 5.6, 5.6]}}}
+    args = {k: given[k] for k in needs if k in given}
     assert set(needs) <= set(args), f"give the test arguments for {helper.__name__}: {needs}"
     helper(ax=ax, **args)
     assert shown == [], f"{helper.__name__} showed the figure it was handed"
