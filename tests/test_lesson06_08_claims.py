@@ -101,3 +101,22 @@ def test_gpt3_context_share_is_about_c_over_6h():
     assert x["context_share"] < 2048 / (6 * h)
     with pytest.raises(ValueError):
         token_flops(100, 3, 3, 400, keys=1)
+
+
+def test_slices_send_the_same_bytes_in_more_messages():
+    """Lesson 08 §3 at other shapes: 2 and 3 stages, batch 2, ragged slices — a stage boundary
+    carries b·s·h·4 bytes forward whatever the cut, one message per slice; the activations a
+    stage saves change little with the cut (here slightly more: each slice's attention keeps its
+    K/V context again, and its smaller score matrix saves less than at the lesson's shape) —
+    nowhere near the "more than 2×" of the walk-through, and the same whatever the stages."""
+    from picolib.tryit.lesson08 import boundary_traffic
+    cfg = LlamaConfig(hidden=32, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq=96)
+    seq, b = 96, 2
+    cuts = {"one": (seq,), "ragged": (40, 24, 16, 8, 8)}
+    for n_stages in (2, 3):
+        out = run(boundary_traffic, n_stages, cuts, cfg, n_stages, seq, b)
+        for r, t in enumerate(out[:-1]):
+            assert t["one"]["fwd_sent"] == t["ragged"]["fwd_sent"] == b * seq * cfg.hidden * 4
+            assert t["ragged"]["sends"] == 5 * t["one"]["sends"]
+            assert 0.5 < t["ragged"]["saved_peak"] / t["one"]["saved_peak"] < 1.25
+        assert out[-1]["one"]["fwd_sent"] == 0                  # the last stage sends only gradients back
