@@ -1,4 +1,4 @@
-"""Lesson 07's try-it function: its bubble is the published closed form where there is one,
+"""The try-it function of lessons 07 and 07b: its bubble is the published closed form where there is one,
 every combination the lesson's knobs offer runs or explains itself, bad names raise."""
 import matplotlib
 import pytest
@@ -8,7 +8,8 @@ matplotlib.use("Agg")
 from picolib.pipeline_schedules import bubble_formula, make_schedule  # noqa: E402
 from picolib.tryit.lesson07 import schedule_gantt  # noqa: E402
 
-KNOB_SCHEDULES = ["1f1b", "interleaved", "zb_h1", "dualpipe", "dualpipev"]
+KNOB_SCHEDULES = ["1f1b", "afab", "interleaved",          # lesson 07's knobs
+                  "zb_h1", "dualpipe", "dualpipev"]           # lesson 07b's (and 1f1b)
 
 
 @pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 12), (8, 16)])
@@ -62,9 +63,12 @@ def test_bad_names_raise():
 
 
 def test_each_suggestion_in_the_hint_shows_what_it_says(capsys):
-    """The lesson's try-it cell lists five things to try; each one, run as written."""
+    """The try-it cells of lessons 07 and 07b list things to try; each one, run as written."""
     one = schedule_gantt("1f1b", 4, 8, plot=False)
     assert one == pytest.approx(0.375)
+    assert schedule_gantt("afab", 4, 8, plot=False) == pytest.approx(one)
+    assert schedule_gantt("dualpipev", 4, 8, plot=False) == pytest.approx(0.125)
+    assert schedule_gantt("dualpipe", 4, 8, plot=False) == pytest.approx(1 / 12)
     assert schedule_gantt("1f1b", 4, 16, plot=False) == pytest.approx(0.1875) == pytest.approx(one / 2)
     for p, m in ((4, 8), (8, 16), (3, 12)):
         assert schedule_gantt("zb_h1", p, m, plot=False) == pytest.approx(

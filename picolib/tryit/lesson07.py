@@ -1,4 +1,4 @@
-"""Try it, lesson 07: draw any pipeline schedule on ideal devices and read off its bubble.
+"""Try it, lessons 07 and 07b: draw any pipeline schedule on ideal devices and read off its bubble.
 
     schedule_gantt("zb_h1", p=4, m=8)      # Gantt chart; returns bubble time / busy time
 
@@ -14,7 +14,7 @@ from ..pipeline_simulator import simulate
 from ..timeline import bubble_ratio, plot_gantt
 
 __all__ = ["schedule_gantt", "CASES", "T_OP", "op_costs", "param_bytes", "every_schedule",
-           "idle_gaps", "schedule_figure", "activation_peaks"]
+           "idle_gaps", "idle_per_rank", "schedule_figure", "activation_peaks"]
 
 _CHUNKS = {"interleaved": 2, "dualpipev": 2}    # stages per rank when v is not given
 
@@ -47,7 +47,7 @@ def schedule_gantt(schedule: str = "1f1b", p: int = 4, m: int = 8, v: int | None
 
 
 # ----------------------------------------------------------------- the lesson's own helpers
-# (the run on real ranks and the figures of lesson 07, kept here so its cells stay short)
+# (the run on real ranks and the figures of lessons 07 and 07b, kept here so their cells stay short)
 
 CASES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("dualpipev", 1), ("dualpipe", 1)]
 T_OP = 0.04                      # emulated seconds of F, B or W for a stage of 2 blocks
@@ -110,6 +110,11 @@ def idle_gaps(events, rank: int) -> list[tuple[float, float]]:
     if end > t + 1e-12:
         gaps.append((t, end))
     return gaps
+
+
+def idle_per_rank(events) -> list[float]:
+    """Makespan minus each rank's busy time: the length of the white in each row."""
+    return [sum(b - a for a, b in idle_gaps(events, r)) for r in sorted({e["rank"] for e in events})]
 
 
 def schedule_figure(panels: dict, xmax: float, unit: str = "ms", xlabel: str | None = None):
