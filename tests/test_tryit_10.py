@@ -50,8 +50,8 @@ def test_activations_equal_a_measured_forward_and_the_verdict_follows_the_budget
         model.loss(x, y)
     assert shown["ranks"][0]["activations"] == act.bytes > 0
     total = shown["state_bytes"] + act.bytes
-    assert memory_budget(**one | dict(budget_mb=total / 1e6))["fits"]
-    assert not memory_budget(**one | dict(budget_mb=(total - 1) / 1e6))["fits"]
+    assert memory_budget(**one | dict(budget_mib=total / 2**20))["fits"]
+    assert not memory_budget(**one | dict(budget_mib=(total - 1) / 2**20))["fits"]
     assert "does NOT fit" in capsys.readouterr().out
 
 
@@ -73,8 +73,8 @@ def test_every_knob_combination_runs(monkeypatch):
     assert fits == {True, False}          # the default budget is crossed by the knobs
     with pytest.raises(ValueError, match="tp=3"):
         memory_budget(tp=3)
-    with pytest.raises(ValueError, match="budget_mb must be positive"):
-        memory_budget(budget_mb=0)
+    with pytest.raises(ValueError, match="budget_mib must be positive"):
+        memory_budget(budget_mib=0)
 
 
 def _lesson_text():
@@ -95,7 +95,7 @@ def test_the_hints_run_and_show_what_they_say():
     for r1, r4, w in zip(one["ranks"], four["ranks"], z1["ranks"]):
         assert r1["grads"] * 2 == pytest.approx(w["grads"], rel=0.01)      # half, dp = 2
         assert r4["grads"] == r1["grads"] + w["grads"] > w["grads"]
-    # 2. the deep pipeline: rank 0 busiest, over the 4 MB budget
+    # 2. the deep pipeline: rank 0 busiest, over the 4 MiB budget
     assert "`dp=1, tp=1, pp=4, zero=0, micro_batches=8`" in text
     deep = memory_budget(dp=1, tp=1, pp=4, zero=0, micro_batches=8, plot=False)
     assert deep["busiest"] == 0 and not deep["fits"]
