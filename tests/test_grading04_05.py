@@ -291,3 +291,154 @@ def test_parallel_head_names_g_used_instead_of_f():
     with fails("that is g \\(ReduceFromTP\\); the head enters through f"):
         check_parallel_head(lambda h, w, group=None: torch.nn.functional.linear(
             reduce_from_tp(h, group), w))
+
+
+# ---------------------------------------------------------------- issue 37: sub-groups, diagnoses
+from picolib.grading import check_sp_norm_weight_grad  # noqa: E402
+
+
+class CopyOnTheWorld(torch.autograd.Function):
+    """Wrong: f's backward forgets the group (reduces over every rank)."""
+    @staticmethod
+    def forward(ctx, x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        comm.all_reduce(grad)
+        return grad, None
+
+
+class CopyByAddition(torch.autograd.Function):
+    """Right, written differently: x + 0 forward, a fresh tensor reduced backward."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x + 0
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad * 1.0
+        comm.all_reduce(out, op="sum", group=ctx.group)
+        return out, None
+
+
+def test_conjugate_pair_on_a_sub_group():
+    check_conjugate_pair(CopyByAddition, _ReduceFromRegion)
+    with fails(r"group of 2 in \[\[0, 2\], \[1, 3\]\] rank 0: the group of your all_reduce is that "
+               "of all 4 ranks, not of `group`"):
+        check_conjugate_pair(CopyOnTheWorld, _ReduceFromRegion)
+
+
+def test_vocab_parallel_loss_and_head_on_a_sub_group():
+    with fails(r"group of 2 .* rank 0: the group of your all_reduce is that of all 4 ranks"):
+        check_vocab_parallel_loss(lambda local, t, start, group=None:
+                                  vocab_parallel_cross_entropy(local, t, start, None)
+                                  if dist.get_world_size() == 4 and group is not None
+                                  else vocab_parallel_cross_entropy(local, t, start, group))
+    with fails(r"group of 2 .* rank 0: the group of your all_reduce is that of all 4 ranks"):
+        check_parallel_head(lambda h, w, group=None: torch.nn.functional.linear(
+            _CopyToRegion.apply(h, None), w))
+
+
+def gather_no_transpose(x, group=None):
+    n = dist.get_world_size(group)
+    buf = x.new_empty(n * x.shape[0], *x.shape[1:])
+    comm.all_gather(buf, x.contiguous(), group=group)
+    return buf.reshape(x.shape[0], n * x.shape[1], x.shape[2])
+
+
+def gather_buffer_as_is(x, group=None):
+    n = dist.get_world_size(group)
+    buf = x.new_empty(n * x.shape[0], *x.shape[1:])
+    comm.all_gather(buf, x.contiguous(), group=group)
+    return buf
+
+
+def gather_with_a_list(x, group=None):
+    """Right, written differently: the buffer's rank blocks split and concatenated on dim 1."""
+    n = dist.get_world_size(group)
+    buf = torch.empty(n * x.shape[0], *x.shape[1:])
+    comm.all_gather(buf, x.contiguous(), group=group)
+    return torch.cat(buf.split(x.shape[0]), dim=1)
+
+
+def rs_batch_split(x, group=None):
+    n = dist.get_world_size(group)
+    b, s, h = x.shape
+    out = x.new_empty(b, s // n, h)
+    comm.reduce_scatter(out, x.reshape(n * b, s // n, h).contiguous(), group=group)
+    return out
+
+
+def rs_with_cat(x, group=None):
+    """Right, written differently: the sequence chunks stacked with torch.cat on dim 0."""
+    n = dist.get_world_size(group)
+    out = torch.empty(x.shape[0], x.shape[1] // n, x.shape[2])
+    comm.reduce_scatter(out, torch.cat(x.chunk(n, dim=1), dim=0), op="sum", group=group)
+    return out
+
+
+def test_sequence_collectives_name_each_mistake():
+    check_gather_sequence(gather_with_a_list)
+    check_reduce_scatter_sequence(rs_with_cat)
+    with fails("reshaped straight into \\(b, s, h\\).*transpose\\(0, 1\\)"):
+        check_gather_sequence(gather_no_transpose)
+    with fails("returned all_gather's buffer \\(tp·b, s/tp, h\\) as it is"):
+        check_gather_sequence(gather_buffer_as_is)
+    with fails("that splits the batch, not the sequence"):
+        check_reduce_scatter_sequence(rs_batch_split)
+    with fails(r"group of 2 in .* rank 0: the group of your all_gather is that of all 4 ranks"):
+        check_gather_sequence(lambda x, group=None: gather_with_a_list(x, None))
+    with fails(r"group of 2 in .* rank 0: the group of your reduce_scatter is that of all 4 ranks"):
+        check_reduce_scatter_sequence(lambda x, group=None: rs_with_cat(x, None))
+
+
+def norm_grad_right(x, grad_out, eps, group=None):
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    g = (grad_out * normed).sum((0, 1))
+    comm.all_reduce(g, group=group)
+    return g
+
+
+def norm_grad_by_autograd(x, grad_out, eps, group=None):
+    """Right, written differently: autograd on this rank's tokens, then the sum over ranks."""
+    w = torch.ones(x.shape[-1], requires_grad=True)
+    (x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w).backward(grad_out)
+    g = w.grad.clone()
+    comm.all_reduce(g, op="sum", group=group)
+    return g
+
+
+def norm_grad_local(x, grad_out, eps, group=None):
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (grad_out * normed).sum((0, 1))
+
+
+def norm_grad_avg(x, grad_out, eps, group=None):
+    g = norm_grad_local(x, grad_out, eps)
+    comm.all_reduce(g, op="avg", group=group)
+    return g
+
+
+def norm_grad_raw_x(x, grad_out, eps, group=None):
+    g = (grad_out * x).sum((0, 1))
+    comm.all_reduce(g, group=group)
+    return g
+
+
+def test_sp_norm_weight_grad_names_each_mistake():
+    check_sp_norm_weight_grad(norm_grad_right)
+    check_sp_norm_weight_grad(norm_grad_by_autograd)
+    with fails("this rank's s/tp tokens only — .* all-reduce \\(sum\\)"):
+        check_sp_norm_weight_grad(norm_grad_local)
+    with fails("N=2 rank 0: weight gradient: 2× too small — a mean over the ranks"):
+        check_sp_norm_weight_grad(norm_grad_avg)
+    with fails("the weight multiplies the normalised"):
+        check_sp_norm_weight_grad(norm_grad_raw_x)
+    with fails(r"group of 2 in .* rank 0: the group of your all_reduce is that of all 4 ranks"):
+        check_sp_norm_weight_grad(lambda x, dy, eps, group=None: norm_grad_right(x, dy, eps, None))
+    with fails("not written yet"):
+        check_sp_norm_weight_grad(lambda x, dy, eps, group=None: (_ for _ in ()).throw(
+            NotImplementedError))

@@ -18,7 +18,7 @@ from .lesson03 import (check_gather_unit, check_reduce_scatter_gradients, check_
 from .lesson04 import (check_conjugate_pair, check_parallel_head, check_shards,
                        check_vocab_parallel_loss)
 from .lesson05 import (check_gather_sequence, check_reduce_scatter_sequence,
-                       check_sp_activation_bytes, check_tokens_per_day)
+                       check_sp_activation_bytes, check_sp_norm_weight_grad, check_tokens_per_day)
 from .lesson06 import check_merge_partials, check_ring_pairs, check_zigzag_positions
 from .lesson08 import check_dp_slicer, check_pipeline_latency, check_slice_mask
 from .lesson10 import check_mesh_coordinates, check_mesh_groups, check_state_bytes
@@ -40,7 +40,7 @@ __all__ = [
     "check_gather_unit", "check_reduce_scatter_gradients", "check_shard_bounds",
     "check_zero1_step", "check_zero_memory",
     "check_conjugate_pair", "check_parallel_head", "check_shards", "check_vocab_parallel_loss",
-    "check_gather_sequence", "check_reduce_scatter_sequence", "check_sp_activation_bytes",
+    "check_gather_sequence", "check_reduce_scatter_sequence", "check_sp_activation_bytes", "check_sp_norm_weight_grad",
     "check_tokens_per_day",
     "check_merge_partials", "check_ring_pairs", "check_zigzag_positions",
     "check_bubble", "check_broken_schedules", "check_one_f_one_b",

@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm import Ledger
-from ._core import call_student, compare, report, run_student
+from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
+                    report, run_student, world_calls)
 
 __all__ = ["check_shards", "check_conjugate_pair", "check_vocab_parallel_loss",
            "check_parallel_head"]
@@ -82,24 +83,27 @@ def _quietly(fn, *args):
     return out, any(_FALLBACK in str(w.message) for w in caught)
 
 
-def _pair_worker(f_cls, g_cls):
+def _pair_worker(f_cls, g_cls, split=False):
+    group = my_group(split)
     r = dist.get_rank()
     x = torch.full((3,), float(r + 1), requires_grad=True)
     upstream = torch.full((3,), float(r + 1))
     with Ledger() as f_fwd:
-        fx = f_cls.apply(x, None)
+        fx = f_cls.apply(x, group)
     with Ledger() as f_bwd:
         fx.backward(upstream)
     y = torch.full((3,), float(r + 1), requires_grad=True)
     with Ledger() as g_fwd:
-        gy = g_cls.apply(y, None)
+        gy = g_cls.apply(y, group)
     with Ledger() as g_bwd:
         gy.backward(torch.full((3,), float(r + 1)))
     touched = [name for name, t in (("f backward's incoming gradient", upstream),
                                     ("g forward's input", y)) if not torch.equal(t.detach(),
                                                                                 torch.full((3,), float(r + 1)))]
+    world = sorted({op for led in (f_fwd, f_bwd, g_fwd, g_bwd) for op in world_calls(led)}) \
+        if split else []
     return (fx.detach(), x.grad, gy.detach(), y.grad,
-            [led.count("all_reduce") for led in (f_fwd, f_bwd, g_fwd, g_bwd)], touched)
+            [led.count("all_reduce") for led in (f_fwd, f_bwd, g_fwd, g_bwd)], touched, world)
 
 
 def _direction(what, got, mine, total, want_sum):
@@ -117,29 +121,37 @@ def _direction(what, got, mine, total, want_sum):
     return compare(what, got, total if want_sum else mine)
 
 
-def check_conjugate_pair(copy_to_tp, reduce_from_tp) -> None:
+def check_conjugate_pair(copy_to_tp, reduce_from_tp, timeout: float | None = None) -> None:
     """Rank r feeds r+1 forward and r+1 as the upstream gradient: f returns r+1 and passes
-    back Σ(r+1); g returns Σ(r+1) and passes back r+1. One comm.all_reduce each, where due."""
+    back Σ(r+1) over the group; g returns Σ(r+1) and passes back r+1. One comm.all_reduce
+    each, where due. On 2 and 3 ranks, and on 4 ranks split into two groups of 2."""
     problems, checks = [], 0
-    for n in (2, 3):
-        total = torch.full((3,), float(n * (n + 1) // 2))
+    for n, split in ((2, False), (3, False), (4, True)):
         pair = f"{_name(copy_to_tp)} / {_name(reduce_from_tp)}"
-        results = run_student(_pair_worker, n, copy_to_tp, reduce_from_tp, name=pair)
-        for r, (fx, fgrad, gy, ggrad, counts, touched) in enumerate(results):
+        results = run_student(_pair_worker, n, copy_to_tp, reduce_from_tp, split, name=pair,
+                              timeout=timeout)
+        label = f"group of 2 in {list(SUBGROUPS)}" if split else f"N={n}"
+        for r, (fx, fgrad, gy, ggrad, counts, touched, world) in enumerate(results):
             mine = torch.full((3,), float(r + 1))
+            team = members(r) if split else range(n)
+            total = torch.full((3,), float(sum(m + 1 for m in team)))
             checks += 6
+            if world:
+                problems.append(f"{label} rank {r}: " + on_world_not_group(
+                    "the group of your all_reduce") + " (ctx.group = group in forward)")
+                continue
             for name in touched:
-                problems.append(f"N={n} rank {r}: {name} was changed in place — all-reduce a clone "
-                                "(autograd may still need the tensor it handed you)")
-            problems += _direction(f"N={n} rank {r}: f forward", fx, mine, total, want_sum=False)
-            problems += _direction(f"N={n} rank {r}: f backward", fgrad, mine, total, want_sum=True)
-            problems += _direction(f"N={n} rank {r}: g forward", gy, mine, total, want_sum=True)
-            problems += _direction(f"N={n} rank {r}: g backward", ggrad, mine, total, want_sum=False)
+                problems.append(f"{label} rank {r}: {name} was changed in place — all-reduce a "
+                                "clone (autograd may still need the tensor it handed you)")
+            problems += _direction(f"{label} rank {r}: f forward", fx, mine, total, want_sum=False)
+            problems += _direction(f"{label} rank {r}: f backward", fgrad, mine, total, want_sum=True)
+            problems += _direction(f"{label} rank {r}: g forward", gy, mine, total, want_sum=True)
+            problems += _direction(f"{label} rank {r}: g backward", ggrad, mine, total, want_sum=False)
             if counts != [0, 1, 1, 0]:
-                problems.append(f"N={n} rank {r}: comm.all_reduce calls (f fwd, f bwd, g fwd, g bwd) = "
-                                f"{counts}, expected [0, 1, 1, 0]")
+                problems.append(f"{label} rank {r}: comm.all_reduce calls (f fwd, f bwd, g fwd, "
+                                f"g bwd) = {counts}, expected [0, 1, 1, 0]")
         if problems:
-            break                                     # the same mistake again on 3 ranks
+            break                                     # the same mistake again on more ranks
     report("the conjugate pair f / g", problems, checks)
 
 
@@ -156,13 +168,23 @@ def _not_a_loss(loss) -> str:
     return ""
 
 
-def _loss_worker(fn, logits, targets):
-    r, n = dist.get_rank(), dist.get_world_size()
+def _team(split):
+    """(group, this rank's index among the datasets, its rank in the group, the group's size)."""
+    group = my_group(split)
+    team = members(dist.get_rank())[0] if split else 0
+    return group, team, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _loss_worker(fn, logits, targets, split=False):
+    group, team, r, n = _team(split)
+    logits, targets = logits[team], targets[team]     # each group its own batch
     v = logits.shape[-1]
     local = logits.chunk(n, -1)[r].clone().requires_grad_()
     with Ledger() as led:
-        loss, fallback = _quietly(fn, local, targets, r * v // n)
+        loss, fallback = _quietly(fn, local, targets, r * v // n, group)
     wrong = _not_a_loss(loss)
+    if split and not wrong and world_calls(led):
+        wrong = on_world_not_group(f"the group of your {world_calls(led)[0]}")
     if wrong:
         return wrong, None, {}
     _, fallback_bwd = _quietly(loss.backward)
@@ -173,47 +195,58 @@ def _loss_worker(fn, logits, targets):
     return loss.detach(), local.grad, led.summary()
 
 
-def check_vocab_parallel_loss(fn) -> None:
+def check_vocab_parallel_loss(fn, timeout: float | None = None) -> None:
     """Loss and logit gradients equal to F.cross_entropy; no all-gather, and fewer bytes
-    communicated than the logits themselves."""
+    communicated than the logits themselves. On 2 and 4 ranks, and on 4 ranks split into two
+    groups of 2, each group with its own batch."""
     problems, checks = [], 0
     g = torch.Generator().manual_seed(5)
-    for n in (2, 4):
-        logits = (torch.randn(3, 6, 32, generator=g) * 5).requires_grad_()
-        targets = torch.randint(0, 32, (3, 6), generator=g)
-        ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        ref.backward()
-        results = run_student(_loss_worker, n, fn, logits.detach(), targets, name=_name(fn))
+    for n, split in ((2, False), (4, False), (4, True)):
+        m = 2 if split else n
+        batches = [((torch.randn(3, 6, 32, generator=g) * 5).requires_grad_(),
+                    torch.randint(0, 32, (3, 6), generator=g)) for _ in range(n if split else 1)]
+        refs = []
+        for logits, targets in batches:
+            ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            ref.backward()
+            refs.append(ref.detach())
+        results = run_student(_loss_worker, n, fn, [b[0].detach() for b in batches],
+                              [b[1] for b in batches], split, name=_name(fn), timeout=timeout)
+        label = f"group of 2 in {list(SUBGROUPS)}" if split else f"N={n}"
         for r, (loss, grad, summary) in enumerate(results):
+            team = members(r)[0] if split else 0
+            gr = members(r).index(r) if split else r
+            logits = batches[team][0]
             checks += 3
             if isinstance(loss, str):
-                problems.append(f"N={n} rank {r}: {loss}")
+                problems.append(f"{label} rank {r}: {loss}")
                 continue
-            problems += compare(f"N={n} rank {r}: loss", loss, ref.detach(), atol=1e-5)
+            problems += compare(f"{label} rank {r}: loss", loss, refs[team], atol=1e-5)
             if grad is None:
-                problems.append(f"N={n} rank {r}: no gradient reached the local logits")
+                problems.append(f"{label} rank {r}: no gradient reached the local logits")
             else:
-                problems += compare(f"N={n} rank {r}: gradient of the local logits", grad,
-                                    logits.grad.chunk(n, -1)[r], atol=1e-6)
+                problems += compare(f"{label} rank {r}: gradient of the local logits", grad,
+                                    logits.grad.chunk(m, -1)[gr], atol=1e-6)
             moved = sum(s["nbytes"] for s in summary.values())
-            if "all_gather" in summary or moved >= logits.numel() * 4 // n:
-                problems.append(f"N={n} rank {r}: communicated {summary} — reduce max, sum-exp and "
+            if "all_gather" in summary or moved >= logits.numel() * 4 // m:
+                problems.append(f"{label} rank {r}: communicated {summary} — reduce max, sum-exp and "
                                 "target logit (b·s numbers each) instead of gathering logits")
             if not summary:
-                problems.append(f"N={n} rank {r}: no picolib.comm collective was called")
+                problems.append(f"{label} rank {r}: no picolib.comm collective was called")
         if problems:
-            break                                     # the same mistake again on 4 ranks
+            break                                     # the same mistake again on more ranks
     report("vocab-parallel cross-entropy", problems, checks)
 
 
-def _head_worker(fn, hidden, weight, targets):
+def _head_worker(fn, hidden, weight, targets, split=False):
     from ..vocab_parallel import vocab_parallel_cross_entropy
-    r, n = dist.get_rank(), dist.get_world_size()
+    group, team, r, n = _team(split)
+    hidden, weight, targets = hidden[team], weight[team], targets[team]
     v = weight.shape[0]
     shard = weight.chunk(n, 0)[r].clone().requires_grad_()
     x = hidden.clone().requires_grad_()
     with Ledger() as fwd:
-        logits, _ = _quietly(fn, x, shard)
+        logits, _ = _quietly(fn, x, shard, group)
     if not isinstance(logits, torch.Tensor):
         return f"returned {type(logits).__name__}, expected a tensor of logits"
     want = (*hidden.shape[:-1], v // n)
@@ -225,54 +258,68 @@ def _head_worker(fn, hidden, weight, targets):
         return f"returned logits of shape {tuple(logits.shape)}, expected this rank's slice {want}"
     if not logits.requires_grad:
         return "the logits do not depend on the hidden state and weight in autograd (detached?)"
-    loss = vocab_parallel_cross_entropy(logits, targets, vocab_start=r * v // n)
+    loss = vocab_parallel_cross_entropy(logits, targets, vocab_start=r * v // n, group=group)
     with Ledger() as bwd:
         _quietly(loss.backward)
+    if split and (world_calls(fwd) or world_calls(bwd)):
+        return on_world_not_group("the group of your " + (world_calls(fwd) + world_calls(bwd))[0]) \
+            + " (f's all-reduce runs in backward: keep the group in ctx)"
     return (logits.detach(), x.grad, shard.grad,
             [led.count("all_reduce") for led in (fwd, bwd)], [led.count() for led in (fwd, bwd)])
 
 
-def check_parallel_head(fn) -> None:
+def check_parallel_head(fn, timeout: float | None = None) -> None:
     """Logits slices, hidden-state gradient (whole, summed by f) and weight-shard gradient
-    equal to the dense head; f's one all-reduce in backward, nothing forward."""
+    equal to the dense head; f's one all-reduce in backward, nothing forward. On 2 and 4
+    ranks, and on 4 ranks split into two groups of 2, each group with its own data."""
     problems, checks = [], 0
     g = torch.Generator().manual_seed(6)
-    for n in (2, 4):
-        hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)
-        weight = torch.randn(16, 8, generator=g, requires_grad=True)
-        targets = torch.randint(0, 16, (2, 5), generator=g)
-        logits = hidden @ weight.t()
-        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-        results = run_student(_head_worker, n, fn, hidden.detach(), weight.detach(), targets,
-                              name=_name(fn))
+    for n, split in ((2, False), (4, False), (4, True)):
+        m = 2 if split else n
+        data = []
+        for _ in range(n if split else 1):
+            hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+            weight = torch.randn(16, 8, generator=g, requires_grad=True)
+            targets = torch.randint(0, 16, (2, 5), generator=g)
+            logits = hidden @ weight.t()
+            F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+            data.append((hidden, weight, targets, logits.detach()))
+        results = run_student(_head_worker, n, fn, [d[0].detach() for d in data],
+                              [d[1].detach() for d in data], [d[2] for d in data], split,
+                              name=_name(fn), timeout=timeout)
+        label = f"group of 2 in {list(SUBGROUPS)}" if split else f"N={n}"
         for r, res in enumerate(results):
+            team = members(r)[0] if split else 0
+            gr = members(r).index(r) if split else r
+            hidden, weight, targets, logits = data[team]
             checks += 4
             if isinstance(res, str):
-                problems.append(f"N={n} rank {r}: {res}")
+                problems.append(f"{label} rank {r}: {res}")
                 continue
             got, xgrad, wgrad, reduces, calls = res
-            want = logits.detach().chunk(n, -1)[r]
-            if reduces[0] and torch.allclose(got, n * want, atol=1e-5):
-                problems.append(f"N={n} rank {r}: logits {n}× too large: the hidden state was summed "
-                                "over the ranks in forward — that is g (ReduceFromTP); the head enters "
-                                "through f (CopyToTP: identity forward, sum in backward)")
+            want = logits.chunk(m, -1)[gr]
+            if reduces[0] and torch.allclose(got, m * want, atol=1e-5):
+                problems.append(f"{label} rank {r}: logits {m}× too large: the hidden state was "
+                                "summed over the ranks in forward — that is g (ReduceFromTP); the "
+                                "head enters through f (CopyToTP: identity forward, sum in backward)")
                 continue
-            problems += compare(f"N={n} rank {r}: logits", got, want)
+            problems += compare(f"{label} rank {r}: logits", got, want)
             if xgrad is not None and not torch.allclose(xgrad, hidden.grad, atol=1e-6):
                 # what this rank's vocabulary slice alone contributes (f's sum left out)
-                p = torch.softmax(logits.detach(), -1) - F.one_hot(targets, 16)
-                part = (p.chunk(n, -1)[r] / targets.numel()) @ weight.detach().chunk(n, 0)[r]
+                p = torch.softmax(logits, -1) - F.one_hot(targets, 16)
+                part = (p.chunk(m, -1)[gr] / targets.numel()) @ weight.detach().chunk(m, 0)[gr]
                 if torch.allclose(xgrad, part, atol=1e-6):
-                    problems.append(f"N={n} rank {r}: the hidden state's gradient is this rank's part "
-                                    "only — enter through f (CopyToTP), whose backward sums it over "
-                                    "the ranks")
+                    problems.append(f"{label} rank {r}: the hidden state's gradient is this rank's "
+                                    "part only — enter through f (CopyToTP), whose backward sums "
+                                    "it over the ranks")
                     continue
-            problems += compare(f"N={n} rank {r}: gradient of the hidden state", xgrad, hidden.grad)
-            problems += compare(f"N={n} rank {r}: gradient of the weight shard", wgrad,
-                                weight.grad.chunk(n, 0)[r])
+            problems += compare(f"{label} rank {r}: gradient of the hidden state", xgrad, hidden.grad)
+            problems += compare(f"{label} rank {r}: gradient of the weight shard", wgrad,
+                                weight.grad.chunk(m, 0)[gr])
             if reduces != [0, 1] or calls[0]:
-                problems.append(f"N={n} rank {r}: picolib.comm calls forward {calls[0]}, all-reduces "
-                                f"backward {reduces[1]}; expected none forward and one (f's) backward")
+                problems.append(f"{label} rank {r}: picolib.comm calls forward {calls[0]}, "
+                                f"all-reduces backward {reduces[1]}; expected none forward and "
+                                "one (f's) backward")
         if problems:
             break
     report("the column-parallel head", problems, checks)

@@ -4,6 +4,9 @@
   sequence into the whole (b, s, h), with one `comm.all_gather`; run on 2 and 4 ranks.
 - `check_reduce_scatter_sequence(fn)`: `fn(x, group=None)` sums the ranks' (b, s, h) partial
   outputs and returns this rank's (b, s/tp, h) tokens, with one `comm.reduce_scatter`.
+- `check_sp_norm_weight_grad(fn)`: `fn(x, grad_out, eps, group=None)` → the gradient of a
+  sequence-parallel RMSNorm's (replicated) weight: Σ over this rank's tokens of
+  grad_out · x·rsqrt(mean(x²) + eps), all-reduced (summed) over the TP group.
 - `check_sp_activation_bytes(fn)`: `fn(s, b, h, f, a, tp, sp)` → bytes one TinyLlama layer
   saves per rank (fp32, eager attention) under TP (`sp=False`) or TP+SP (`sp=True`).
 - `check_tokens_per_day(fn)`: `fn(n_gpus, flops_per_gpu, n_params)` → tokens trained per
@@ -18,9 +21,11 @@ import torch.distributed as dist
 
 from ..comm import Ledger
 from ..sequence_parallel import activation_bytes_per_layer
-from ._core import call_student, compare, report, run_student
+from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
+                    report, run_student, world_calls)
 
-__all__ = ["check_gather_sequence", "check_reduce_scatter_sequence", "check_sp_activation_bytes",
+__all__ = ["check_gather_sequence", "check_reduce_scatter_sequence", "check_sp_norm_weight_grad",
+           "check_sp_activation_bytes",
            "check_tokens_per_day"]
 
 
@@ -29,39 +34,153 @@ def _full(n, seed):
     return torch.randn(3, 4 * n, 5, generator=g), [torch.randn(3, 4 * n, 5, generator=g) for _ in range(n)]
 
 
-def _seq_worker(fn, full, partials, op):
-    r = dist.get_rank()
-    x = full.chunk(dist.get_world_size(), 1)[r].clone() if op == "all_gather" else partials[r].clone()
+def _seq_worker(fn, data, op, split=False):
+    group = my_group(split)
+    team = members(dist.get_rank())[0] if split else 0
+    full, partials = data[team]                      # each group its own sequence
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    x = full.chunk(n, 1)[r].clone() if op == "all_gather" else partials[r].clone()
     with Ledger() as led:
-        out = fn(x)
-    return out, led.summary()
+        out = call_student(fn, x, group=group)
+    if isinstance(out, torch.Tensor):
+        out = out.detach().clone()
+    return out, led.summary(), world_calls(led) if split else []
 
 
-def _check_seq(fn, op, title):
+def _seq_hint(op, out, full, partials, n, r) -> str:
+    """The usual mistakes of moving the sequence dim through a dim-0 collective."""
+    b, s, h = full.shape
+    if op == "all_gather":
+        blocks = torch.cat(full.chunk(n, 1), 0)          # what all_gather leaves: (n·b, s/n, h)
+        if out.shape == blocks.shape:
+            return ("returned all_gather's buffer (tp·b, s/tp, h) as it is: move the rank blocks "
+                    "into the sequence dim (view (tp, b, s/tp, h), transpose(0, 1), reshape)")
+        if out.shape == full.shape and torch.allclose(out, blocks.reshape(b, s, h), atol=1e-5):
+            return ("the rank blocks were reshaped straight into (b, s, h): they lie along dim 0, "
+                    "so view (tp, b, s/tp, h) and transpose(0, 1) before the reshape")
+        return ""
+    total = torch.stack(partials).sum(0)
+    if out.shape == total.shape:
+        return ("returned the whole (b, s, h) sum: reduce-scatter keeps this rank's s/tp tokens "
+                "only")
+    if out.shape == total.chunk(n, 1)[r].shape and torch.allclose(
+            out, total.reshape(n * b, s // n, h).chunk(n, 0)[r].reshape(out.shape), atol=1e-5):
+        return ("x was viewed as (tp·b, s/tp, h) directly: that splits the batch, not the "
+                "sequence — view (b, tp, s/tp, h) and move tp first (transpose(0, 1)) before "
+                "the reduce-scatter")
+    return ""
+
+
+def _check_seq(fn, op, title, timeout=None):
     problems, checks = [], 0
-    for n in (2, 4):
-        full, partials = _full(n, seed=n)
-        total = torch.stack(partials).sum(0)
+    for n, split in ((2, False), (4, False), (4, True)):
+        m = 2 if split else n
+        data = [_full(m, seed=n + 10 * t) for t in range(n if split else 1)]
         name = getattr(fn, "__name__", "your function")
-        for r, (out, summary) in enumerate(run_student(_seq_worker, n, fn, full, partials, op,
-                                                        name=name)):
+        label = f"group of 2 in {list(SUBGROUPS)}" if split else f"N={n}"
+        for r, (out, summary, world) in enumerate(run_student(
+                _seq_worker, n, fn, data, op, split, name=name, timeout=timeout)):
             checks += 2
-            expected = full if op == "all_gather" else total.chunk(n, 1)[r]
-            problems += compare(f"N={n} rank {r}: result", out, expected, atol=1e-5)
+            team = members(r)[0] if split else 0
+            gr = members(r).index(r) if split else r
+            full, partials = data[team]
+            if world:
+                problems.append(f"{label} rank {r}: " + on_world_not_group(f"the group of your {world[0]}"))
+                continue
+            expected = full if op == "all_gather" else torch.stack(partials).sum(0).chunk(m, 1)[gr]
+            wrong = compare(f"{label} rank {r}: result", out, expected, atol=1e-5)
+            hint = _seq_hint(op, out, full, partials, m, gr) if wrong and isinstance(
+                out, torch.Tensor) else ""
+            problems += [f"{label} rank {r}: result — {hint}"] if hint else wrong
             calls = {k: v["calls"] for k, v in summary.items()}
             if calls != {op: 1}:
-                problems.append(f"N={n} rank {r}: picolib.comm calls {calls}, expected one {op}")
+                problems.append(f"{label} rank {r}: picolib.comm calls {calls}, expected one {op}")
+        if problems:
+            break                                     # the same mistake again on more ranks
     report(title, problems, checks)
 
 
-def check_gather_sequence(fn) -> None:
-    """(b, s/tp, h) slices, rank r holding tokens [r·s/tp, (r+1)·s/tp) → the whole sequence."""
-    _check_seq(fn, "all_gather", "all-gather along the sequence")
+def check_gather_sequence(fn, timeout: float | None = None) -> None:
+    """(b, s/tp, h) slices, rank r holding tokens [r·s/tp, (r+1)·s/tp) → the whole sequence;
+    on 2 and 4 ranks and on 4 ranks split into two groups of 2 (each its own sequence)."""
+    _check_seq(fn, "all_gather", "all-gather along the sequence", timeout)
 
 
-def check_reduce_scatter_sequence(fn) -> None:
-    """(b, s, h) partial sums → this rank's tokens of the total."""
-    _check_seq(fn, "reduce_scatter", "reduce-scatter along the sequence")
+def check_reduce_scatter_sequence(fn, timeout: float | None = None) -> None:
+    """(b, s, h) partial sums → this rank's tokens of the total; on 2 and 4 ranks and on 4
+    ranks split into two groups of 2."""
+    _check_seq(fn, "reduce_scatter", "reduce-scatter along the sequence", timeout)
+
+
+def _norm_worker(fn, data, eps, split=False):
+    group = my_group(split)
+    team = members(dist.get_rank())[0] if split else 0
+    x, dy = data[team]
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    with Ledger() as led:
+        out = call_student(fn, x.chunk(n, 1)[r].clone(), dy.chunk(n, 1)[r].clone(), eps,
+                           group=group)
+    if isinstance(out, torch.Tensor):
+        out = out.detach().clone()
+    return out, led.summary(), world_calls(led) if split else []
+
+
+def _normed(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def check_sp_norm_weight_grad(fn, timeout: float | None = None) -> None:
+    """The weight gradient equals the dense norm's (autograd on the whole sequence), on every
+    rank, with one all-reduce of h numbers: on 2 and 4 ranks and on 4 ranks split into two
+    groups of 2, each group its own sequence."""
+    problems, checks, eps = [], 0, 1e-5
+    for n, split in ((2, False), (4, False), (4, True)):
+        m = 2 if split else n
+        g = torch.Generator().manual_seed(20 + n)
+        data = [(torch.randn(2, 4 * m, 6, generator=g) * 3, torch.randn(2, 4 * m, 6, generator=g))
+                for _ in range(n if split else 1)]
+        label = f"group of 2 in {list(SUBGROUPS)}" if split else f"N={n}"
+        results = run_student(_norm_worker, n, fn, data, eps, split, name=getattr(
+            fn, "__name__", "your function"), timeout=timeout)
+        for r, (out, summary, world) in enumerate(results):
+            checks += 2
+            team = members(r)[0] if split else 0
+            gr = members(r).index(r) if split else r
+            x, dy = data[team]
+            w = torch.ones(6, requires_grad=True)          # the dense norm, by autograd
+            (_normed(x, eps) * w).backward(dy)
+            want = w.grad
+            where = f"{label} rank {r}"
+            if world:
+                problems.append(f"{where}: " + on_world_not_group(f"the group of your {world[0]}"))
+                continue
+            wrong = compare(f"{where}: weight gradient", out, want, atol=1e-4)
+            if wrong and isinstance(out, torch.Tensor) and out.shape == want.shape:
+                local = (dy.chunk(m, 1)[gr] * _normed(x.chunk(m, 1)[gr], eps)).sum((0, 1))
+                raw = (dy * x).sum((0, 1))
+                if torch.allclose(out, local, atol=1e-4):
+                    wrong = [f"{where}: weight gradient: this rank's s/tp tokens only — the weight "
+                             "is replicated but each rank saw other tokens: all-reduce (sum) the "
+                             "local sums over the TP group"]
+                elif torch.allclose(out, want / m, atol=1e-4):
+                    wrong = [f"{where}: weight gradient: {m}× too small — a mean over the ranks "
+                             "(op=\"avg\" or a division by tp): the gradient is a sum over all "
+                             "tokens, and each rank holds a partial sum"]
+                elif torch.allclose(out, raw, atol=1e-4) or torch.allclose(
+                        out, (dy.chunk(m, 1)[gr] * x.chunk(m, 1)[gr]).sum((0, 1)), atol=1e-4):
+                    wrong = [f"{where}: weight gradient: Σ grad_out·x — the weight multiplies the "
+                             "normalised x·rsqrt(mean(x²) + eps), not x"]
+            problems += wrong
+            calls = {k: v["calls"] for k, v in summary.items()}
+            if calls != {"all_reduce": 1}:
+                problems.append(f"{where}: picolib.comm calls {calls or 'none'}, expected one "
+                                "all_reduce (of h numbers)")
+            elif summary["all_reduce"]["nbytes"] != 4 * 6:
+                problems.append(f"{where}: the all-reduce moved {summary['all_reduce']['nbytes']} "
+                                "bytes; reduce the (h,) local sum, 24 bytes here, not the tokens")
+        if problems:
+            break
+    report("the sequence-parallel norm's weight gradient", problems, checks)
 
 
 def _bytes_hint(got, s, b, h, f, a, tp, sp) -> str:
