@@ -33,14 +33,38 @@ def latency(slices, cost, K):
     return sum(t) + (K - 1) * max(t)
 
 
+def latency_by_waits(slices, cost, K):
+    """Right, written differently: stage k finishes slice i after slice i on stage k−1 and
+    slice i−1 on stage k (the chain of waits, played out)."""
+    done = [0.0] * K
+    for t in _costs(slices, cost):
+        for k in range(K):
+            done[k] = max(done[k], done[k - 1] if k else 0.0) + t
+    return done[-1]
+
+
+def mask_by_positions(slices, i):
+    """Right, written differently: compare absolute positions of queries and keys."""
+    c = sum(slices[:i])
+    q = torch.arange(c, c + slices[i])[:, None]
+    return torch.arange(c + slices[i])[None, :] <= q
+
+
 def test_pipeline_latency_check():
     check_pipeline_latency(latency)
     with fails(r"\[3, 3, 2\] on K=3 stages: got 8.0, expected 14"):
         check_pipeline_latency(lambda s, cost, K: sum(_costs(s, cost)))        # the published "T = 8"
-    with fails("latency"):
+    with fails("Σt alone: the pipeline fill is missing"):
+        check_pipeline_latency(lambda s, cost, K: sum(_costs(s, cost)))
+    with fails("each slice's cost was taken with no context"):
         check_pipeline_latency(lambda s, cost, K: latency(s, lambda l, c: cost(l, 0), K))  # no context
-    with fails("latency"):
+    with fails("K·max t, not \\(K−1\\)·max t"):
         check_pipeline_latency(lambda s, cost, K: sum(_costs(s, cost)) + K * max(_costs(s, cost)))
+    with fails("K·Σt: the stages work one after another"):
+        check_pipeline_latency(lambda s, cost, K: K * sum(_costs(s, cost)))
+    with fails("not the first or the last"):
+        check_pipeline_latency(lambda s, cost, K: sum(_costs(s, cost)) + (K - 1) * _costs(s, cost)[0])
+    check_pipeline_latency(latency_by_waits)
     with fails("not written yet"):
         check_pipeline_latency(_stub)
 
@@ -87,8 +111,16 @@ def test_slice_mask_check():
     check_slice_mask(mask)
     with fails("shape"):                       # no cached context
         check_slice_mask(lambda s, i: torch.ones(s[i], s[i], dtype=torch.bool).tril())
-    with fails("values differ"):               # SDPA's top-left causal
+    with fails(r"slices \[3, 3, 2\], slice 1: a top-left causal mask .* bottom-right"):  # SDPA's default
         check_slice_mask(lambda s, i: torch.ones(s[i], sum(s[:i + 1]), dtype=torch.bool).tril())
+    with fails("the mask is inverted"):
+        check_slice_mask(lambda s, i: ~mask(s, i))
+    with fails("the 3 cached context tokens are masked"):
+        check_slice_mask(lambda s, i: torch.cat([torch.zeros(s[i], sum(s[:i]), dtype=torch.bool),
+                                                 torch.ones(s[i], s[i], dtype=torch.bool).tril()], 1))
+    with fails("the mask is transposed"):
+        check_slice_mask(lambda s, i: torch.ones(s[i], sum(s[:i + 1]), dtype=torch.bool).triu(sum(s[:i])))
+    check_slice_mask(mask_by_positions)
     with fails("values differ"):               # only token t−1 and t
         check_slice_mask(lambda s, i: mask(s, i) & ~torch.ones(s[i], sum(s[:i + 1]), dtype=torch.bool)
                          .tril(sum(s[:i]) - 2))

@@ -52,11 +52,59 @@ def check_pipeline_latency(fn) -> None:
         n = rng.randint(2, 10)
         slices = rng.choice(list(_compositions(n)))
         cases.append((slices, _table(n, seed), rng.randint(1, 5)))
+    wrong = []
     for slices, cost, K in cases:
         checks += 1
-        problems += compare(f"latency of slices {list(slices)} on K={K} stages",
-                            call_student(fn, slices, cost, K), _simulated(slices, cost, K))
+        got = call_student(fn, slices, cost, K)
+        line = compare(f"latency of slices {list(slices)} on K={K} stages", got,
+                       _simulated(slices, cost, K))
+        if line:
+            problems += line
+            wrong.append((slices, cost, K, got))
+    hint = _latency_hint(wrong)
+    if hint:
+        problems = [f"{hint} — e.g. {problems[0]}"]
     report("pipeline latency of a slicing", problems[:6], checks)
+
+
+def _times(slices, cost, context=True):
+    t, ctx = [], 0
+    for length in slices:
+        t.append(cost(length, ctx if context else 0))
+        ctx += length
+    return t
+
+
+_LATENCY_SLIPS = {
+    "Σt alone: the pipeline fill is missing — the last slice still crosses K−1 more stages, "
+    "(K−1)·max t": lambda t, K: sum(t),
+    "K·max t, not (K−1)·max t: the slowest slice crosses K stages but only K−1 of them "
+    "wait beyond Σt": lambda t, K: sum(t) + K * max(t),
+    "K·Σt: the stages work one after another — slices overlap, so T = Σt + (K−1)·max t":
+        lambda t, K: K * sum(t),
+    "the fill is paid by the slowest slice (max t), not the first or the last":
+        lambda t, K: sum(t) + (K - 1) * t[0],
+    "the fill is paid by the slowest slice (max t), not the last":
+        lambda t, K: sum(t) + (K - 1) * t[-1],
+    "(n + K − 1)·max t: every slice counted as the slowest — sum the real tᵢ":
+        lambda t, K: (len(t) + K - 1) * max(t),
+}
+
+
+def _latency_hint(wrong) -> str:
+    """The slip every wrong case fits, or the context left out of cost(l, c) ("" if none)."""
+    def fits(rule, context=True):
+        try:
+            return all(abs(float(got) - rule(_times(sl, cost, context), K)) < 1e-6 * max(1, abs(float(got)))
+                       for sl, cost, K, got in wrong)
+        except (TypeError, ValueError):
+            return False
+    if not wrong:
+        return ""
+    if fits(lambda t, K: sum(t) + (K - 1) * max(t), context=False):
+        return ("each slice's cost was taken with no context: slice i is cost(lᵢ, cᵢ) with "
+                "cᵢ = l₁ + … + lᵢ₋₁, the tokens before it")
+    return next((why for why, rule in _LATENCY_SLIPS.items() if fits(rule)), "")
 
 
 def _value(slices, cost, K):
@@ -122,6 +170,32 @@ def check_slice_mask(fn) -> None:
                 problems.append(f"slices {list(slices)}, slice {i}: expected a bool tensor, "
                                 f"got {type(got).__name__}")
                 continue
-            problems += compare(f"slices {list(slices)}, slice {i}: mask", got.bool().float(),
-                                want.float())
+            line = compare(f"slices {list(slices)}, slice {i}: mask", got.bool().float(),
+                           want.float())
+            if line and tuple(got.shape) == tuple(want.shape):
+                hint = _mask_hint(got.bool(), want, sum(slices[:i]))
+                line = [f"slices {list(slices)}, slice {i}: {hint}"] if hint else line
+            problems += line
     report("attention mask of a slice", problems[:6], checks)
+
+
+def _mask_hint(got, want, c) -> str:
+    """Name the usual wrong masks of a slice with c tokens of cached context."""
+    length, keys = want.shape
+    ones = torch.ones(length, keys, dtype=torch.bool)
+    if torch.equal(got, ones.tril()):
+        return (f"a top-left causal mask (tril of the {length}×{keys} block): query r of this "
+                f"slice is token c + r = {c} + r and sees keys 0 … c + r — align the diagonal "
+                "bottom-right (torch.tril(…, diagonal=c))")
+    if torch.equal(got, ~want):
+        return "the mask is inverted: True means the query attends to that key"
+    own = want.clone()
+    own[:, :c] = False
+    if c and torch.equal(got, own):
+        return (f"the {c} cached context tokens are masked: every query of the slice sees all the "
+                "tokens before the slice")
+    if torch.equal(got, ones):
+        return "nothing is masked: a query must not see the keys after it in its own slice"
+    if torch.equal(got, ones.triu(c)) or torch.equal(got, ones.triu()):
+        return "upper triangle: the mask is transposed (True where the key comes at or before the query)"
+    return ""
