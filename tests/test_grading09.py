@@ -105,3 +105,47 @@ def test_check_moe_critical_batch():
         check_moe_critical_batch(lambda d, e, k, g: d * e / k)
     with fails("not k/E"):
         check_moe_critical_batch(lambda d, e, k, g: d * k / e / g)
+
+
+# ---------------------------------------------------------------- issue 37: each mistake named
+from picolib.moe import keep_mask  # noqa: E402
+
+
+def capacity_plus_one(scores, k, cap):
+    choice = scores.topk(k, dim=-1).indices
+    return choice, keep_mask(choice, scores.shape[1], None if cap is None else cap + 1)
+
+
+def capacity_by_rank_of_choice(scores, k, cap):
+    """Right, written differently: loop over choice ranks, then tokens, counting per expert."""
+    choice = scores.topk(k, dim=-1).indices
+    keep = torch.ones_like(choice, dtype=torch.bool)
+    used = [0] * scores.shape[1]
+    for j in range(k):
+        for t in range(choice.shape[0]):
+            e = int(choice[t, j])
+            keep[t, j] = cap is None or used[e] < cap
+            used[e] += 1
+    return choice, keep
+
+
+def split_sizes_by_gather(counts, group=None):
+    """Right, written differently: all_to_all of the per-rank sums (ep numbers, not E)."""
+    ep = dist.get_world_size(group)
+    send = counts.view(ep, -1).sum(1)
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send.contiguous(), group=group)
+    return send.tolist(), recv.tolist()
+
+
+def test_capacity_and_split_sizes_name_each_mistake():
+    check_top_k_capacity(capacity_by_rank_of_choice)
+    with fails(r"capacity off by one: an expert kept 3 assignments, not cap = 2"):
+        check_top_k_capacity(capacity_plus_one)
+    with fails(r"capacity off by one: an expert kept 1 assignments, not cap = 2"):
+        check_top_k_capacity(lambda s, k, cap: (s.topk(k, -1).indices, keep_mask(
+            s.topk(k, -1).indices, s.shape[1], None if cap is None else cap - 1)))
+    check_split_sizes(split_sizes_by_gather)
+    with fails(r"group of 2 in \[\[0, 2\], \[1, 3\]\] rank 0: the group of your all_to_all is that "
+               "of all 4 ranks"):
+        check_split_sizes(lambda c, group=None: split_sizes(c, None))

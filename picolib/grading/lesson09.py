@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from ..comm import Ledger
 from ..moe import keep_mask, sort_by_expert
-from ._core import call_student, compare, report, run_student
+from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
+                    report, run_student, world_calls)
 
 __all__ = ["check_top_k_capacity", "check_sort_by_expert", "check_split_sizes",
            "check_moe_critical_batch"]
@@ -57,6 +58,10 @@ def check_top_k_capacity(fn) -> None:
             if torch.equal(got[1].bool(), token_major):
                 wrong = [wrong[0] + " — token by token: every token's first choice must come "
                                     "before any token's second choice"]
+            elif cap and any(torch.equal(got[1].bool(), keep_mask(choice, e, c)) for c in (cap - 1, cap + 1)):
+                c = next(c for c in (cap - 1, cap + 1) if torch.equal(got[1].bool(), keep_mask(choice, e, c)))
+                wrong = [wrong[0] + f" — capacity off by one: an expert kept {c} assignments, not "
+                                    f"cap = {cap} (keep while the count before this one is < cap)"]
             elif bool(got[1].bool().all()) and not bool(keep.all()):
                 wrong = [wrong[0] + " — nothing dropped: an expert holds at most cap assignments"]
         problems += wrong
@@ -90,35 +95,48 @@ def check_sort_by_expert(fn) -> None:
     report("the permutation by expert and its inverse", problems, checks)
 
 
-def _split_worker(fn, all_counts):
-    r = dist.get_rank()
+def _split_worker(fn, all_counts, split=False):
+    group = my_group(split)
+    team = members(dist.get_rank())[0] if split else 0
     with Ledger() as led:
-        got = fn(all_counts[r].clone())
-    return got, {k: v["calls"] for k, v in led.summary().items()}
+        got = call_student(fn, all_counts[team][dist.get_rank(group)].clone(), group=group)
+    return got, {k: v["calls"] for k, v in led.summary().items()}, world_calls(led) if split else []
 
 
-def check_split_sizes(fn) -> None:
-    """Each rank's rows to and from every rank, from the per-expert counts (2 and 4 ranks)."""
+def check_split_sizes(fn, timeout: float | None = None) -> None:
+    """Each rank's rows to and from every rank, from the per-expert counts: on 2 and 4 ranks,
+    and on 4 ranks split into two EP groups of 2, each with its own counts."""
     problems, checks = [], 0
     name = getattr(fn, "__name__", "your function")
-    for ep, e in ((2, 4), (4, 8)):
-        g = torch.Generator().manual_seed(ep)
-        all_counts = torch.randint(0, 6, (ep, e), generator=g)
-        all_counts[0, : e // ep] = 0                     # rank 0 sends nothing to rank 0's experts
-        rows = all_counts.view(ep, ep, e // ep).sum(-1)  # rows[i, j]: rank i → rank j
-        for r, (got, calls) in enumerate(run_student(_split_worker, ep, fn, all_counts, name=name)):
+    for n, e, split in ((2, 4, False), (4, 8, False), (4, 4, True)):
+        ep = 2 if split else n
+        g = torch.Generator().manual_seed(n + 10 * split)
+        counts = [torch.randint(0, 6, (ep, e), generator=g) for _ in range(n if split else 1)]
+        for c in counts:
+            c[0, : e // ep] = 0                          # rank 0 sends nothing to rank 0's experts
+        label = f"group of 2 in {list(SUBGROUPS)}" if split else f"ep={ep}"
+        for r, (got, calls, world) in enumerate(run_student(_split_worker, n, fn, counts, split,
+                                                            name=name, timeout=timeout)):
+            team = members(r)[0] if split else 0
+            gr = members(r).index(r) if split else r
+            rows = counts[team].view(ep, ep, e // ep).sum(-1)  # rows[i, j]: rank i → rank j
             checks += 2
+            if world:
+                problems.append(f"{label} rank {r}: " + on_world_not_group(f"the group of your {world[0]}"))
+                continue
             if not isinstance(got, (tuple, list)) or len(got) != 2:
-                problems.append(f"ep={ep} rank {r}: return (send, recv)")
+                problems.append(f"{label} rank {r}: return (send, recv)")
                 continue
             as_list = [[int(v) for v in (x.tolist() if isinstance(x, torch.Tensor) else x)] for x in got]
-            problems += compare(f"ep={ep} rank {r}: send", as_list[0], rows[r].tolist())
-            wrong = compare(f"ep={ep} rank {r}: recv", as_list[1], rows[:, r].tolist())
-            if wrong and as_list[1] == rows[r].tolist():
+            problems += compare(f"{label} rank {r}: send", as_list[0], rows[gr].tolist())
+            wrong = compare(f"{label} rank {r}: recv", as_list[1], rows[:, gr].tolist())
+            if wrong and as_list[1] == rows[gr].tolist():
                 wrong = [wrong[0] + " — that is what this rank sends: recv comes from the others' counts"]
             problems += wrong
             if calls != {"all_to_all": 1}:
-                problems.append(f"ep={ep} rank {r}: picolib.comm calls {calls}, expected one all_to_all")
+                problems.append(f"{label} rank {r}: picolib.comm calls {calls}, expected one all_to_all")
+        if problems:
+            break
     report("all-to-all split sizes", problems, checks)
 
 
