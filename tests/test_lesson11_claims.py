@@ -1,7 +1,7 @@
 """Lesson 11's figures and corrected numbers, checked outside the notebook.
 
-- §2's figure: the hierarchical (latency-free) curve is on the 1 GB panel only, and both panels
-  pass picolib.figure_check; §5's bars keep their legends outside the axes, off the bars.
+- lesson 11 §2's figure: the hierarchical (latency-free) curve is on the 1 GB panel only, and both panels
+  pass picolib.figure_check; lesson 11b §2's bars keep their legends outside the axes, off the bars.
 - The Blackwell correction with each chip named: the book's 549 and 18 keep H100's FLOPs.
 - The Ultra-Scale Playbook's all-reduce bus bandwidths against the two models: in a node the ring
   is within 5 %, across nodes neither reproduces the measured fall.

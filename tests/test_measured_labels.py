@@ -47,7 +47,7 @@ from picolib import comm
 from picolib.launch import run
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))     # 11 and 11b
 
 # "measured", not "not measured", "unmeasured", nor a pointer elsewhere ("lesson 00 measures",
 # "measured in section 3": the claim is settled there)

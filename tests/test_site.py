@@ -256,3 +256,22 @@ def test_no_link_points_to_a_missing_file(built):
     assert 'href="glossary.html#rank"' in after and 'href="04_tensor_parallel.html"' in after
     assert "<code>exercises/04_tensor_parallel.ipynb</code>" in after     # kept as text
     assert "<code>picolib/comm.py</code>" in after
+
+
+def test_a_split_lesson_follows_its_first_half_in_the_index_and_the_links(tmp_path):
+    """Lesson 11b (the second half of 11, split without renumbering) comes after 11 and before
+    12: in the index, in previous/next, with its own number and the course plan's builds-on."""
+    made = [_lesson(tmp_path / f"{name}.ipynb", [nbformat.v4.new_markdown_cell(f"# {title}\n\nYou will.")])
+            for name, title in (("12_last", "12 · Last"), ("11b_second", "11b · Second"),
+                                ("11_first", "11 · First"))]
+    site_tool.write_site(made, tmp_path / "site", mathjax_url="mathjax/MathJax.js")
+    index = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+    hrefs = [a["href"] for a in Tags(index).all("a") if a["href"][:2].isdigit()]
+    assert hrefs == ["11_first.html", "11b_second.html", "12_last.html"]
+    assert "<td>11b</td>" in index and "<td>11</td>" in index
+    second = Tags((tmp_path / "site" / "11b_second.html").read_text(encoding="utf-8"))
+    assert {a["href"] for a in second.all("a", rel="prev")} == {"11_first.html"}
+    assert {a["href"] for a in second.all("a", rel="next")} == {"12_last.html"}
+    assert "11" in site_tool.course_plan()["11b"]["builds on"]
+    names = [p.name for p in slides_tool.lessons()]           # the real lessons, as make site orders them
+    assert names.index("11b_planner_case_studies.ipynb") == names.index("11_cluster_planning.ipynb") + 1

@@ -1,4 +1,6 @@
-"""Lesson 11's try-it: the calculator's bytes equal a TinyLlama's measured in one process
+"""Lessons 11 and 11b's try-its. Lesson 11's `rooflines`: every setting its hint suggests
+shows what the hint says, the numbers are picolib.hardware's, and the figure passes the
+checker. Lesson 11b's: the calculator's bytes equal a TinyLlama's measured in one process
 (parameters, gradients, Adam state after a step; saved activations), and every knob
 combination of the lesson's cell runs, and every setting the lesson's hint suggests shows what
 the hint says."""
@@ -11,7 +13,8 @@ import torch
 from picolib.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.planner import Parallelism, memory
-from picolib.tryit.lesson11 import HINTS, MODELS, measured_block_bytes, plan_calculator
+from picolib.tryit.lesson11 import (HINTS, MODELS, ROOFLINE_HINTS, measured_block_bytes,
+                                    plan_calculator, rooflines)
 
 matplotlib.use("Agg")
 
@@ -87,3 +90,35 @@ def test_llama_block_saves_more_than_34_sh(cfg, c):
     full = layer_activation_bytes(cfg, par) / (4096 * cfg.hidden)
     assert full == pytest.approx(c, abs=0.01)
     assert measured_block_bytes(cfg) == pytest.approx(full, abs=0.1)
+
+
+def test_every_roofline_hint_shows_what_it_says(capsys):
+    """Lesson 11's hint: H100 at 1,024 GPUs (DP 1,236, MoE 4,945 at EP 64); EP 8 needs 8x the
+    tokens; GB200 NVL72 lifts DP to 1,389 and caps TP at 6; F = 8,192 caps TP at 4."""
+    out = [rooflines(plot=False, **settings) for settings, _ in ROOFLINE_HINTS]
+    moe = [v for o in out for k, v in o["tokens"].items() if k.startswith("MoE")]
+    dp = [o["tokens"]["DP, 1,024 GPUs"] for o in out]
+    assert [round(d) for d in dp] == [1236, 1236, 1389, 1236]
+    assert round(moe[0]) == 4945 and moe[1] / moe[0] == pytest.approx(8)
+    assert [o["tp"] for o in out] == [8, 8, 6, 4]
+    for (settings, says), o in zip(ROOFLINE_HINTS, out):
+        numbers = {f"{round(v):,}" for v in o["tokens"].values()}
+        quoted = [part.split()[0].rstrip(",;") for part in says.split("about ")[1:]]
+        assert all(q in numbers for q in quoted), (quoted, numbers, says)
+        assert quoted or "-way" in says, says
+        if "-way" in says:
+            assert f"{o['tp']}-way" in says
+    assert "tokens per GPU" in capsys.readouterr().out
+
+
+def test_rooflines_figure_passes_the_checker():
+    import matplotlib.pyplot as plt
+
+    from picolib.figure_check import problems
+    fig, ax = plt.subplots(figsize=(8, 3))
+    rooflines("GB200-NVL72", ep=8, ax=ax)
+    assert len(ax.patches) == 4 and ax.get_xscale() == "log"
+    assert problems(fig) == []
+    plt.close(fig)
+    with pytest.raises(ValueError, match="must divide n_gpus"):
+        rooflines(n_gpus=1000, ep=64, plot=False)

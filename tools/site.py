@@ -228,7 +228,7 @@ def course_plan(guide: Path = ROOT / "docs" / "teaching.md") -> dict[str, dict[s
     for row in table_rows(guide.read_text(encoding="utf-8") if guide.exists() else ""):
         if row and row[0] == "#":
             header = [h.lower() for h in row]
-        elif header and row and re.fullmatch(r"\d\d", row[0]):
+        elif header and row and re.fullmatch(r"\d\d[a-z]?", row[0]):     # 11, 11b
             plan[row[0]] = dict(zip(header, row))
     return plan
 
@@ -361,7 +361,7 @@ def index_page(lessons: list[dict], has_guide: bool, has_glossary: bool = False)
     plan = course_plan()
     rows = []
     for lesson in lessons:
-        number = lesson["name"][:2]
+        number = lesson["name"].split("_")[0]          # "11", "11b"
         builds_on = plan.get(number, {}).get("builds on", "")
         rows.append(
             f'<tr><td>{html.escape(number)}</td>'

@@ -1,4 +1,11 @@
-"""Lesson 11's "try it": a memory-and-throughput calculator for a Llama 3 on a cluster.
+"""Lessons 11 and 11b's "try it" cells and machinery.
+
+Lesson 11: `rooflines(hw, n_gpus, ffn_hidden, hidden, n_experts, top_k, ep)` draws the tokens
+per GPU each kind of parallelism needs to hide its communication (the critical batch) on a
+chosen GPU and network, and prints TP's largest degree and PP's smallest stage;
+`ROOFLINE_HINTS` are its hint's settings (tests/test_tryit_11.py runs them).
+
+Lesson 11b: a memory-and-throughput calculator for a Llama 3 on a cluster.
 
     plan_calculator(model, n_gpus, tp, pp, zero, recompute, micro_batch_size, hw)
 
@@ -11,13 +18,13 @@ attention that keeps them; "full" keeps each block's input only.
 `HINTS` are the settings the lesson's hint suggests, with what each shows;
 tests/test_tryit_11.py runs every one, checks the calculator's bytes against a TinyLlama
 measured in one process and runs every knob combination.
-`measured_block_bytes` measures the bytes a Llama block saves for backward (lesson 11 §5).
+`measured_block_bytes` measures the bytes a Llama block saves for backward (lesson 11b §2).
 
 The lesson's machinery lives here so its cells stay short:
-`zero_step`, `tp_sp_step`, `pipeline_step` are the rank functions of §4 (one training step each,
+`zero_step`, `tp_sp_step`, `pipeline_step` are the rank functions of 11b §1 (one training step each,
 their traffic recorded by a `comm.Ledger` — on picolib's rings for ZeRO and TP+SP, so those
 bytes are counted as sent); `fake_pg_traffic` runs DDP and ZeRO as rank 5 of 1,024 on
-PyTorch's fake process group (§4); `plot_all_reduce` (§2) and `plot_candidates` (§5) draw.
+PyTorch's fake process group (11b §1); `plot_all_reduce` (11 §2) and `plot_candidates` (11b §2) draw.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from ..plan_search import step_time
 from ..planner import LLAMA3_70B, LLAMA3_405B, Parallelism, memory
 from . import rank_bars
 
-__all__ = ["MODELS", "HINTS", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
+__all__ = ["MODELS", "HINTS", "ROOFLINE_HINTS", "rooflines", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
            "pipeline_step", "fake_pg_traffic", "plot_all_reduce", "plot_candidates"]
 
 MODELS = {"Llama-3-70B": LLAMA3_70B, "Llama-3-405B": LLAMA3_405B}
@@ -40,6 +47,61 @@ HINTS = [
     (dict(_405, pp=16, micro_batch_size=2), "does not fit: 1F1B's in-flight activations double"),
     (dict(_405, pp=16, micro_batch_size=2, recompute="full"), "fits again, at a lower MFU"),
 ]
+
+
+# Lesson 11's hint: (settings for rooflines, what they show).
+ROOFLINE_HINTS = [
+    (dict(hw="H100-SXM"), "DP about 1,236 tokens per GPU across 1,024 GPUs; the MoE about 4,945 at EP 64"),
+    (dict(hw="H100-SXM", ep=8), "EP 8 stays in a node: the MoE needs about 39,560, 8x more"),
+    (dict(hw="GB200-NVL72"), "2.5x the FLOPs: DP about 1,389 in the rack and across racks; TP at most 6-way"),
+    (dict(hw="H100-SXM", ffn_hidden=8192), "F = 8,192: TP at most 4-way"),
+]
+
+
+def rooflines(hw: str = "H100-SXM", n_gpus: int = 1024, ffn_hidden: int = 16384, hidden: int = 8192,
+              n_experts: int = 256, top_k: int = 8, ep: int = 64, plot: bool = True, ax=None) -> dict:
+    """Lesson 11's try-it: tokens per GPU above which each kind of parallelism hides its
+    communication behind its matmuls on `hw` (computed, bf16): DP inside one node, DP and
+    FSDP over `n_gpus`, a MoE of `n_experts` (top-`top_k`) with `ep`-way expert parallelism
+    (`n_gpus // ep` copies of each expert); TP's largest degree for `ffn_hidden` and PP's
+    smallest stage for `hidden`. Returns them as a dict; draws the tokens on a log axis."""
+    from ..hardware import (critical_tokens_dp, critical_tokens_moe, max_tp_degree,
+                            pp_min_stage_params)
+    gpu = hardware(hw)
+    if n_gpus % ep:
+        raise ValueError(f"ep = {ep} must divide n_gpus = {n_gpus}")
+    tokens = {f"DP, one node ({gpu.node} GPUs)": critical_tokens_dp(gpu, gpu.node),
+              f"DP, {n_gpus:,} GPUs": critical_tokens_dp(gpu, n_gpus),
+              f"FSDP, {n_gpus:,} GPUs": critical_tokens_dp(gpu, n_gpus, fsdp=True),
+              f"MoE {n_experts}/{top_k}, EP {ep}": critical_tokens_moe(gpu, max(1, n_gpus // ep), n_experts,
+                                                                      top_k, ep=ep)}
+    out = {"tokens": tokens, "tp": max_tp_degree(gpu, ffn_hidden), "pp": pp_min_stage_params(gpu, hidden)}
+    if plot:
+        import matplotlib.pyplot as plt
+
+        from ..style import PARALLELISM
+        created = ax is None
+        if created:
+            _, ax = plt.subplots(figsize=(8, 3))
+        colors = [PARALLELISM["DP"], PARALLELISM["DP"], PARALLELISM["DP"], PARALLELISM["EP"]]
+        low = min(tokens.values()) / 2           # bars start here: a log axis has no 0
+        values = list(tokens.values())[::-1]
+        ax.barh(list(tokens)[::-1], [v - low for v in values], left=low, color=colors[::-1])
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:,.0f}", va="center", fontsize=9)
+        ax.set_xscale("log")
+        ax.set_xlim(low, max(tokens.values()) * 8)
+        ax.set(xlabel="tokens per GPU per step (log scale)",
+               title=f"{gpu.name}: tokens each parallelism needs to hide its communication (computed)")
+        ax.title.set_fontsize(10)
+        if created:
+            ax.figure.tight_layout()
+            plt.show()
+    for name, v in tokens.items():
+        print(f"{name:28s} {v:10,.0f} tokens per GPU")
+    print(f"TP for F = {ffn_hidden:,}: at most {out['tp']}-way in a node; PP for h = {hidden:,}: "
+          f"a stage needs > {out['pp'] / 1e6:,.0f} M parameters")
+    return out
 
 
 def plan_calculator(model="Llama-3-70B", n_gpus: int = 640, tp: int = 8, pp: int = 4,
