@@ -1,0 +1,63 @@
+"""Every figure a lesson draws is looked at as it is displayed (picolib.figure_check): under
+`pytest --nbval-lax`, each notebook's kernel reports the problems of each figure it shows
+(an empty panel, data squeezed by a shared axis or cut off by the limits, text under 9 pt),
+and the cell that drew it fails, naming the lesson, the cell and the panel.
+
+`--figures=check` (the default) fails such a cell; `--figures=report` prints the problems and
+lets the cell pass; `--figures=off` does not look."""
+import os
+import tempfile
+
+import pytest
+
+_INSTALL = """
+from picolib.figure_check import watch as _picolib_watch
+def _picolib_report(line, _path={path!r}):
+    with open(_path, "a", encoding="utf-8") as f:
+        f.write(line + "\\n")
+_picolib_watch(_picolib_report)
+del _picolib_watch
+"""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--figures", choices=("check", "report", "off"), default="check",
+                     help="look at every figure a notebook displays (default: check)")
+
+
+def _is_notebook_cell(item) -> bool:
+    return type(item).__name__ == "IPyNbCell" and getattr(item.parent, "kernel", None) is not None
+
+
+def _report_file(item) -> str:
+    notebook = item.parent
+    path = getattr(notebook, "_picolib_figures", None)
+    if path is None:
+        fd, path = tempfile.mkstemp(prefix="picolib-figures-", suffix=".txt")
+        os.close(fd)
+        notebook._picolib_figures = path
+        kernel = notebook.kernel
+        msg_id = kernel.execute_cell_input(_INSTALL.format(path=path), allow_stdin=False)
+        kernel.await_reply(msg_id, timeout=60)
+        kernel.await_idle(msg_id, timeout=60)
+    return path
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    mode = item.config.getoption("--figures", default="off")
+    if mode == "off" or not _is_notebook_cell(item):
+        return (yield)
+    path = _report_file(item)
+    result = yield
+    with open(path, encoding="utf-8") as f:
+        found = [line.strip() for line in f if line.strip()]
+    open(path, "w").close()
+    if found:
+        index = next((i for i, c in enumerate(item.parent.nb.cells) if c is item.cell), "?")
+        where = f"{os.path.basename(str(item.parent.fspath))}, cell {index} ({item.name.lower()})"
+        text = f"{where}: a figure a reader cannot see properly:\n  " + "\n  ".join(found)
+        if mode == "check":
+            raise AssertionError(text)
+        print("\n[figures] " + text)
+    return result
