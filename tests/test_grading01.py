@@ -100,3 +100,60 @@ def test_each_typical_mistake_is_named_in_one_line():
     lines = _lines(check_grad_accumulation, unscaled)
     assert len(lines) == 2 and "k=2: the gradients" in lines[0] and "2× too large" in lines[0]
     assert "4× too large" in lines[1]
+
+
+# ---------------------------------------------------------------- issue 37: each mistake named
+def _mistake(check, fn, pattern):
+    with fails(pattern):
+        check(fn)
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (lambda c: llama_params(c) - c.vocab_size * c.hidden, "the output head \\(v·h\\) is missing"),
+    (lambda c: llama_params(c) - c.hidden, "the final norm \\(h\\) is missing"),
+    (lambda c: llama_params(c) - c.n_layers * c.hidden, "one norm per layer is missing"),
+    (lambda c: llama_params(c) - c.n_layers * c.hidden * c.ffn_hidden, "SwiGLU has three"),
+    (lambda c: llama_params(c) + c.n_layers * (c.n_heads * c.head_dim + 2 * c.n_kv_heads * c.head_dim
+                                               + 2 * c.hidden + 2 * c.ffn_hidden), "biases counted"),
+], ids=["tied head", "final norm", "one norm", "two-matrix MLP", "biases"])
+def test_param_count_names_each_mistake(fn, pattern):
+    _mistake(check_param_count, fn, pattern)
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (lambda n, p, acc: n * ((8 if p == "fp32" else 8) + 4 * acc), "missing the Adam's two moments"),
+    (lambda n, p, acc: n * ((12 if p == "fp32" else 12) + 4 * acc), "missing the one of Adam's moments"),
+    (lambda n, p, acc: n * ((16 if p == "fp32" else 12) + 4 * acc), "missing the fp32 master weights"),
+    (lambda n, p, acc: n * ((16 if p == "fp32" else 16) + 4 * acc + (4 if p == "fp32" else 0)),
+     "a stray fp32 buffer"),
+], ids=["no Adam", "one moment", "no master", "stray buffer"])
+def test_bytes_per_param_names_each_mistake(fn, pattern):
+    _mistake(check_bytes_per_param, fn, pattern)
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (lambda L, s, b, h, a, flash=False: L * s * b * h * (34 + (0 if flash else 5 * a / h)), "grows with s²"),
+    (lambda L, s, b, h, a, flash=False: s * b * h * (34 + (0 if flash else 5 * a * s / h)), "missing the factor L"),
+    (lambda L, s, b, h, a, flash=False: L * s * b * h * (34 + (0 if flash else 2 * a * s / h)),
+     "2 \\+ 1 \\+ 2 = 5 bytes"),
+], ids=["s not s²", "no L", "softmax only"])
+def test_activation_bytes_names_each_mistake(fn, pattern):
+    _mistake(check_activation_bytes, fn, pattern)
+
+
+def accumulate_by_micro_batch_size(model, x, y, k):
+    m = len(x) // k
+    for i in range(k):
+        (model.loss(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) / m).backward()
+
+
+def accumulate_with_chunks(model, x, y, k):
+    """Right, written differently: torch.chunk and a weight per micro-batch's share of rows."""
+    for xs, ys in zip(x.chunk(k), y.chunk(k)):
+        (model.loss(xs, ys) * len(xs) / len(x)).backward()
+
+
+def test_grad_accumulation_names_each_mistake():
+    check_grad_accumulation(accumulate_with_chunks)
+    with fails("k=2: the gradients.*every value is 2× too small"):   # m = 4 rows, k = 2
+        check_grad_accumulation(accumulate_by_micro_batch_size)
