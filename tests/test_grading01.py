@@ -98,8 +98,9 @@ def test_each_typical_mistake_is_named_in_one_line():
         for i in range(k):
             model.loss(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]).backward()
     lines = _lines(check_grad_accumulation, unscaled)
-    assert len(lines) == 2 and "k=2: the gradients" in lines[0] and "2× too large" in lines[0]
-    assert "4× too large" in lines[1]
+    assert len(lines) == 3 and all(f"k={k}: every gradient is {k}× the right one — the "
+                                   "micro-batch losses are summed" in line
+                                   for k, line in zip((2, 4, 8), lines)), lines
 
 
 # ---------------------------------------------------------------- issue 37: each mistake named
@@ -121,8 +122,8 @@ def test_param_count_names_each_mistake(fn, pattern):
 
 
 @pytest.mark.parametrize("fn, pattern", [
-    (lambda n, p, acc: n * ((8 if p == "fp32" else 8) + 4 * acc), "missing the Adam's two moments"),
-    (lambda n, p, acc: n * ((12 if p == "fp32" else 12) + 4 * acc), "missing the one of Adam's moments"),
+    (lambda n, p, acc: n * ((8 if p == "fp32" else 8) + 4 * acc), "missing Adam's two moments"),
+    (lambda n, p, acc: n * ((12 if p == "fp32" else 12) + 4 * acc), "missing one of Adam's moments"),
     (lambda n, p, acc: n * ((16 if p == "fp32" else 12) + 4 * acc), "missing the fp32 master weights"),
     (lambda n, p, acc: n * ((16 if p == "fp32" else 16) + 4 * acc + (4 if p == "fp32" else 0)),
      "a stray fp32 buffer"),
@@ -155,5 +156,96 @@ def accumulate_with_chunks(model, x, y, k):
 
 def test_grad_accumulation_names_each_mistake():
     check_grad_accumulation(accumulate_with_chunks)
-    with fails("k=2: the gradients.*every value is 2× too small"):   # m = 4 rows, k = 2
+    with fails("k=2: every gradient is 0.5× the right one — each micro-batch's loss divided "
+               "by its size m = 4"):   # m = 4 rows, k = 2
         check_grad_accumulation(accumulate_by_micro_batch_size)
+
+
+def _slices(start, stop):
+    """A micro-batch loop whose i-th slice is tokens[start(i, m) : stop(i, m)]."""
+    def accumulate(model, x, y, k):
+        m = len(x) // k
+        for i in range(k):
+            part = slice(start(i, m), stop(i, m))
+            (model.loss(x[part], y[part]) / k).backward()
+    return accumulate
+
+
+def hard_coded_k(model, x, y, k):
+    k = 2
+    m = len(x) // k
+    for i in range(k):
+        (model.loss(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) / k).backward()
+
+
+def hard_coded_divisor(model, x, y, k):
+    for xs, ys in zip(x.chunk(k), y.chunk(k)):
+        (model.loss(xs, ys) / 2).backward()
+
+
+def zero_grad_inside(model, x, y, k):
+    for xs, ys in zip(x.chunk(k), y.chunk(k)):
+        model.zero_grad()
+        (model.loss(xs, ys) / k).backward()
+
+
+def shifted_targets(model, x, y, k):
+    xs, ys = x.chunk(k), y.chunk(k)
+    for i in range(k):
+        (model.loss(xs[i], ys[(i + 1) % k]) / k).backward()
+
+
+def by_batch_size(model, x, y, k):
+    for xs, ys in zip(x.chunk(k), y.chunk(k)):
+        (model.loss(xs, ys) / len(x)).backward()
+
+
+def own_cross_entropy(model, x, y, k):
+    """Right, written differently: tensor_split, logits and cross-entropy by hand, mean of
+    per-sequence losses weighted by the share of rows."""
+    import torch.nn.functional as F
+    for xs, ys in zip(x.tensor_split(k), y.tensor_split(k)):
+        logits = model(xs).float()
+        F.cross_entropy(logits.flatten(0, 1), ys.flatten(), reduction="sum").div(ys.numel() * k).backward()
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (_slices(lambda i, m: i * m, lambda i, m: (i + 1) * m + 1), "k=2: .*samples \\[4\\] are in more than one"),
+    (_slices(lambda i, m: i * m, lambda i, m: (i + 1) * m - 1), "k=2: .*samples \\[3, 7\\] are in none"),
+    (_slices(lambda i, m: i, lambda i, m: i + m), "more than one and samples \\[5, 6, 7\\] are in none"),
+    (hard_coded_k, "k=4: 2 forward pass\\(es\\) of sizes \\[4, 4\\], expected k = 4"),
+    (hard_coded_divisor, "divided by 2 whatever k is .*is k hard-coded"),
+    (zero_grad_inside, "only the last micro-batch's gradient"),
+    (shifted_targets, "micro-batch 0 has the tokens of samples \\[0, 1, 2, 3\\] but the targets of "
+                      "samples \\[4, 5, 6, 7\\]"),
+    (by_batch_size, "divided by the batch size 8, not by k = 2"),
+], ids=["overlapping slices", "skipped samples", "slice i:i+m", "hard-coded k", "hard-coded divisor",
+        "zero_grad inside", "targets of another slice", "batch size"])
+def test_grad_accumulation_mistakes(fn, pattern):
+    _mistake(check_grad_accumulation, fn, pattern)
+
+
+def test_grad_accumulation_right_by_hand():
+    check_grad_accumulation(own_cross_entropy)
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (lambda n, p, acc: n * 16, "fp32_grad_accum=True changes nothing"),
+    (lambda n, p, acc: n * (16 + 4 * (p == "bf16")), "4 bytes too many: the fp32 gradient accumulation buffer"),
+    (lambda n, p, acc: n * ((16 if p == "fp32" else 18) + 4 * acc), "bf16 weights and gradients are 2 bytes"),
+    (lambda n, p, acc: n * ((16 if p == "fp32" else 12) + 4 * acc), "or Adam's moments kept in bf16"),
+], ids=["accumulation ignored", "accumulation always", "bf16 grads in fp32", "moments in bf16"])
+def test_bytes_per_param_more_mistakes(fn, pattern):
+    _mistake(check_bytes_per_param, fn, pattern)
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (lambda L, s, b, h, a, flash=False: L * s * b * h * (32 + (0 if flash else 5 * a * s / h)),
+     "c₁ = 32, c₂ = 5; expected 34 and 5; the two sbh dropout masks"),
+    (lambda L, s, b, h, a, flash=False: L * s * b * h * (34 + (0 if flash else 6 * a * s / h)),
+     "c₂ = 6.*counted at 2 bytes"),
+    (lambda L, s, b, h, a, flash=False: L * s * b * h * (36 + (0 if flash else 4 * a * s / h)),
+     "c₁ = 36, c₂ = 4"),
+], ids=["no masks", "score mask 2 bytes", "both off"])
+def test_activation_bytes_constants_named(fn, pattern):
+    _mistake(check_activation_bytes, fn, pattern)

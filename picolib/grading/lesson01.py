@@ -62,6 +62,13 @@ def check_param_count(fn) -> None:
     report("parameter count", problems, passed=len(configs))
 
 
+def _same(a, b) -> bool:
+    try:
+        return abs(float(a) - float(b)) < 0.5
+    except (TypeError, ValueError):
+        return False
+
+
 def check_bytes_per_param(fn) -> None:
     """`fn(n_params, precision, fp32_grad_accum) -> bytes` of weights, gradients and Adam
     state (precision 'fp32' or 'bf16' mixed precision with fp32 master weights)."""
@@ -84,14 +91,31 @@ def check_bytes_per_param(fn) -> None:
         except (TypeError, ValueError):
             problems.append(f"{what}: expected a number of bytes, got {got!r}")
             continue
-        missing = {"fp32 master weights (4)": parts.get("master", 0),
-                   "fp32 gradient accumulation buffer (4)": parts.get("fp32_grads", 0),
+        missing = {"the fp32 master weights (4)": parts.get("master", 0),
+                   "the fp32 gradient accumulation buffer (4)": parts.get("fp32_grads", 0),
                    "Adam's two moments m and v (4 + 4)": parts["optimizer"],
                    "one of Adam's moments (4)": 4}
-        hint = next((f"missing the {k}" for k, v in missing.items() if v and abs(per - got_per - v) < 1e-9),
-                    "a stray fp32 buffer: an fp32 model has no master copy and no extra gradient "
-                    "buffer" if abs(got_per - per - 4) < 1e-9 else
-                    "bf16 is 2 bytes per value, fp32 4" if abs(got_per - per) in (2, 4) else "")
+        extra = got_per - per
+        if acc and abs(extra + 4) < 1e-9 and _same(call_student(fn, n, precision, False), got):
+            hint = ("fp32_grad_accum=True changes nothing: it adds an fp32 buffer that "
+                    "accumulates gradients (4 bytes)")
+        elif abs(extra - 4) < 1e-9 and precision == "bf16" and not acc:
+            hint = ("4 bytes too many: the fp32 gradient accumulation buffer counted although "
+                    "fp32_grad_accum=False")
+        elif abs(extra - 4) < 1e-9 and precision == "fp32":
+            hint = ("a stray fp32 buffer: an fp32 model has no master copy" +
+                    ("" if acc else " and no extra gradient buffer"))
+        elif abs(extra + 4) < 1e-9 and precision == "bf16" and "fp32_grads" not in parts:
+            hint = ("missing the fp32 master weights (4), or Adam's moments kept in bf16 "
+                    "(2 + 2; they are fp32: 4 + 4)")
+        else:
+            hint = next((f"missing {k}" for k, v in missing.items()
+                         if v and abs(-extra - v) < 1e-9), "")
+        if not hint and abs(abs(extra) - 2) < 1e-9 and precision == "bf16":
+            hint = ("bf16 weights and gradients are 2 bytes per value, the fp32 master and "
+                    "Adam's moments 4")
+        if not hint and abs(got_per * 2 - per) < 1e-9:
+            hint = "half the expected bytes: a value counted as 2 bytes where fp32 takes 4?"
         problems.append(f"{what}: {got_per:g} bytes per parameter, expected {per}"
                         + (f" — {hint}" if hint else "") + f" (e.g. {n / 1e9:g}B params)")
     report("bytes of training state", problems, passed=cases)
@@ -130,38 +154,164 @@ def check_activation_bytes(fn) -> None:
                            for args, got in wrong)
             except (TypeError, ValueError):
                 return False
-        hint = next((k for k, rule in variants.items() if fits(rule)), None)
+        hint = next((k for k, rule in variants.items() if fits(rule)), None) or _constants_hint(wrong, fn)
         problems = [(f"{hint} — " if hint else f"{len(problems)} of {cases} cases differ, e.g. ")
                     + problems[0]]
     report("activation bytes", problems, passed=cases)
 
 
+_C1 = {32: "the two sbh dropout masks (1 byte per value) are missing",
+       36: "a dropout mask is 1 byte per value, not 2",
+       30: "the two norms' inputs (2 bytes × sbh each) are missing",
+       68: "every value counted at 4 bytes: mixed precision saves 2 (masks 1)",
+       17: "counted values, not bytes: activations are 2 bytes, masks 1"}
+_C2 = {4: "the scores' dropout mask (1 byte per score) is missing",
+       6: "the scores' dropout mask counted at 2 bytes: a mask is 1 byte per value",
+       3: "the dropout output (2 bytes per score) is missing"}
+
+
+def _constants_hint(wrong, fn) -> str | None:
+    """Fit the student's answers to L·s·b·h·(c₁ + c₂·a·s/h) and name the constants (and the
+    usual miscounts behind them) when one pair fits every case."""
+    try:
+        c1s, c2s = set(), set()
+        for (L, s, b, h, a, flash), _ in wrong + [((2, 128, 1, 512, 8, True), None)]:
+            per = float(call_student(fn, L, s, b, h, a, flash=True)) / (L * s * b * h)
+            full = float(call_student(fn, L, s, b, h, a, flash=False)) / (L * s * b * h)
+            c1s.add(round(per, 6))
+            c2s.add(round((full - per) * h / (a * s), 6))
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    if len(c1s) != 1 or len(c2s) != 1:
+        return None
+    c1, c2 = c1s.pop(), c2s.pop()
+    why = [_C1.get(c1, "") if c1 != 34 else "", _C2.get(c2, "") if c2 != 5 else ""]
+    return (f"your answers are L·s·b·h·(c₁ + c₂·a·s/h) with c₁ = {c1:g}, c₂ = {c2:g}; expected "
+            f"34 and 5" + "".join(f"; {w}" for w in why if w))
+
+
+def _rows(batch, full) -> list[int]:
+    """The index in `full` of each row of `batch` (-1 for a row that is none of them)."""
+    out = []
+    for row in batch:
+        out.append(next((i for i in range(len(full)) if row.shape == full[i].shape
+                         and torch.equal(row, full[i])), -1))
+    return out
+
+
+def _micro_batches(model, x, y):
+    """Record, for every forward of `model`, which samples of x it ran on, and for every
+    loss, which samples of y were its targets."""
+    seen, targets = [], []
+    hooks = [model.register_forward_pre_hook(
+                 lambda mod, args: seen.append(_rows(args[0], x)) if args else None),
+             model.loss_fn.register_forward_pre_hook(
+                 lambda mod, args: targets.append(_rows(args[1], y)) if len(args) > 1 else None)]
+    return seen, targets, hooks
+
+
+def _slicing_problem(k, m, seen, targets, n) -> str:
+    """One line on micro-batches that are not k slices of m samples covering the batch once."""
+    counts = [0] * n
+    for call in seen:
+        for i in call:
+            if i >= 0:
+                counts[i] += 1
+    twice = [i for i, c in enumerate(counts) if c > 1]
+    never = [i for i, c in enumerate(counts) if c == 0]
+    sizes = [len(c) for c in seen]
+    if twice or never:
+        return (f"k={k}: micro-batches {[sorted(c) for c in seen]} of the batch's samples 0…{n - 1}: "
+                + (f"samples {twice} are in more than one" if twice else "")
+                + (" and " if twice and never else "")
+                + (f"samples {never} are in none" if never else "")
+                + f" — micro-batch i is tokens[i·m:(i+1)·m] with m = len(tokens)//k = {m}")
+    if len(seen) != k:
+        return (f"k={k}: {len(seen)} forward pass(es) of sizes {sizes}, expected k = {k} "
+                f"micro-batches of {m} sequences")
+    if targets and len(targets) == len(seen) and any(sorted(t) != sorted(c) for t, c in zip(targets, seen)):
+        j = next(j for j, (t, c) in enumerate(zip(targets, seen)) if sorted(t) != sorted(c))
+        return (f"k={k}: micro-batch {j} has the tokens of samples {seen[j]} but the targets of "
+                f"samples {targets[j]}: slice tokens and targets the same way")
+    return ""
+
+
+def _divisor_problem(k, m, n, got, want, last) -> tuple[str, float | None]:
+    """Name a gradient that is the right one times a factor (the loss divided by the wrong
+    number) or only the last micro-batch's; also return the divisor d when one fits."""
+    if torch.allclose(got, last, atol=1e-6, rtol=1e-4) or torch.allclose(got, last / k, atol=1e-6, rtol=1e-4):
+        return (f"k={k}: .grad holds only the last micro-batch's gradient — zero_grad() (or a "
+                ".grad reset) inside the loop wipes the others: let backward() add them up"), None
+    r = (got @ want / (want @ want)).item()
+    if not (r > 0 and torch.allclose(got, r * want, atol=1e-6, rtol=1e-4)):
+        return "", None
+    d = k / r
+    named = [(1, f"the micro-batch losses are summed, not averaged: divide each by k = {k}"),
+             (m, f"each micro-batch's loss divided by its size m = {m}, not by the number of "
+                 f"micro-batches k = {k} (model.loss is already a mean over its sequences)"),
+             (n, f"each micro-batch's loss divided by the batch size {n}, not by k = {k} "
+                 "(model.loss is already a mean over its sequences)"),
+             (k * k, f"divided by k twice (k² = {k * k}): divide each micro-batch's loss by k once")]
+    why = next((w for v, w in named if abs(d - v) < 1e-3 * v and v != k), "")
+    return (f"k={k}: every gradient is {r:.4g}× the right one — " + why if why else ""), d
+
+
 def check_grad_accumulation(fn) -> None:
     """`fn(model, tokens, targets, k)`: leave in `.grad` the gradient of the mean loss over
-    the whole batch, computed in k micro-batches of len(tokens)//k sequences each."""
+    the whole batch, computed in k micro-batches of len(tokens)//k sequences each. Runs
+    k = 2, 4 and 8 on a batch of 8, recording which samples every forward ran on."""
     cfg = LlamaConfig(n_layers=2)
-    x, y = random_tokens(8, 32, cfg.vocab_size, seed=3)
+    n = 8
+    x, y = random_tokens(n, 32, cfg.vocab_size, seed=3)
     ref = TinyLlama(cfg)
     with SavedActivations(ref) as big:
         loss = ref.loss(x, y)
     loss.backward()
-    problems = []
-    for k in (2, 4):
+    want = torch.cat([q.grad.flatten() for q in ref.parameters()])
+    problems, divisors = [], {}
+    for k in (2, 4, 8):
+        m = n // k
+        last_model = TinyLlama(cfg)
+        last_model.loss(x[n - m:], y[n - m:]).backward()
+        last = torch.cat([q.grad.flatten() for q in last_model.parameters()])
         model = TinyLlama(cfg)
-        with SavedActivations(model) as act:
-            call_student(fn, model, x, y, k)
+        seen, targets, hooks = _micro_batches(model, x, y)
+        raised = None
+        try:
+            with SavedActivations(model) as act:
+                call_student(fn, model, x, y, k)
+        except ExerciseFailed:
+            raise
+        except Exception as e:   # e.g. an empty slice: say what the micro-batches were
+            raised = f"k={k}: your function raised {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        finally:
+            for hk in hooks:
+                hk.remove()
+        slicing = _slicing_problem(k, m, seen, targets, n) if seen else ""
+        if raised:
+            problems.append(slicing or raised)
+            continue
         missing = [name for name, p in model.named_parameters() if p.grad is None]
-        if missing:
+        if slicing:
+            problems.append(slicing)
+        elif missing:
             problems.append(f"k={k}: {len(missing)} parameters have no gradient (e.g. {missing[0]}): "
                             "call backward() on each micro-batch's loss")
-        else:   # all gradients as one vector: one line names a uniform factor (fp32 sums in
-            # a different order: 1e-6 absolute)
+        else:   # all gradients as one vector (fp32 sums in a different order: 1e-6 absolute)
             got = torch.cat([p.grad.flatten() for p in model.parameters()])
-            want = torch.cat([q.grad.flatten() for q in ref.parameters()])
-            problems += compare(f"k={k}: the gradients", got, want, atol=1e-6, rtol=1e-4)
-        if act.peak >= big.peak:
+            line = compare(f"k={k}: the gradients", got, want, atol=1e-6, rtol=1e-4)
+            divisors[k] = None if line else k
+            if line:
+                why, divisors[k] = _divisor_problem(k, m, n, got.double(), want.double(), last.double())
+                problems += [why] if why else line
+        if act.peak >= big.peak and not slicing:
             problems.append(f"k={k}: peak saved activations {act.peak} B, not below the full "
                             f"batch's {big.peak} B (run one micro-batch's backward before the next forward)")
+    ds = [d for d in divisors.values() if d is not None]
+    if len(ds) == 3 and max(ds) - min(ds) < 1e-3 * max(ds) and min(abs(ds[0] - 1), abs(ds[0] - n)) > 1e-3:
+        problems.insert(0, f"each micro-batch's loss is divided by {ds[0]:.4g} whatever k is "
+                        "(k = 2, 4, 8): is k hard-coded? divide by the argument k")
+        problems = [p for p in problems if "every gradient is" not in p and "values differ" not in p]
     report("gradient accumulation", problems)
 
 
