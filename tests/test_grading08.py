@@ -96,7 +96,7 @@ def test_dp_slicer_check():
         check_dp_slicer(lambda seq, K, cost: ([seq], latency([seq], cost, K)))           # no cut
     with fails("DP slicer"):                             # Σt only
         check_dp_slicer(lambda seq, K, cost: (lambda s: (s, sum(_costs(s, cost))))(dp(seq, 1, cost)[0]))
-    with fails("must be positive and sum"):
+    with fails("sum to"):
         check_dp_slicer(lambda seq, K, cost: ([seq, 1], 0.0))
     with fails("not written yet"):
         check_dp_slicer(_stub)
@@ -126,3 +126,72 @@ def test_slice_mask_check():
                          .tril(sum(s[:i]) - 2))
     with fails("not written yet"):
         check_slice_mask(_stub)
+
+
+# ---------------------------------------------------------------- issue 37: 08.2's mistakes
+def dp_variant(fill=lambda K: K - 1, context=lambda k, i: i - k, reverse=True):
+    """The paper's DP with one thing changed: the fill factor, the context a slice is costed
+    with, or the rebuilt list left unreversed."""
+    def slicer(seq, K, cost):
+        best = (float("inf"), None)
+        caps = sorted({cost(k, context(k, i)) for i in range(1, seq + 1) for k in range(1, i + 1)})
+        for cap in caps:
+            S, last = [0.0] + [float("inf")] * seq, [0] * (seq + 1)
+            for i in range(1, seq + 1):
+                for k in range(1, i + 1):
+                    t = cost(k, context(k, i))
+                    if t <= cap and S[i - k] + t < S[i]:
+                        S[i], last[i] = S[i - k] + t, k
+            if S[seq] + fill(K) * cap < best[0]:
+                cuts, i = [], seq
+                while i:
+                    cuts.append(last[i])
+                    i -= last[i]
+                best = (S[seq] + fill(K) * cap, cuts[::-1] if reverse else cuts)
+        return best[1], best[0]
+    return slicer
+
+
+def slicer_by_recursion(seq, K, cost):
+    """Right, written differently: every slicing by recursion over the first slice, memoised
+    on (start, cap) — no candidate caps, no DP table."""
+    from functools import lru_cache
+
+    @lru_cache(None)
+    def cheapest(start, cap):        # (Σt, slices) of tokens start… with every t ≤ cap
+        if start == seq:
+            return 0.0, ()
+        options = []
+        for length in range(1, seq - start + 1):
+            t = cost(length, start)
+            if t <= cap:
+                rest, cuts = cheapest(start + length, cap)
+                options.append((t + rest, (length,) + cuts))
+        return min(options, default=(float("inf"), ()))
+    caps = {cost(l, c) for c in range(seq) for l in range(1, seq - c + 1)}
+    T, slices = min((cheapest(0, cap)[0] + (K - 1) * cap, cheapest(0, cap)[1]) for cap in caps)
+    return list(slices), T
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (dp_variant(fill=lambda K: K), "optimum of Σt \\+ K·max t: the fill is \\(K−1\\)"),
+    (dp_variant(fill=lambda K: 0), "optimum of Σt alone"),
+    (dp_variant(context=lambda k, i: 0), "no context, cost\\(l, 0\\)"),
+    (dp_variant(context=lambda k, i: i), "counting the slice itself"),
+    (dp_variant(reverse=False), "the best slicing reversed"),
+    (lambda seq, K, cost: ([1] * seq, latency([1] * seq, cost, K)),
+     "not optimal: slicing \\[2, 2, 2, 2\\] gives T = 16.5891 < yours 22.1665"),
+    (lambda seq, K, cost: ([seq], dp(seq, K, cost)[1]), "is the optimum, but your slices \\[8\\] give"),
+    (lambda seq, K, cost: ([0, seq], latency([seq], cost, K)), "a slice of length 0"),
+    (lambda seq, K, cost: ([1] * (seq - 1) or [2], 1.0), "sum to 7, not to the sequence's 8 tokens"),
+    (lambda seq, K, cost: (dp(seq, K, cost)[0], latency(dp(seq, K, cost)[0], cost, 1)),
+     "reach the optimum .* but you return T"),
+], ids=["K fill", "no fill", "no context", "context + l", "unreversed", "finest cut",
+        "slices not from the best cap", "zero-length slice", "short of seq", "T of other objective"])
+def test_dp_slicer_mistakes(fn, pattern):
+    with fails(pattern):
+        check_dp_slicer(fn)
+
+
+def test_dp_slicer_right_by_recursion():
+    check_dp_slicer(slicer_by_recursion)

@@ -3,7 +3,9 @@
 - `check_pipeline_latency(fn)`: `fn(slices, cost, K)` → the step time of a slicing on K
   stages, `cost(l, c)` the time of a slice of l tokens after c tokens of context; graded
   against lesson 07's simulator playing the schedule (not against the formula).
-- `check_dp_slicer(fn)`: `fn(seq, K, cost)` → (slices, T) minimising Σtᵢ + (K−1)·max tᵢ;
+- `check_dp_slicer(fn)`: `fn(seq, K, cost)` → (slices, T) minimising Σtᵢ + (K−1)·max tᵢ (a
+  non-optimal answer is shown the better slicing; a T that is the optimum of a wrong objective
+  or cost is named);
   T must be the optimum (found by exhaustive search) and the slices must reach it.
 - `check_slice_mask(fn)`: `fn(slices, i)` → the bool mask (lᵢ, cᵢ + lᵢ) of which keys the
   queries of slice i attend to (its cached context and itself, causally); graded against
@@ -115,29 +117,92 @@ def _value(slices, cost, K):
     return sum(t) + (K - 1) * max(t)
 
 
+_DP_SLIPS = {   # a wrong objective or cost the student's T is the optimum of, and what it means
+    "your T is the optimum of Σt + K·max t: the fill is (K−1)·max t (the slowest slice crosses "
+    "K−1 more stages)": lambda t, K, ctx: sum(t) + K * max(t),
+    "your T is the optimum of Σt alone: the pipeline fill (K−1)·max t is missing":
+        lambda t, K, ctx: sum(t),
+    "your T is the optimum with each slice costed with no context, cost(l, 0): slice i costs "
+    "cost(lᵢ, cᵢ) with cᵢ its tokens before it": "no context",
+    "your T is the optimum with each slice's context counting the slice itself, cost(l, c + l): "
+    "the context of the slice ending at i is i − k, not i": "context + l",
+}
+
+
+def _value_of(slices, cost, K, objective=None, context="right"):
+    t, ctx = [], 0
+    for length in slices:
+        c = {"right": ctx, "no context": 0, "context + l": ctx + length}[context]
+        t.append(cost(length, c))
+        ctx += length
+    return (objective or (lambda t, K, _: sum(t) + (K - 1) * max(t)))(t, K, None)
+
+
+def _dp_hint(wrong) -> str:
+    """One line naming the slip when every wrong case's T is the optimum of the same wrong
+    objective (found by exhaustive search too)."""
+    for why, rule in _DP_SLIPS.items():
+        objective, context = (None, rule) if isinstance(rule, str) else (rule, "right")
+        if all(abs(T - min(_value_of(s, cost, K, objective, context) for s in _compositions(n)))
+               <= 1e-6 for n, K, cost, T in wrong):
+            return why
+    return ""
+
+
 def check_dp_slicer(fn) -> None:
     """Sequences of 1..9 tokens, K = 1..6 stages, random context-growing cost tables: the
     returned T is the optimum over every slicing, and the returned slices reach it."""
-    problems, checks = [], 0
+    problems, checks, wrong_T = [], 0, []
     for seed in range(14):
         rng = random.Random(50 + seed)
         n, K = rng.randint(1, 9), rng.randint(1, 6)
         cost = _table(n, 50 + seed)
-        best = min(_value(s, cost, K) for s in _compositions(n))
+        best_slices = min(_compositions(n), key=lambda s: _value(s, cost, K))
+        best = _value(best_slices, cost, K)
         got = call_student(fn, n, K, cost)
         checks += 1
+        case = f"seq={n}, K={K}"
         try:
             slices, T = got
-            slices = tuple(int(x) for x in slices)
+            slices = [int(x) for x in slices]
+            T = float(T)
         except (TypeError, ValueError):
-            problems.append(f"seq={n}, K={K}: expected (slices, T), got {got!r}")
+            problems.append(f"{case}: expected (slices, T), a list of ints and a number, got {got!r}")
             continue
-        if sum(slices) != n or min(slices, default=0) < 1:
-            problems.append(f"seq={n}, K={K}: slices {list(slices)} must be positive and sum to {n}")
+        if sum(slices) != n:
+            problems.append(f"{case}: your slices {slices} sum to {sum(slices)}, not to the "
+                            f"sequence's {n} tokens: every token is in exactly one slice")
             continue
-        problems += compare(f"seq={n}, K={K}: T", T, best, atol=1e-6, rtol=1e-9)
-        problems += compare(f"seq={n}, K={K}: Σt + (K−1)·max t of your slices {list(slices)}",
-                            _value(slices, cost, K), best, atol=1e-6, rtol=1e-9)
+        if min(slices, default=0) < 1:
+            problems.append(f"{case}: your slices {slices} hold a slice of length "
+                            f"{min(slices, default=0)}: every slice holds at least one token")
+            continue
+        mine = _value(slices, cost, K)
+        if abs(mine - best) <= 1e-6 and abs(T - best) > 1e-6:
+            wrong_T.append((n, K, cost, T))
+            problems.append(f"{case}: your slices {slices} reach the optimum {best:.6g} but you "
+                            f"return T = {T:.6g}: return Σt + (K−1)·max t of those slices")
+        elif T < best - 1e-6:
+            wrong_T.append((n, K, cost, T))
+            problems.append(f"{case}: your T = {T:.6g} is below the optimum {best:.6g} "
+                            f"(slicing {list(best_slices)}); your slices {slices} give {mine:.6g}")
+        elif mine > best + 1e-6:
+            if abs(_value(slices[::-1], cost, K) - best) <= 1e-6 and slices != slices[::-1]:
+                problems.append(f"{case}: your slices {slices} are the best slicing reversed: "
+                                "the rebuild walks back from seq — reverse the list it collects")
+            elif abs(T - best) <= 1e-6:
+                problems.append(f"{case}: your T = {T:.6g} is the optimum, but your slices "
+                                f"{slices} give {mine:.6g}: rebuild them from the choices of the "
+                                f"best cap (e.g. {list(best_slices)})")
+            else:
+                problems.append(f"{case}: not optimal: slicing {list(best_slices)} gives T = "
+                                f"{best:.6g} < yours {mine:.6g} (slices {slices})")
+            if abs(T - best) > 1e-6:
+                wrong_T.append((n, K, cost, T))
+    if wrong_T and len(wrong_T) * 2 >= len(problems):
+        hint = _dp_hint(wrong_T)
+        if hint:
+            problems = [f"{hint} — e.g. {problems[0]}"]
     report("DP slicer", problems[:6], checks)
 
 
