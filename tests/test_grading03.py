@@ -42,7 +42,7 @@ def test_zero_memory_right_and_wrong():
     def stage2_keeps_full_grads(stage, psi, n, k):
         return zero_memory_bytes(min(stage, 1) if stage == 2 else stage, psi, n, k, param_bytes=2)
 
-    with fails("stage=2"):
+    with fails("stage=2.*this is stage 1's memory, not stage 2's \\(a stage off by one\\)"):
         check_zero_memory(stage2_keeps_full_grads)
 
     def no_padding(stage, psi, n, k):
@@ -50,7 +50,7 @@ def test_zero_memory_right_and_wrong():
         return {"params": 2 * (shard if stage == 3 else psi), "grads": 2 * (psi if stage <= 1 else shard),
                 "optimizer": k * (psi if stage == 0 else shard)}
 
-    with fails("Ψ=10, N=4"):
+    with fails("Ψ=10, N=4, k=12: no padding"):
         check_zero_memory(no_padding)
 
 
@@ -304,3 +304,49 @@ def test_gather_unit_names_each_mistake():
     with fails(r"group of 2 in \[\[0, 2\], \[1, 3\]\], every rank .*the gather is that of all 4 "
                "ranks, not of `group`"):
         check_gather_unit(gather_on_the_world)
+
+
+# ---------------------------------------------------------------- issue 37: 03.2's mistakes
+def zero_memory_variant(shift=0, k_fixed=None, value_bytes=2):
+    """Memory per rank with one slip: the stage shifted by `shift`, k replaced, fp32 values.
+    Written by which parts each stage shards, not as the solution does."""
+    def memory(stage, psi, n, k):
+        st, k = stage + shift, k_fixed or k
+        count = psi if stage == 0 else n * -(-psi // n)
+        part = {key: count // n if st >= first else count
+                for key, first in (("optimizer", 1), ("grads", 2), ("params", 3))}
+        return {"params": value_bytes * part["params"], "grads": value_bytes * part["grads"],
+                "optimizer": k * part["optimizer"]}
+    return memory
+
+
+def test_zero_memory_right_written_by_parts():
+    check_zero_memory(zero_memory_variant())
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (zero_memory_variant(shift=-1), "stage=3, .*this is stage 2's memory, not stage 3's \\(a stage off by one\\)"),
+    (zero_memory_variant(shift=+1), "stage=0, .*this is stage 1's memory, not stage 0's \\(a stage off by one\\)"),
+    (zero_memory_variant(k_fixed=12), "k=8: optimizer with 12 bytes per parameter: use the argument k"),
+    (zero_memory_variant(value_bytes=4), "params at 4 bytes per value: bf16 is 2"),
+], ids=["stage one too low", "stage one too high", "k fixed at 12", "fp32 values"])
+def test_zero_memory_mistakes(fn, pattern):
+    with fails(pattern):
+        check_zero_memory(fn)
+
+
+def _ceil_shards(numel, n, rank):
+    size = (numel + n - 1) // n
+    return rank * size, rank * size + size
+
+
+@pytest.mark.parametrize("fn, pattern", [
+    (lambda numel, n, r: (_ceil_shards(numel, n, r)[0], _ceil_shards(numel, n, r)[1] - 1), "the stop is inclusive"),
+    (lambda numel, n, r: _ceil_shards(numel, n, n - 1 - r), "the ranks in reverse order"),
+    (lambda numel, n, r: (_ for _ in ()).throw(ValueError("numel must divide by n")) if numel % n
+     else _ceil_shards(numel, n, r), "raised ValueError .* never an error"),
+], ids=["inclusive stop", "reversed ranks", "raises when not divisible"])
+def test_shard_bounds_mistakes(fn, pattern):
+    with fails(pattern):
+        check_shard_bounds(fn)
+    check_shard_bounds(_ceil_shards)     # right, written differently

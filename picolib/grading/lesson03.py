@@ -30,8 +30,8 @@ from ..comm import Ledger
 from ..model import LlamaConfig, TinyLlama, random_tokens
 from ..sharded_optim import split_units
 from ..zero import ZeRO, padded_numel, shard_bounds, zero_memory_bytes
-from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
-                    report, run_student, world_calls)
+from ._core import (SUBGROUPS, ExerciseFailed, call_student, compare, members, my_group,
+                    on_world_not_group, report, run_student, world_calls)
 
 __all__ = ["check_shard_bounds", "check_zero_memory", "check_zero1_step",
            "check_reduce_scatter_gradients", "check_gather_unit"]
@@ -42,7 +42,15 @@ def check_shard_bounds(fn) -> None:
     cases = [(10, 4), (12, 4), (4, 2), (1, 8), (7, 1), (2214, 4), (1000, 3), (5, 8)]
     problems, count = [], 0
     for numel, n in cases:
-        got = [call_student(fn, numel, n, r) for r in range(n)]
+        try:
+            got = [call_student(fn, numel, n, r) for r in range(n)]
+        except ExerciseFailed:
+            raise
+        except Exception as e:
+            problems.append(f"numel={numel}, n={n}: your function raised {type(e).__name__} "
+                            f"({e}) — never an error: pad the buffer up to a multiple of n")
+            count += 1
+            continue
         got = [tuple(g) if isinstance(g, (list, tuple)) else g for g in got]
         want = [shard_bounds(numel, n, r) for r in range(n)]
         count += 1
@@ -51,7 +59,11 @@ def check_shard_bounds(fn) -> None:
         size = -(-numel // n)
         floor = [(r * (numel // n), (r + 1) * (numel // n)) for r in range(n)]
         clipped = [(min(a, numel), min(b, numel)) for a, b in want]
-        why = ("⌊numel/n⌋ per shard: the last elements belong to no rank; use ⌈numel/n⌉ and pad"
+        inclusive = [(a, b - 1) for a, b in want]
+        why = ("the stop is inclusive: the range is half-open, [start, stop), so stop is the "
+               "next shard's start" if got == inclusive else
+               "the ranks in reverse order: rank 0 owns the first slice" if got == want[::-1] else
+               "⌊numel/n⌋ per shard: the last elements belong to no rank; use ⌈numel/n⌉ and pad"
                if got == floor else
                "the shards stop at numel: with padding every shard has ⌈numel/n⌉ elements, the "
                "last one runs into the padding" if got == clipped else
@@ -60,18 +72,68 @@ def check_shard_bounds(fn) -> None:
     report("shard bounds with padding", problems, count)
 
 
+_SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}   # the stage that starts sharding it
+_WHAT = {"optimizer": "the optimizer state", "grads": "the gradients", "params": "the parameters"}
+
+
+def _zero_memory_hint(got: dict, stage: int, psi: int, n: int, k: int) -> str:
+    """Name the slip behind a wrong dict: another stage's answer, a part sharded or kept
+    whole at the wrong stage, no padding, a fixed 12 for k."""
+    want = zero_memory_bytes(stage, psi, n, k, param_bytes=2)
+    if set(got) != set(want):
+        return f"the keys must be {sorted(want)}, not {sorted(got)}"
+    other = [s for s in range(4) if s != stage and got == zero_memory_bytes(s, psi, n, k, param_bytes=2)]
+    if other:
+        s = other[0]
+        return (f"this is stage {s}'s memory, not stage {stage}'s" +
+                (" (a stage off by one)" if abs(s - stage) == 1 else "") + ": stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the parameters")
+    padded, lines = -(-psi // n) * n, []
+    for key in ("params", "grads", "optimizer"):
+        if got[key] == want[key]:
+            continue
+        per = 2 if key != "optimizer" else k
+        sharded = stage >= _SHARDED_FROM[key]
+        as_full = {per * padded, per * psi}
+        as_shard = {per * (padded // n), per * (psi // n), per * psi / n}
+        if key == "optimizer" and k != 12 and got[key] * k == want[key] * 12:
+            lines.append("optimizer with 12 bytes per parameter: use the argument k")
+        elif key != "optimizer" and got[key] == 2 * want[key]:
+            lines.append(f"{key} at 4 bytes per value: bf16 is 2")
+        elif not sharded and got[key] in as_shard:
+            lines.append(f"{key} sharded, but only stage ≥ {_SHARDED_FROM[key]} shards "
+                         f"{_WHAT[key]}")
+        elif sharded and got[key] in as_full and n > 1:
+            lines.append(f"{key} kept whole, but stage {stage} shards {_WHAT[key]} (÷ n)")
+        elif got[key] in {per * psi, per * (psi // n), per * psi / n} and padded != psi:
+            lines.append(f"{key} not padded: stages 1-3 use Ψ' = n⌈Ψ/n⌉ = {padded}")
+    if lines and all("not padded" in line for line in lines):
+        return f"no padding: stages 1-3 use Ψ' = n⌈Ψ/n⌉ = {padded} for the full buffers, Ψ'/n a shard"
+    return "; ".join(lines)
+
+
 def check_zero_memory(fn) -> None:
-    """DP and the three stages, against the formula, padding included."""
+    """DP and the three stages, against the formula, padding included; a wrong answer is
+    told which stage it is, or which part is sharded at the wrong stage."""
     cases = [(s, 7_500_000_000, 64, 12) for s in range(4)]               # the ZeRO paper's model
     cases += [(s, 10, 4, 12) for s in range(4)] + [(s, 6498, 8, 12) for s in range(4)]
     cases += [(s, 1000, 1, 12) for s in range(4)] + [(2, 99, 2, 8), (3, 3, 8, 4)]
-    problems = []
+    problems, hinted = [], {}
     for stage, psi, n, k in cases:
         got = call_student(fn, stage, psi, n, k)
         if isinstance(got, dict):
-            got = {key: int(v) for key, v in got.items()}
-        problems += compare(f"stage={stage}, Ψ={psi}, N={n}, k={k}", got,
-                            zero_memory_bytes(stage, psi, n, k, param_bytes=2))
+            try:
+                got = {key: int(v) if float(v).is_integer() else float(v) for key, v in got.items()}
+            except (TypeError, ValueError):
+                pass
+        line = compare(f"stage={stage}, Ψ={psi}, N={n}, k={k}", got,
+                       zero_memory_bytes(stage, psi, n, k, param_bytes=2))
+        hint = _zero_memory_hint(got, stage, psi, n, k) if line and isinstance(got, dict) else ""
+        if hint:
+            hinted.setdefault(hint, []).append(f"stage={stage}, Ψ={psi}, N={n}, k={k}")
+        problems += [] if hint else line
+    problems = [f"{where[0]}: {hint}" + (f" (and {len(where) - 1} more case(s) alike)"
+                                         if len(where) > 1 else "")
+                for hint, where in hinted.items()] + problems
     report("ZeRO memory per rank", problems, len(cases))
 
 
