@@ -37,8 +37,40 @@ def test_check_shards():
     check_shards(column_shard, row_shard)
     with pytest.raises(ExerciseFailed):   # roles swapped: slices the input features
         check_shards(row_shard, column_shard)
-    with pytest.raises(ExerciseFailed):   # strided instead of contiguous slices
+    with fails("strided rows"):           # strided instead of contiguous slices
         check_shards(lambda w, r, n: column_shard(w, r, n) if w.shape[0] % n else w[r::n], row_shard)
+
+
+def _checked_split(w, r, n, dim):
+    """Right, written differently: torch.tensor_split after an explicit divisibility check."""
+    if w.shape[dim] % n:
+        raise ValueError(f"{w.shape[dim]} features do not split over {n} ranks")
+    return torch.tensor_split(w, n, dim=dim)[r]
+
+
+@pytest.mark.parametrize("col, row, pattern", [
+    (lambda w, r, n: _checked_split(w, r, n, 1), lambda w, r, n: _checked_split(w, r, n, 1),
+     "column_shard.*you sliced the columns"),
+    (lambda w, r, n: _checked_split(w, r, n, 0), lambda w, r, n: _checked_split(w, r, n, 1).t(),
+     "row_shard.*the shard is transposed"),
+    (lambda w, r, n: _checked_split(w, n - 1 - r, n, 0),
+     lambda w, r, n: _checked_split(w, r, n, 1), "column_shard.*the ranks in reverse order"),
+    (lambda w, r, n: torch.tensor_split(w, n, 0)[r], lambda w, r, n: _checked_split(w, r, n, 1),
+     "column_shard: W \\(6, 4\\) over 4 ranks should raise a ValueError"),
+    (lambda w, r, n: _checked_split(w, r, n, 0),
+     lambda w, r, n: (torch.tensor_split(w, n, 1)[r] if w.shape[1] % n == 0 else
+                      (_ for _ in ()).throw(AssertionError("does not divide"))),
+     "row_shard: .*raised AssertionError, not the ValueError"),
+    (lambda w, r, n: _checked_split(w, r, n, 0),
+     lambda w, r, n: (torch.tensor_split(w, n, 1)[r] if w.shape[1] % n == 0 else
+                      (_ for _ in ()).throw(ValueError("does not divide"))),
+     "the ValueError should name both numbers"),
+], ids=["column slices columns", "row transposed", "reversed ranks", "no ValueError",
+        "AssertionError", "numbers not named"])
+def test_check_shards_mistakes(col, row, pattern):
+    check_shards(lambda w, r, n: _checked_split(w, r, n, 0), lambda w, r, n: _checked_split(w, r, n, 1))
+    with fails(pattern):
+        check_shards(col, row)
 
 
 class IdentityBoth(torch.autograd.Function):

@@ -28,16 +28,39 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm import Ledger
-from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
-                    report, run_student, world_calls)
+from ._core import (SUBGROUPS, ExerciseFailed, call_student, compare, members, my_group,
+                    on_world_not_group, report, run_student, world_calls)
 
 __all__ = ["check_shards", "check_conjugate_pair", "check_vocab_parallel_loss",
            "check_parallel_head"]
 
 
+def _shard_hint(got, w, r, world, dim) -> str:
+    """Name a wrong shard: the other dimension sliced, transposed, strided, another rank's."""
+    def piece(d, rank):
+        step = w.shape[d] // world
+        return w.narrow(d, rank * step, step)
+    def same(a):
+        return isinstance(got, torch.Tensor) and got.shape == a.shape and torch.equal(got, a)
+    other = 1 - dim
+    kind, axis = (("rows", "output"), ("columns", "input"))[dim]
+    if w.shape[other] % world == 0 and (same(piece(other, r)) or same(piece(other, r).t())):
+        return (f"you sliced the {('rows', 'columns')[other]}: W is (out, in), and this shard "
+                f"holds the {kind} of rank's {axis} features")
+    if same(piece(dim, r).t()):
+        return "the shard is transposed: keep W's (out, in) layout"
+    if world > 1 and same(w[r::world] if dim == 0 else w[:, r::world]):
+        return f"strided {kind} r, r + world, …: a rank's slice is contiguous"
+    if world > 1 and same(piece(dim, world - 1 - r)):
+        return "the ranks in reverse order: rank 0 owns the first slice"
+    return ""
+
+
 def check_shards(column_shard, row_shard) -> None:
-    """Exact slices for several shapes and world sizes; y = x Wᵀ rebuilt from the shards."""
-    problems, checks = [], 0
+    """Exact slices for several shapes and world sizes; y = x Wᵀ rebuilt from the shards.
+    A wrong shard is named (the other dimension, transposed, strided, reversed ranks), once
+    per function; a size that does not divide must raise a ValueError naming both numbers."""
+    problems, checks, named = [], 0, set()
     g = torch.Generator().manual_seed(4)
     for out_f, in_f, world in ((6, 4, 2), (8, 12, 4), (5, 3, 1), (12, 9, 3)):
         w, x = torch.randn(out_f, in_f, generator=g), torch.randn(2, in_f, generator=g)
@@ -46,10 +69,16 @@ def check_shards(column_shard, row_shard) -> None:
         rows = [call_student(row_shard, w, r, world) for r in range(world)]
         for r in range(world):
             checks += 2
-            problems += compare(f"column_shard(W {tuple(w.shape)}, rank {r}, world {world})",
-                                cols[r], w[r * out_f // world:(r + 1) * out_f // world], atol=0)
-            problems += compare(f"row_shard(W {tuple(w.shape)}, rank {r}, world {world})",
-                                rows[r], w[:, r * in_f // world:(r + 1) * in_f // world], atol=0)
+            for name, got, dim, n in (("column_shard", cols[r], 0, out_f), ("row_shard", rows[r], 1, in_f)):
+                want = w.narrow(dim, r * n // world, n // world)
+                line = compare(f"{name}(W {tuple(w.shape)}, rank {r}, world {world})", got, want, atol=0)
+                hint = _shard_hint(got, w, r, world, dim) if line else ""
+                if hint and (name, hint) not in named:
+                    named.add((name, hint))
+                    line = [f"{name}(W {tuple(w.shape)}, rank {r}, world {world}): {hint}"]
+                elif hint:
+                    line = []
+                problems += line
         if not problems:
             checks += 2
             problems += compare(f"world {world}: concatenated column outputs", torch.cat(
@@ -64,6 +93,11 @@ def check_shards(column_shard, row_shard) -> None:
         except ValueError as e:
             if "6" not in str(e) or "4" not in str(e):
                 problems.append(f"{name}: the ValueError should name both numbers (6 and 4): {e}")
+        except ExerciseFailed:
+            raise
+        except Exception as e:
+            problems.append(f"{name}: W {shape} over 4 ranks raised {type(e).__name__}, not the "
+                            "ValueError the statement asks for (naming 6 and 4)")
     report("column and row shards", problems, checks)
 
 
