@@ -6,7 +6,9 @@ panels are empty, squeezed or clipped; the test suite runs every lesson through 
 - a panel whose data fill under `min_fill` of an axis it shares with another panel (the
   limits of the other panel squeezed it into a corner);
 - data that run past the axis limits by more than `overrun` of the axis (cut off);
-- text smaller than `min_points` at the saved size (unreadable when projected).
+- text smaller than `min_points` at the saved size (unreadable when projected);
+- a figure taller than `max_height` inches (it does not fit on a projected screen: split it);
+- a panel with data but no title, in a figure without an overall title.
 Each line names the panel (its index in the figure and its title).
 
 `watch(report)` makes every figure be checked as IPython displays it (the inline backend
@@ -68,11 +70,19 @@ def _shared(ax, axis: int) -> bool:
 
 
 def problems(fig, min_points: float = MIN_POINTS, min_fill: float = 0.05,
-             overrun: float = 0.02) -> list[str]:
+             overrun: float = 0.02, max_height: float = 10.0) -> list[str]:
     """What a reader of `fig` could not see, one line each (empty when the figure is fine)."""
     fig.canvas.draw()
     found = []
     panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_label() != "<colorbar>"]
+    height = fig.get_size_inches()[1]
+    if height > max_height:
+        found.append(f"the figure is {height:.1f} in tall, more than a screen ({max_height:g} in): split it")
+    titled = bool(fig._suptitle is not None and fig._suptitle.get_text().strip())
+    for i, ax in enumerate(panels):
+        if not titled and ax.axison and _has_marks(ax) and not any(
+                ax.get_title(loc).strip() for loc in ("center", "left", "right")):
+            found.append(f"panel {i} has no title, and the figure none")
     for i, ax in enumerate(panels):
         name = _name(i, ax)
         if not _has_marks(ax):

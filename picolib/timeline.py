@@ -339,7 +339,7 @@ def plot_gantt(events, ax=None, title=None, colors=None, unit=None, xmax=None):
     ax.grid(axis="x", color="#eeeeee", linewidth=0.8)
     ax.set_axisbelow(True)
     names = list(dict.fromkeys(e["name"] for e in events))
-    ax.legend(handles=[Patch(color=palette[_key(n)], label=n) for n in names],
+    ax.legend(handles=[Patch(color=palette[_key(n)], label=n.replace("_", "-")) for n in names],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=9)
     if title:
         ax.set_title(title)

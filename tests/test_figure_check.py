@@ -25,6 +25,17 @@ def test_a_clean_figure_passes():
     plt.close(fig)
 
 
+def test_a_figure_taller_than_a_screen_and_an_untitled_panel_are_named():
+    fig, ax = plt.subplots(figsize=(6, 16))
+    ax.plot([0, 1], [0, 1])
+    found = problems(fig)
+    assert any("16.0 in tall" in p for p in found), found
+    assert any("panel 0 has no title, and the figure none" in p for p in found), found
+    fig.suptitle("one title for the figure")
+    assert not any("no title" in p for p in problems(fig))
+    plt.close(fig)
+
+
 def test_an_empty_panel_is_named():
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3))
     a.plot([0, 1], [0, 1])
@@ -73,6 +84,7 @@ def test_watch_checks_each_figure_once_as_it_is_printed(tmp_path, monkeypatch):
     watch(seen.append)                       # installing twice changes nothing
     fig, (a, b) = plt.subplots(1, 2)
     a.plot([0, 1], [0, 1])
+    a.set_title("drawn")
     fig.savefig(tmp_path / "f.png")
     fig.savefig(tmp_path / "g.png")
     assert sum("panel 1 is empty" in s for s in seen) == 1, seen
