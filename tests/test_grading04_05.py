@@ -215,6 +215,9 @@ def test_check_tokens_per_day():
         check_tokens_per_day(lambda n, fl, p: n * fl / (2 * p) * 86400)
     with fails("tokens per second"):
         check_tokens_per_day(lambda n, fl, p: n * fl / (6 * p))
+    with fails("4N, not 2N"):      # forward 2N + backward 2N: one matmul per weight in backward
+        check_tokens_per_day(lambda n, fl, p: n * fl / (4 * p) * 86400)
+    check_tokens_per_day(lambda n, fl, p: 86400 / (6 * p / (n * fl)))   # right, written differently
 
 
 # ---------------------------------------------------------------- deadlocks (both lessons)

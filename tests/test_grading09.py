@@ -65,9 +65,18 @@ def test_check_sort_by_expert():
             order = torch.cat([order[flat[order] == x].flip(0) for x in range(e)])
             return order, counts, torch.argsort(order)
         check_sort_by_expert(unstable)
-    with pytest.raises(ExerciseFailed):                        # counts without empty experts
+    with fails("bincount's minlength"):                      # counts without empty experts
         check_sort_by_expert(lambda c, e: (sort_by_expert(c, e)[0], torch.bincount(c.reshape(-1)),
                                            sort_by_expert(c, e)[2]))
+
+    def by_hand(c, e):                  # a right answer written differently: buckets, then cat
+        flat = c.reshape(-1).tolist()
+        order = torch.tensor([i for x in range(e) for i, y in enumerate(flat) if y == x])
+        counts = torch.tensor([flat.count(x) for x in range(e)])
+        inverse = torch.zeros_like(order)
+        inverse[order] = torch.arange(len(order))
+        return order, counts, inverse
+    check_sort_by_expert(by_hand)
 
 
 def split_sizes(counts, group=None):
@@ -105,6 +114,7 @@ def test_check_moe_critical_batch():
         check_moe_critical_batch(lambda d, e, k, g: d * e / k)
     with fails("not k/E"):
         check_moe_critical_batch(lambda d, e, k, g: d * k / e / g)
+    check_moe_critical_batch(lambda d, e, k, g: d / (k / e) / g)   # right, written differently
 
 
 # ---------------------------------------------------------------- issue 37: each mistake named
