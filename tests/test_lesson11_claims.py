@@ -69,3 +69,24 @@ def test_dp_of_the_640_gpu_proposals():
     for pp in (4, 8):                 # world = dp·tp·pp: the ranks left for DP at TP 8
         par = Parallelism(dp=640 // (8 * pp), tp=8, pp=pp)
         assert par.dp * par.tp * par.pp == 640 and par.dp in (10, 20) and par.dp not in (80, 160)
+
+
+def test_zero3_latency_crossing_by_closed_form_and_by_ring_time():
+    """Lesson 11 §3: "ZeRO-3's overlap fades past DP 512". The 2(N−1)·α crossing found with
+    ring_time equals the closed form N > 1 + backward/(2α), and moves with the layer's size."""
+    import math
+
+    from picolib.hardware import ALPHA
+    from picolib.model import LlamaConfig
+    from picolib.planner import layer_numel
+    llama8b = LlamaConfig(vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                          ffn_hidden=14336)
+    found = {}
+    for name, cfg in (("8B", llama8b), ("70B", LLAMA3_70B)):
+        backward = 4 * layer_numel(cfg) * 4096 / (0.6 * H100.bf16)
+        by_ring = next(n for n in range(2, 10**5)
+                       if ring_time("all_gather", 0, n, 1) + ring_time("reduce_scatter", 0, n, 1) > backward)
+        assert by_ring == math.floor(1 + backward / (2 * ALPHA)) + 1
+        found[name] = by_ring
+    assert found["8B"] > 512 and found["70B"] > 3 * found["8B"]
+    assert round(critical_tokens_dp(H100, 2048, fsdp=True) * 2048 / 1e6, 2) == 5.06   # the book's 5 M
