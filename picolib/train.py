@@ -21,7 +21,10 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import fields
 
@@ -41,6 +44,10 @@ from .rank import device
 from .timeline import Timeline, gather, to_chrome_trace
 
 __all__ = ["PRESETS", "TrainConfig", "check_config", "train", "main"]
+
+DESCRIPTION = ("Train the tiny Llama on one process or on any mix of data (DDP or ZeRO-1/2/3), "
+               "tensor (+ sequence), pipeline, context and expert parallelism; every layout "
+               "gives the one-process loss curve.")
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
 KINDS = ("DP", "TP", "PP", "CP", "EP", "other")
@@ -121,11 +128,30 @@ def _sent_by_kind(ledger: Ledger, mesh: Mesh, replicas, known: dict) -> dict[str
     replica_ranks = set(dist.get_process_group_ranks(replicas))
     for r in ledger.records:
         key = (r.op, r.ranks)
-        if key not in known:
-            gradients = r.op not in ("send", "recv") and set(r.ranks) == replica_ranks
+        if key not in known:   # no gradient is averaged by an all-to-all: with ep = dp the
+            # experts' exchange spans the replicas' ranks and is still EP's (Ulysses': CP's)
+            gradients = r.op not in ("send", "recv", "all_to_all") and set(r.ranks) == replica_ranks
             known[key] = traffic_kind(r.op, mesh.spanned(r.ranks), gradients)
         out[known[key]] = out.get(known[key], 0) + r.sent_bytes
     return out
+
+
+def _not_finite(step: int, what: str, cfg: TrainConfig) -> FloatingPointError:
+    """What the trainer says when a step's gradient or loss is NaN or inf: it stops (every
+    rank reaches the same verdict), and what the user can change."""
+    return FloatingPointError(
+        f"step {step} (numbered as in the log): {what}. The trainer stops here; this step's "
+        f"update was not applied. Try a lower --lr (this run: {cfg.lr:g})"
+        + (" or --precision fp32" if cfg.precision != "fp32" else "")
+        + ", check the data (--data), and keep checkpoints (--save-every N) to --resume from "
+          "before the step that diverged.")
+
+
+def _gradient_detail(e: FloatingPointError) -> str:
+    """The wrappers' own account (which collective, whose gradient) without their advice,
+    which is for a loop the user writes."""
+    m = re.match(r"step \d+: (.*?)(?:\. Nothing was updated.*)?$", str(e), re.S)
+    return m[1] if m else str(e)
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
@@ -136,11 +162,15 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 
 # --------------------------------------------------------------------------- the loop
 
-def train(cfg: TrainConfig) -> list[dict]:
+def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     """Train on this rank (inside `launch.run` or under torchrun); returns one record per step
     (the same on every rank): step, loss (global mean), seconds, tokens/s, MFU, HFU, the
     busiest rank's state and activation bytes, bytes sent per collective and per kind of
-    parallelism (DP, TP, PP, CP, EP; each the busiest rank's)."""
+    parallelism (DP, TP, PP, CP, EP; each the busiest rank's).
+
+    With `cfg.progress`, rank 0 draws a progress bar and prints a summary; given
+    `progress_to` (a file), it appends each step's record and the summary there as JSON lines
+    instead, for the process that owns the terminal to draw (`main` does)."""
     check_config(cfg, dist.get_world_size())
     mesh = Mesh(device().type, **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
     resume = checkpoint.load(checkpoint.latest(cfg.resume), cfg.model_config()) if cfg.resume else None
@@ -151,8 +181,12 @@ def train(cfg: TrainConfig) -> list[dict]:
     n_params, tokens_per_step = param_count(cfg.model_config()), cfg.batch * cfg.seq
     hw_recompute = "full" if cfg.recompute == "full" else "none"
     rank0 = dist.get_rank() == 0
-    bar = None
-    if rank0 and cfg.progress:
+    bar = report = None
+    if rank0 and cfg.progress and progress_to:
+        report = open(progress_to, "a")
+        report.write(json.dumps({"start": start}) + "\n")
+        report.flush()
+    elif rank0 and cfg.progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=cfg.steps, initial=start, desc=_describe(cfg), file=sys.stdout)
     records, log, kinds = [], open(cfg.log, "w") if rank0 and cfg.log else None, {}
@@ -163,9 +197,12 @@ def train(cfg: TrainConfig) -> list[dict]:
             dist.barrier()
             t0 = time.perf_counter()
             with Ledger() as led, SavedActivations() as act:
-                loss = _step(cfg, stages, wrappers, sched, mesh, tokens, targets, tl)
-                for opt in optimizers:
-                    opt.step()
+                try:
+                    loss = _step(cfg, stages, wrappers, sched, mesh, tokens, targets, tl)
+                    for opt in optimizers:
+                        opt.step()
+                except FloatingPointError as e:      # raised on every rank alike
+                    raise _not_finite(step, _gradient_detail(e), cfg) from None
             seconds = time.perf_counter() - t0
             state = _state_bytes(stages, wrappers, optimizers, cfg)
             for opt in optimizers:
@@ -173,6 +210,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             total = torch.tensor([0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0],
                                  dtype=torch.float64)
             dist.all_reduce(total)
+            if not torch.isfinite(total).all():      # the same sum on every rank
+                raise _not_finite(step, f"the loss is {total[0].item()}", cfg)
             sent = {op: s["sent_bytes"] for op, s in led.summary().items()}
             by_kind = _sent_by_kind(led, mesh, replicas, kinds)
             busiest = _max_over_ranks([seconds, state, act.peak] + [sent.get(op, 0) for op in OPS]
@@ -189,6 +228,9 @@ def train(cfg: TrainConfig) -> list[dict]:
             if log:
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
+            if report:
+                report.write(json.dumps(rec) + "\n")
+                report.flush()
             if bar:
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 bar.update()
@@ -204,11 +246,17 @@ def train(cfg: TrainConfig) -> list[dict]:
             bar.close()
         if log:
             log.close()
-    if rank0 and cfg.progress:
+        if report and not records:
+            report.close()
+    if rank0 and cfg.progress and records:
         last = records[-1]
-        print(f"{n_params:,} parameters; peak {peak_text}; last step: loss {last['loss']:.4f}, "
-              f"{last['tokens_per_s']:,.0f} tokens/s, MFU {last['mfu']:.3f}, HFU {last['hfu']:.3f}",
-              flush=True)
+        summary = (f"{n_params:,} parameters; peak {peak_text}; last step: loss {last['loss']:.4f}, "
+                   f"{last['tokens_per_s']:,.0f} tokens/s, MFU {last['mfu']:.3f}, HFU {last['hfu']:.3f}")
+        if report:
+            report.write(json.dumps({"summary": summary}) + "\n")
+            report.close()
+        else:
+            print(summary, flush=True)
     return records
 
 
@@ -255,7 +303,7 @@ HELP = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m picolib.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m picolib.train", description=DESCRIPTION)
     p.add_argument("--nproc", type=int, default=None,
                    help="local ranks to start (default: the product of the degrees); ignored under torchrun")
     p.add_argument("--backend", default="auto", help="auto, gloo or nccl")
@@ -288,7 +336,60 @@ def main(argv=None) -> list[dict]:
         return train(cfg)
     from . import train as this   # by reference, so the ranks import it
     from .launch import run
-    return run(this.train, nproc, cfg, backend=backend, timeout=max(120.0, 10.0 * cfg.steps))[0]
+    timeout = max(120.0, 10.0 * cfg.steps)
+    if not cfg.progress:
+        return run(this.train, nproc, cfg, backend=backend, timeout=timeout)[0]
+    with tempfile.TemporaryDirectory(prefix="picolib-train-") as folder, \
+            _ProgressBar(os.path.join(folder, "progress.jsonl"), cfg) as bar:
+        return run(this.train, nproc, cfg, backend=backend, timeout=timeout,
+                   progress_to=bar.path)[0]
+
+
+class _ProgressBar:
+    """The bar drawn by the process that owns the terminal (or the notebook: a widget), from
+    the step records rank 0 appends to `path`; a thread reads them as they come, so the bar
+    updates in place instead of arriving as one `[rank 0]` line per update."""
+
+    def __init__(self, path: str, cfg: TrainConfig, every: float = 0.1):
+        self.path, self.cfg, self.every = path, cfg, every
+        self.bar, self.summary, self._done, self._offset = None, None, threading.Event(), 0
+        open(path, "w").close()
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind, *_):
+        self._done.set()
+        self._thread.join()
+        self._read()                      # what came after the thread's last look
+        if self.bar is not None:
+            self.bar.close()
+        if kind is None and self.summary:
+            print(self.summary, flush=True)
+
+    def _follow(self):
+        while not self._done.wait(self.every):
+            self._read()
+
+    def _read(self):
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            text = f.read()
+        lines = text.split(b"\n")[:-1]             # whole lines only
+        self._offset += sum(len(line) + 1 for line in lines)
+        for line in lines:
+            rec = json.loads(line)
+            if "start" in rec:
+                from tqdm.auto import tqdm
+                self.bar = tqdm(total=self.cfg.steps, initial=rec["start"],
+                                desc=_describe(self.cfg), file=sys.stdout)
+            elif "summary" in rec:
+                self.summary = rec["summary"]
+            elif self.bar is not None:
+                self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                self.bar.update()
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from picolib.launch import run
-from picolib.train import TrainConfig, check_config, main, train
+from picolib.launch import WorkerError, run
+from picolib.train import TrainConfig, build_parser, check_config, main, train
 
 STEPS = 5
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +129,8 @@ def test_command_line_refuses_before_starting_ranks_and_logs_json(tmp_path, caps
     (4, dict(dp=2, pp=2), {"all_reduce": ("DP",), "send": ("PP",)}),
     (4, dict(tp=2, cp=2), {"all_reduce": ("TP", "DP"), "send": ("CP",)}),
     (4, dict(dp=4, ep=2, experts=4, top_k=2), {"all_to_all": ("EP",), "all_reduce": ("DP",)}),
-], ids=["dp2×pp2", "tp2×cp2 ring", "dp4 ep2"])
+    (2, dict(dp=2, ep=2, experts=4, top_k=2), {"all_to_all": ("EP",), "all_reduce": ("DP",)}),
+], ids=["dp2×pp2", "tp2×cp2 ring", "dp4 ep2", "dp2 ep2 (the all-to-all spans the replicas)"])
 def test_traffic_by_kind_agrees_with_traffic_by_collective(nproc, options, want):
     """Sorting by the mesh dimensions a collective's ranks span (DP, TP, PP, CP, EP) against
     sorting by the collective's name: each op's bytes are the sum of its kinds' (every rank
@@ -189,3 +190,41 @@ def test_resume_on_another_mesh(tmp_path, nproc, options):
     _losses(4, dp=2, tp=2, micro_batches=2, steps=3, save=str(tmp_path / "ckpt"))
     rest = _losses(nproc, micro_batches=2, steps=6, resume=str(tmp_path / "ckpt"), **options)
     assert max(abs(a - b) for a, b in zip(rest, want[3:], strict=True)) <= 2e-5, (rest, want)
+
+
+def test_help_describes_the_trainer_in_a_whole_sentence(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    description = " ".join(build_parser().description.split())
+    assert description.endswith(".") and description in out
+    assert "every layout gives the one-process loss curve." in out
+
+
+@pytest.mark.parametrize("argv, where", [(["--dp", "2"], "after the all-reduce"),
+                                         (["--dp", "2", "--zero", "1"], "after the reduce-scatter")],
+                         ids=["DDP", "ZeRO-1"])
+def test_a_nan_gradient_stops_the_run_saying_what_to_change(argv, where):
+    """A learning rate of 1e30 sends the weights to ~1e30 at step 0: step 1's forward
+    overflows and its gradient is NaN. The trainer names the step and its own options, and
+    does not pass on the wrappers' advice to "zero the gradients and go on" (it never does)."""
+    with pytest.raises(WorkerError) as error:
+        main(argv + ["--lr", "1e30", "--steps", "3", "--no-progress"])
+    first = str(error.value).splitlines()[0]
+    assert "FloatingPointError: step 1 (numbered as in the log): a gradient is NaN or inf" in first
+    assert where in first and "--lr (this run: 1e+30)" in first and "--resume" in first
+    assert "zero the gradients" not in first
+
+
+def test_progress_bar_is_drawn_in_place_by_the_caller(capfd):
+    """30 steps on 2 ranks: the bar (tqdm in this process, from rank 0's step records) is
+    redrawn with carriage returns, so stdout has a few lines, not one `[rank 0]` line per
+    update; it reaches 30/30 and the summary follows it."""
+    records = main(["--nproc", "2", "--dp", "2", "--steps", "30", "--batch", "4", "--seq", "16"])
+    out = capfd.readouterr().out
+    lines = [line for line in out.split("\n") if line.strip()]
+    assert len(records) == 30 and len(lines) <= 3, lines
+    assert "[rank" not in out and "30/30" in out
+    assert lines[-1].endswith(f"loss {records[-1]['loss']:.4f}, "
+                              f"{records[-1]['tokens_per_s']:,.0f} tokens/s, "
+                              f"MFU {records[-1]['mfu']:.3f}, HFU {records[-1]['hfu']:.3f}")
