@@ -3,9 +3,6 @@ optimizer state and saved activations (picolib.memory, ZeRO.memory) and the byte
 sends per step (picolib.comm.Ledger), for DDP, ZeRO-1/2/3 (fp32 and bf16), TP, TP+SP and
 pipeline schedules on real gloo ranks; DDP and ZeRO at world size 1024 on PyTorch's fake
 process group (one process, no data moved)."""
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -137,40 +134,12 @@ def test_pipeline_in_flight_activations_and_sends_equal_the_plan():
 
 
 # ----------------------------------------------------------------------------- 1,024 ranks
-FAKE = r"""
-import json, sys, torch, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-dist.init_process_group("fake", rank=5, world_size=1024, store=FakeStore())
-torch.set_num_threads(1)
-from picolib import comm
-from picolib.data_parallel import DDP
-from picolib.model import LlamaConfig, TinyLlama, random_tokens
-from picolib.zero import ZeRO
-cfg = LlamaConfig(**json.loads(sys.argv[1]))
-out = {}
-for stage in (0, 1, 2, 3):
-    model = TinyLlama(cfg)
-    w = DDP(model) if stage == 0 else ZeRO(model, stage)
-    x, y = random_tokens(2, 8, cfg.vocab_size)
-    with comm.Ledger() as led:
-        model.loss(x, y).backward()
-        if stage:
-            w.step()
-    mem = w.memory() if stage else None
-    out[stage] = [led.total("sent_bytes"), mem, sorted({r.group_size for r in led.records})]
-print(json.dumps(out))
-"""
-
-
 def test_ddp_and_zero_on_1024_fake_ranks_send_what_the_plan_says():
-    shape = dict(vocab_size=61, hidden=18, n_layers=2, n_heads=3, n_kv_heads=1,
-                 ffn_hidden=23, max_seq=16, seed=3)
-    done = subprocess.run([sys.executable, "-c", FAKE, json.dumps(shape)], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    from picolib.tryit.lesson11 import fake_pg_traffic   # the run lesson 11b shows
+    out = fake_pg_traffic(ODD)
     for stage in (0, 1, 2, 3):
-        sent, mem, sizes = out[str(stage)]
+        sent, mem, calls = out[stage]
+        sizes = sorted({size for _, _, size in calls})
         par = exact(dp=1024, zero=stage)
         assert sizes == [1024] and sent == traffic(ODD, par)["dp"] > 0, stage
         if stage:

@@ -237,7 +237,7 @@ for stage in (0, 1, 2, 3):
         if stage:
             w.step()
     out[stage] = [led.total("sent_bytes"), w.memory() if stage else None,
-                  [[r.op, r.nbytes] for r in led.records]]
+                  [[r.op, r.nbytes, r.group_size] for r in led.records]]
 print(json.dumps(out))
 '''
 
@@ -246,7 +246,7 @@ def fake_pg_traffic(cfg) -> dict:
     """DDP (stage 0) and ZeRO-1/2/3 as rank 5 of 1,024 on PyTorch's `fake` process group
     (every collective returns at once and moves nothing), in a separate interpreter:
     {stage: [bytes the ring formula gives for the collectives rank 5 issued (the ledger's
-    computed records), ZeRO's model state (None for DDP), [[op, buffer bytes], ...]]}."""
+    computed records), ZeRO's model state (None for DDP), [[op, buffer bytes, group size], ...]]}."""
     import json
     import subprocess
     import sys
