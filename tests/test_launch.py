@@ -235,6 +235,7 @@ def _start_sleeper(pid_dir, fail):
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     with open(os.path.join(pid_dir, f"child{dist.get_rank()}"), "w") as f:
         f.write(str(p.pid))
+    dist.barrier()  # both children exist before rank 1 fails (else rank 0 may be killed first)
     if fail and dist.get_rank() == 1:
         raise RuntimeError("failing with a child running")
     return p.pid
