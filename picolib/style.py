@@ -22,7 +22,7 @@ __all__ = ["OPS", "COLLECTIVES", "PARALLELISM", "MEMORY", "RANKS", "color", "ran
 MIN_POINTS = 9
 
 # Paul Tol, "bright" and "muted" qualitative schemes (colour-blind safe).
-OPS = {"F": "#4477AA", "B": "#EE7733", "W": "#AA3377", "BW": "#CC6633",
+OPS = {"F": "#4477AA", "B": "#EE7733", "W": "#AA3377", "BW": "#DDAA33",
        "step": "#BBBBBB", "opt": "#BBBBBB", "idle": "#EEEEEE"}
 COLLECTIVES = {"all_reduce": "#CC3311", "reduce_scatter": "#EE3377", "all_gather": "#009988",
                "all_to_all": "#33BBEE", "broadcast": "#997700", "send": "#777777",
