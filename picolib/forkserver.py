@@ -35,7 +35,7 @@ import sys
 import threading
 import traceback
 
-__all__ = ["ForkServer", "in_server"]
+__all__ = ["ForkServer", "ServerDied", "in_server"]
 
 _HEADER = struct.Struct("!Q")
 _IN_SERVER = False  # true in the server and in every rank forked from it
@@ -214,6 +214,18 @@ def _reap(children: dict[int, int], block: bool = False) -> None:
 
 # ------------------------------------------------------------------ the caller's side
 
+class ServerDied(RuntimeError):
+    """The fork server went away (killed, the out-of-memory killer) while the caller spoke to it."""
+
+
+def _how_it_ended(code: int | None) -> str:
+    if code is None:
+        return "it had been stopped"
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}: out of memory? killed by someone?"
+    return f"exit code {code}"
+
+
 class ForkServer:
     """The caller's handle on its fork server: start it, ask it to fork or signal ranks."""
 
@@ -268,7 +280,8 @@ class ForkServer:
     def _request(self, msg, fds=()):
         with self._lock:
             if self._sock is None or not self.alive():
-                raise RuntimeError("the picolib fork server is not running")
+                code = self._close_locked()
+                raise ServerDied(f"the picolib fork server is not running ({_how_it_ended(code)})")
             try:
                 if not self._ready:
                     reply, _ = recv_message(self._sock)
@@ -281,9 +294,8 @@ class ForkServer:
                 send_message(self._sock, msg, fds)
                 reply, _ = recv_message(self._sock)
             except (EOFError, OSError) as e:
-                code = self._proc.poll()
-                self._close_locked()
-                raise RuntimeError(f"the picolib fork server died (exit code {code})") from e
+                code = self._close_locked()
+                raise ServerDied(f"the picolib fork server died ({_how_it_ended(code)})") from e
             except BaseException:  # interrupted mid-conversation: start afresh next time
                 self._close_locked()
                 raise
@@ -306,14 +318,17 @@ class ForkServer:
         with self._lock:
             self._close_locked()
 
-    def _close_locked(self):
+    def _close_locked(self) -> int | None:
+        """Close the socket (a live server then exits), reap the server; its exit code."""
+        code = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         if self._proc is not None:
             try:
-                self._proc.wait(timeout=10)
+                code = self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
-                self._proc.wait()
+                code = self._proc.wait()
             self._proc = None
+        return code

@@ -237,7 +237,7 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto",
     _check_arguments(fn, world_size, timeout)
     resolved = resolve_backend(backend, world_size)
     _SERVER.start()  # a no-op unless it is not running (first call, or it was killed)
-    body = _serialise(fn, args, kwargs)
+    body = _restarting(_serialise, fn, args, kwargs)
     sys.stdout.flush(), sys.stderr.flush()
     ranks: list[_Rank] = []
     with tempfile.TemporaryDirectory(prefix="picolib-run-") as workdir:
@@ -249,7 +249,8 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto",
             with tempfile.TemporaryFile(dir=workdir) as payload:
                 payload.write(len(settings).to_bytes(8, "big") + settings + body)
                 payload.flush()
-                for rank in range(world_size):
+                ranks.append(_restarting(_Rank.start, 0, payload))
+                for rank in range(1, world_size):  # a server that dies now fails the run
                     ranks.append(_Rank.start(rank, payload))
             results = _collect(ranks, timeout, _code_index(fn, args, kwargs))
             for r in ranks:  # all done: let every rank leave the group
@@ -259,6 +260,18 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto",
         finally:
             _end(ranks)
             sys.stdout.flush()
+
+
+def _restarting(step, *args):
+    """`step(*args)`, once more on a fresh server if the server was found dead. Before a run's
+    first rank exists nothing of the run is lost: the server died since the last run (killed,
+    the out-of-memory killer) and `kill` returns before the process is gone, so the caller
+    may not have noticed yet. Once a rank is running, a dead server is the run's error."""
+    try:
+        return step(*args)
+    except forkserver.ServerDied:
+        _SERVER.start()
+        return step(*args)
 
 
 class _Rank:

@@ -423,3 +423,52 @@ def test_a_module_that_fails_to_preload_does_not_stop_the_server():
     finally:
         server.close()
     assert not server.alive()
+
+
+@pytest.fixture
+def own_server(monkeypatch):
+    """A fork server of the test's own in place of the caller's, so that killing it leaves
+    the caller's server (and the other tests' leftover check) alone."""
+    from picolib.forkserver import ForkServer
+    server = ForkServer(launch._preload())
+    monkeypatch.setattr(launch, "_SERVER", server)
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("noticed", [True, False])
+def test_a_server_killed_between_runs_is_restarted(own_server, monkeypatch, noticed):
+    """Killed (or taken by the out-of-memory killer) while no run was on: the next run starts
+    a fresh server and succeeds. `kill` returns before the server is gone, so the caller
+    may still think it alive when the next run begins (noticed=False makes that certain)."""
+    assert run(rank_and_sum, 2, 0) == [(r, 2, 1.0) for r in range(2)]
+    first = own_server.pid
+    os.kill(first, signal.SIGKILL)
+    os.waitid(os.P_PID, first, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+    if not noticed:
+        monkeypatch.setattr(own_server._proc, "poll", lambda: None)
+    assert run(rank_and_sum, 2, 1) == [(r, 2, 3.0) for r in range(2)]
+    assert own_server.pid not in (None, first) and own_server.alive()
+
+
+def _kill_the_server_from_a_rank(pid_dir):
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    dist.barrier()                       # every rank has written its pid
+    if dist.get_rank() == 0:
+        os.kill(os.getppid(), signal.SIGKILL)   # a rank's parent is the fork server
+    time.sleep(60)
+
+
+def test_a_server_that_dies_during_a_run_is_the_error_and_the_next_run_works(own_server, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="fork server died"):
+        run(_kill_the_server_from_a_rank, 2, str(tmp_path), timeout=60)
+    assert time.monotonic() - t0 < 30     # reported at once, not at the timeout
+    rank_pids = [int(p) for p in os.listdir(tmp_path)]
+    assert len(rank_pids) == 2
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in rank_pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in rank_pids), "ranks outlived their server"
+    assert run(rank_and_sum, 2, 1) == [(r, 2, 3.0) for r in range(2)]
