@@ -61,3 +61,44 @@ def test_a_helper_handed_an_ax_draws_into_it_and_never_shows_it(helper, monkeypa
     axes = ax if panels > 1 else [ax]
     assert all(a.patches or a.lines or a.collections or a.images for a in axes), "nothing drawn"
     plt.close("all")
+
+
+CELLS = ['from picolib.tryit import knobs\n'
+         'def f(n):\n'
+         '    print("live", n)\n'
+         '    return {"n": n}',
+         'knobs(f, n=(2, 8, 1))',                  # a try-it cell as the lessons write it
+         'shown = knobs(f, n=[3, 4])\nshown',      # the value kept for code, not printed
+         'shown',                                  # a later cell prints it as usual
+         'knobs(f, n=[5])\n7']                     # anything else the cell ends on still shows
+
+
+@pytest.mark.parametrize("setup", ["widgets", "no widgets", "echoing (the old knobs)"])
+def test_a_try_it_cell_shows_only_its_live_output(setup):
+    """Run in a real kernel (as Jupyter and nbval do): IPython prints a cell's last value
+    unless it is None; a try-it cell's would be the first call's result, which no longer
+    matches the live output once a knob moves. 'echoing' puts the old behaviour back, to
+    show the check sees an echoed value."""
+    from pathlib import Path
+
+    import nbformat
+    from nbclient import NotebookClient
+    first = {"widgets": "", "no widgets": "import sys; sys.modules['ipywidgets'] = None\n",
+             "echoing (the old knobs)": "import picolib.tryit as t; t._not_echoed = lambda v: v\n"}
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(first[setup] + CELLS[0])]
+                                  + [nbformat.v4.new_code_cell(c) for c in CELLS[1:]])
+    root = Path(__file__).resolve().parents[1]
+    NotebookClient(nb, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(root)}}).execute()
+    results = [[o.data["text/plain"] for o in c.outputs if o.output_type == "execute_result"]
+               for c in nb.cells]
+    if setup.startswith("echoing"):
+        assert results[1:3] == [["{'n': 2}"], ["{'n': 3}"]]
+        return
+    assert results[1:] == [[], [], ["{'n': 3}"], ["7"]]
+    live = nb.cells[1].outputs
+    if setup == "widgets":      # the sliders and the output area the calls draw into
+        assert [o.output_type for o in live] == ["display_data"] * 2
+        assert all("application/vnd.jupyter.widget-view+json" in o.data for o in live)
+    else:                       # no widgets: the one call's own output
+        assert [o.get("text") for o in live] == ["live 2\n"]
