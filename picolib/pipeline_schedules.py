@@ -230,8 +230,12 @@ def _v_rank(p: int, m: int, r: int, stage: tuple, mbs: tuple):
         F(0); F(1)
     for _ in range(p - r - 1):                      # 3: B1 W F1 (zero bubble)
         B(1, zb=True); seq.append(wq.popleft()); F(1)
-    for _ in range(m - 2 * p + r + 1):              # 4: steady: F0&B1, F1&B0
-        FB(0, 1); FB(1, 0)
+    for i in range(m - 2 * p + r + 1):              # 4: steady: F0&B1, F1&B0
+        if i == 0 and r == p - 1:                   # the turn rank's first: F0 then B1, not
+            F(0); B(1)                              # overlapped (as DeepSeek's reference)
+        else:
+            FB(0, 1)
+        FB(1, 0)
     for _ in range(p - r - 1):                      # 5: B1, F1&B0
         B(1); FB(1, 0)
     zb = False
@@ -253,8 +257,15 @@ def dualpipev(p: int, m: int) -> Schedule:
     holds stage r (chunk 0, going down) and stage 2p−1−r (chunk 1, coming back up); the last
     rank turns the data around, rank 0 holds both the embedding and the loss. Every rank
     overlaps a forward of one chunk with a backward of the other in the steady state (the
-    F&B pairs in `overlap`) and defers W's into the gaps. Eight phases as in DeepSeek's
-    reference; needs m ≥ 2p."""
+    F&B pairs in `overlap`; the turn rank's first steady pair excepted, as in DeepSeek's
+    reference) and defers W's into the gaps. Eight phases as in DeepSeek's reference;
+    needs m ≥ 2p.
+
+    Idle time per rank at F = B = W = c per op of its (half-size) stages, counted on the op
+    lists (tests/test_pipeline_dualpipe_bubble.py): (p−1)c when each op starts as soon as its
+    own input is there (picolib's executor runs a pair so); 2(p−1)c when an F&B pair waits
+    for both inputs (DeepSeek's overlapped chunk) — (p−1)(F&B + B+W − 3W), DeepSeek's formula
+    with PP = 2p. With c half of a p-stage cut's op, the second is ZB-H1's (p−1)(F+B−W)."""
     ops, overlap = [], []
     for r in range(p):
         seq, pairs = _v_rank(p, m, r, (r, 2 * p - 1 - r), (range(m), range(m)))
@@ -344,8 +355,9 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
 
 
 def idle_formula(name: str, p: int, cost: dict) -> float:
-    """The published idle time per rank (for dualpipe(v): of the rank with the fewest
-    overlapped chunks), in the simulator's terms: `cost` = {"F", "B", "W"[, "F&B"]} per op of
+    """The published idle time per rank (for dualpipe(v): of the worst rank, with the F&B
+    pairs timed as one chunk — simulate(overlap=True); equal to the op lists' count at
+    F = B = W, with or without a speed-up F&B < F+B+W), in the simulator's terms: `cost` = {"F", "B", "W"[, "F&B"]} per op of
     one stage, B = the input-gradient half of the backward, W the weight half, F&B (default
     F + B + W, i.e. no overlap) an overlapped forward + full backward chunk.
       afab, 1f1b     (p−1)(F+B+W)                           (GPipe; Narayanan et al. 2021)

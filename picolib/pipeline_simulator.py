@@ -11,7 +11,9 @@ when every unfinished rank waits for an op that comes later in another rank's li
 
 Overlapped chunks (DualPipe's "F&B", `Schedule.overlap`): with `overlap=True` the two ops
 run as one chunk — it starts when both inputs are there and lasts `cost["F&B"]` (default
-F + BW: no speed-up, only the joint start). With `overlap=False` they are two ordinary ops.
+F + BW: no speed-up, only the joint start). With `overlap=False` they are two ordinary ops,
+which is how picolib's executor runs them: set a measured run beside `overlap=False` (with
+F = B = W the joint start doubles DualPipeV's idle time, (p−1)c → 2(p−1)c per rank).
 """
 from __future__ import annotations
 

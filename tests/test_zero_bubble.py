@@ -7,9 +7,13 @@ and compared with a closed form written out in the test from the papers:
 - DualPipe (DeepSeek-V3 report, §3.2.1; DeepSeek's DualPipe README): (PP/2−1)(F&B+B−3W), their
   B = the whole backward = our B + W, F&B = an overlapped forward + backward chunk. The
   simulator times each F&B pair as one chunk that starts when both inputs are there and lasts
-  cost["F&B"] (default F + B + W: no speed-up). The formula is the idle time of the rank with
-  the fewest such chunks (the middle ranks); with no speed-up every rank idles that much.
+  cost["F&B"] (default F + B + W: no speed-up). At F = B = W the formula is the idle time of
+  the worst rank; with no speed-up every rank idles that much. With B > W it is the idle time
+  of the order with every pair overlapped; DeepSeek's reference (and picolib) runs the turn
+  rank's first steady pair as two ops and idles less.
 Parameter bytes are measured on the modules each rank runs (their tensors' storage)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -94,20 +98,52 @@ def test_idle_formula_matches_the_simulator():
 
 # ----------------------------------------------------------------------------- DualPipe
 
-@pytest.mark.parametrize("cost", COSTS[:3] + [{"F": 1.0, "B": 1.0, "W": 1.0, "F&B": 2.5},
-                                              {"F": 1.0, "B": 1.2, "W": 0.8, "F&B": 2.4}])
+EQUAL = [{"F": 1.0, "B": 1.0, "W": 1.0}, {"F": 1.0, "B": 1.0, "W": 1.0, "F&B": 2.5},
+         {"F": 1.0, "B": 1.0, "W": 1.0, "F&B": 2.0}, {"F": 0.5, "B": 0.5, "W": 0.5, "F&B": 1.2}]
+
+
+def deepseek_idle(name, p, cost):
+    """(PP/2−1)(F&B + B_full − 3W), B_full = B + W; PP = p for DualPipe, 2p for DualPipeV."""
+    fb = cost.get("F&B", cost["F"] + cost["B"] + cost["W"])
+    pp = p if name == "dualpipe" else 2 * p
+    return (pp / 2 - 1) * (fb + cost["B"] + cost["W"] - 3 * cost["W"])
+
+
+def all_pairs_overlapped(sched):
+    """The same op lists with every F directly followed by a backward of another stage made
+    an F&B pair: the turn rank's first steady pair too, which DeepSeek's reference runs as
+    two ops ("to further reduce bubble size")."""
+    overlap = []
+    for seq, pairs in zip(sched.ops, sched.overlap):
+        extra = {i for i in range(len(seq) - 1) if seq[i].kind == "F" and seq[i + 1].kind == "BW"
+                 and seq[i].stage != seq[i + 1].stage and i not in pairs and i - 1 not in pairs}
+        overlap.append(frozenset(pairs | extra))
+    return dataclasses.replace(sched, overlap=overlap)
+
+
+@pytest.mark.parametrize("cost", EQUAL)
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 12), (6, 14), (8, 16)])
 def test_dualpipe_bubble_is_deepseeks(p, m, cost):
-    """(PP/2−1)(F&B + B_full − 3W) with PP = p ranks, B_full = B + W. DualPipeV on p ranks
-    is DualPipe of 2p stages: (p−1)(F&B + B_full − 3W) with the costs of its half-size chunks."""
-    F, B, W = cost["F"], cost["B"], cost["W"]
-    fb = cost.get("F&B", F + B + W)
-    idle = idle_per_rank(validate(dualpipe(p, m)), cost)
-    assert max(idle) == pytest.approx((p / 2 - 1) * (fb + (B + W) - 3 * W), abs=1e-9)
-    idle_v = idle_per_rank(validate(dualpipev(p, m)), cost)
-    assert max(idle_v) == pytest.approx((p - 1) * (fb + (B + W) - 3 * W), abs=1e-9)
-    if "F&B" not in cost:                  # no speed-up: every rank idles the same
-        assert max(idle) - min(idle) == pytest.approx(0, abs=1e-9)
+    """At F = B = W (any F&B speed-up) the worst rank idles DeepSeek's formula exactly, in
+    DualPipe and in DualPipeV (= DualPipe of 2p stages, with its half-size chunk costs)."""
+    for name, build in (("dualpipe", dualpipe), ("dualpipev", dualpipev)):
+        idle = idle_per_rank(validate(build(p, m)), cost)
+        assert max(idle) == pytest.approx(deepseek_idle(name, p, cost), abs=1e-9), name
+        if "F&B" not in cost:              # no speed-up: every rank idles the same
+            assert max(idle) - min(idle) == pytest.approx(0, abs=1e-9)
+
+
+@pytest.mark.parametrize("cost", COSTS[1:3] + [{"F": 1.0, "B": 1.2, "W": 0.8, "F&B": 2.4}])
+@pytest.mark.parametrize("p, m", [(4, 8), (6, 14), (8, 16)])
+def test_the_reference_turn_beats_the_formula_when_b_exceeds_w(p, m, cost):
+    """B > W: with every pair overlapped the op lists idle DeepSeek's formula exactly; the
+    reference's order, whose turn rank runs its first steady F and B as two ops, idles less."""
+    for name, build in (("dualpipe", dualpipe), ("dualpipev", dualpipev)):
+        formula = deepseek_idle(name, p, cost)
+        ref, joint = build(p, m), all_pairs_overlapped(build(p, m))
+        assert sum(map(len, joint.overlap)) == sum(map(len, ref.overlap)) + (2 if name == "dualpipe" else 1)
+        assert max(idle_per_rank(joint, cost)) == pytest.approx(formula, abs=1e-9), name
+        assert max(idle_per_rank(ref, cost)) < formula - 0.1 * (cost["B"] - cost["W"]), name
 
 
 def test_the_joint_start_of_an_overlapped_chunk_is_what_the_formula_counts():
