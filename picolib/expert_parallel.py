@@ -21,7 +21,8 @@ them, and reduce-scatters the sums back: (ep−1)·T·h per rank each way, again
 k·(ep−1)/ep·T·h for the all-to-all.
 
 Where EP lives on the mesh: the ep group is a sub-group of the **data-parallel** ranks
-(consecutive dp coordinates, ep of them; ep must divide dp). Non-expert weights are
+(consecutive dp coordinates, ep of them; ep must divide dp) — the mesh views dp as
+(dp/ep, ep) and hands out both groups (`Mesh.expert_groups`, `mesh.group("ep")`). Non-expert weights are
 replicated on every dp rank as before; an expert's weights are replicated on the dp/ep
 ranks with the same position in their ep group (expert-data-parallel, "edp"). So DDP sums
 the experts' gradients over edp only, and still divides by dp: the expert on one rank
@@ -169,24 +170,9 @@ def all_to_all_bytes(routings, n_experts: int, hidden: int,
 
 
 def expert_groups(mesh: Mesh, ep: int):
-    """(ep group, edp group) of this rank: each dp row of the mesh cut into consecutive
-    blocks of ep (the EP groups), and the ranks at the same place in every block of every
-    cp coordinate (expert-data-parallel: context-parallel ranks hold the same experts too).
-    Every rank must call it (it makes process groups)."""
-    dp = mesh.size("dp")
-    if dp % ep:
-        raise ValueError(f"the ep size {ep} must divide dp={dp} (EP groups are made of dp ranks)")
-    grid = mesh.device_mesh.mesh                                     # (pp, dp, cp, tp)
-    me, mine = dist.get_rank(), {}
-    for plane in grid.permute(0, 3, 1, 2).reshape(-1, dp, grid.shape[2]):   # (dp, cp) per pp, tp
-        blocks = [col[i:i + ep] for col in plane.T.tolist() for i in range(0, dp, ep)]
-        edp = [sorted(plane[j::ep].reshape(-1).tolist()) for j in range(ep)]
-        for kind, groups in (("ep", blocks), ("edp", edp)):
-            for ranks in groups:
-                g = dist.new_group(ranks)                            # every rank, same order
-                if me in ranks:
-                    mine[kind] = g
-    return mine["ep"], mine["edp"]
+    """(ep group, edp group) of this rank, from the mesh (`Mesh.expert_groups`: dp viewed as
+    (dp/ep, ep) blocks; edp spans cp too). Every rank must call it (it makes process groups)."""
+    return mesh.expert_groups(ep)
 
 
 def apply_expert_parallel(model, mesh, *, n_experts: int, top_k: int, ep: int | None = None,

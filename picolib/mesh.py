@@ -18,6 +18,13 @@ it lays the ranks out in a tensor of that shape and calls `new_group` for every 
 every dimension. A group over several dimensions (say dp and cp together, over which a
 loss is averaged) is a flattened view of the grid; the first request for one is a
 collective call that every rank makes.
+
+Expert parallelism (lesson 09) is not a fifth axis: it views dp as two, (dp/ep, ep). With
+dp = 4, ep = 2 the dp coordinates 0 1 | 2 3 form two ep blocks. The ranks of one block
+share a layer's experts, E/ep each (`group("ep")`); the ranks at the same place in every
+block — over cp too — hold the same experts, and average their gradients (`group("edp")`,
+expert data parallel). `expert_groups(ep)` makes that view once; `layout()` then lists
+every group this rank belongs to, ep and edp included. No other file calls `new_group`.
 """
 from __future__ import annotations
 
@@ -26,9 +33,10 @@ import math
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DIMS", "Mesh", "check_mesh", "dim_group"]
+__all__ = ["DIMS", "EXPERT_DIMS", "Mesh", "check_mesh", "dim_group"]
 
 DIMS = ("pp", "dp", "cp", "tp")  # outermost → innermost
+EXPERT_DIMS = ("ep", "edp")      # views of dp (and cp), made by Mesh.expert_groups
 
 
 def check_mesh(world_size: int, **sizes: int) -> dict[str, int]:
@@ -57,6 +65,8 @@ class Mesh:
         mesh.group("dp", "cp")   # the ranks that share everything but dp and cp
         mesh.peers("pp")         # global ranks along pp through this rank, in order
         mesh.spanned([0, 1, 3])  # the dimensions along which these global ranks differ
+        mesh.expert_groups(2)    # dp as (dp/2, ep=2): the ep and edp groups (lesson 09)
+        print(mesh.describe())   # every group this rank talks over
     """
 
     def __init__(self, device_type: str = "cpu", **sizes: int):
@@ -66,15 +76,20 @@ class Mesh:
         self.device_mesh: DeviceMesh = init_device_mesh(
             device_type, tuple(self.sizes.values()), mesh_dim_names=DIMS)
         self._flat: dict[tuple[str, ...], DeviceMesh] = {}
+        self.ep: int | None = None    # set by expert_groups
+        self._expert: dict[str, dist.ProcessGroup] = {}
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v}" for k, v in self.sizes.items() if v > 1) or "one rank"
-        return f"Mesh({shown})"
+        return f"Mesh({shown})" + (f" with ep={self.ep}" if self.ep is not None else "")
 
     def _check(self, names) -> tuple[str, ...]:
         if not names:
             raise ValueError("name at least one dimension")
         for n in names:
+            if n in EXPERT_DIMS:
+                raise ValueError(f"{n!r} is a view of dp: call mesh.expert_groups(ep) first, "
+                                 f"then mesh.group({n!r}) alone")
             if n not in DIMS:
                 raise ValueError(f"unknown mesh dimension {n!r}; known: {list(DIMS)}")
         return tuple(sorted(set(names), key=DIMS.index))  # the grid's order, once each
@@ -90,7 +105,10 @@ class Mesh:
         return self.device_mesh.get_local_rank(name)
 
     def group(self, *names: str) -> dist.ProcessGroup:
-        """The group of the ranks that differ from this one only along `names`."""
+        """The group of the ranks that differ from this one only along `names`; or, after
+        `expert_groups`, group("ep") / group("edp")."""
+        if len(names) == 1 and names[0] in self._expert:
+            return self._expert[names[0]]
         names = self._check(names)
         if len(names) == 1:
             return self.device_mesh.get_group(names[0])
@@ -102,6 +120,43 @@ class Mesh:
         """Global ranks along `name` through this rank, ordered by their coordinate."""
         return dist.get_process_group_ranks(self.group(name))
 
+    def expert_groups(self, ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """(ep group, edp group) of this rank: dp viewed as (dp/ep, ep) on the DeviceMesh.
+        ep: `ep` consecutive dp coordinates, which split each MoE layer's experts; edp: the
+        ranks at the same place of every ep block and every cp coordinate, which hold the same
+        experts. Collective the first time (every rank calls it); one ep per mesh."""
+        dp = self.sizes["dp"]
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ValueError(f"ep must be a positive int, not {ep!r}")
+        if dp % ep:
+            raise ValueError(f"the ep size {ep} must divide dp={dp} (EP groups are made of dp ranks)")
+        if self.ep is not None and ep != self.ep:
+            raise ValueError(f"this mesh's experts are laid out over ep={self.ep} already")
+        if self.ep is None:
+            view = _split_dp(self.device_mesh, ep)      # (pp, ep_block, ep, cp, tp)
+            self._expert = {"ep": view.get_group("ep"),
+                            "edp": view["ep_block", "cp"]._flatten("edp").get_group()}
+            self.ep = ep
+        return self._expert["ep"], self._expert["edp"]
+
+    def layout(self) -> dict[str, list[int]]:
+        """Every group this rank talks over, as global ranks in group order: pp, dp, cp, tp,
+        the multi-dimension groups asked for so far ("dp+cp"), and ep, edp once made."""
+        out = {n: self.peers(n) for n in DIMS}
+        out.update({"+".join(names): dist.get_process_group_ranks(m.get_group())
+                    for names, m in self._flat.items()})
+        out.update({n: dist.get_process_group_ranks(g) for n, g in self._expert.items()})
+        return out
+
+    def describe(self) -> str:
+        """`layout()` as text, under this rank's coordinates."""
+        where = " ".join(f"{n}={self.coordinate(n)}" for n in DIMS)
+        if self.ep is not None:
+            where += f" ep={dist.get_rank(self._expert['ep'])}"
+        lines = [f"rank {dist.get_rank()} of {self!r}: {where}"]
+        lines += [f"  {name:<6} {ranks}" for name, ranks in self.layout().items()]
+        return "\n".join(lines)
+
 
     def spanned(self, ranks) -> tuple[str, ...]:
         """The dimensions along which the global `ranks` differ: ("tp",) for a TP group,
@@ -109,6 +164,18 @@ class Mesh:
         grid = self.device_mesh.mesh
         coords = [(grid == r).nonzero()[0].tolist() for r in ranks]
         return tuple(d for i, d in enumerate(DIMS) if len({c[i] for c in coords}) > 1)
+
+
+def _split_dp(device_mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The grid with dp unflattened into (ep_block, ep). PyTorch's `_unflatten` (recent torch)
+    reuses the mesh's backend; before it, a second DeviceMesh over the same ranks reshaped."""
+    dp = device_mesh.size(DIMS.index("dp"))
+    names = ("pp", "ep_block", "ep", "cp", "tp")
+    if hasattr(device_mesh, "_unflatten"):
+        return device_mesh._unflatten("dp", (dp // ep, ep), names[1:3])
+    grid = device_mesh.mesh
+    shape = (grid.shape[0], dp // ep, ep, *grid.shape[2:])
+    return DeviceMesh(device_mesh.device_type, grid.reshape(shape), mesh_dim_names=names)
 
 
 def dim_group(mesh_or_group, name: str):
