@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +65,7 @@ def test_shipped_corpus_is_real_text_of_200kb_with_a_held_out_tail_not_seen_in_t
 
 
 def test_pyproject_ships_the_data_files_in_the_package():
+    tomllib = pytest.importorskip("tomllib")                 # Python 3.11+
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
     globs = conf["tool"]["setuptools"]["package-data"]["picolib"]
     for f in (ROOT / "picolib" / "data").iterdir():
@@ -228,6 +228,9 @@ def test_prepare_command_and_its_errors(tmp_path, capsys):
         TokenData(bad)
     with pytest.raises(FileNotFoundError):
         TokenData(tmp_path / "missing.txt")
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "out.bin")]) == 0
+    assert "train 630, validation 70" in capsys.readouterr().out       # 700 bytes, last 10 %
 
 
 def test_a_token_file_from_elsewhere_takes_its_vocabulary_from_its_largest_id(tmp_path):
