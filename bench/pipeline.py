@@ -18,16 +18,25 @@ picolib, ...), so a busy neighbour on the shared machine slows both. A step's ti
 a barrier to a barrier; a row reports the median over the timed steps. `ratio` =
 picolib / peer.
 
-Second part, rows `bubble_<schedule>_4ranks`: picolib alone, p = 4, m = 8, with cost
-emulation (each op sleeps to a fixed cost, F = B = W = COST for a 2-block stage, BW = B + W,
-half for half-size stages). Its "peer" is the simulator (ideal devices, same op lists and
-costs): picolib_s / peer_s are the measured / simulated makespans, and `measured` /
-`simulated` the bubble_ratio of each (goal: within 10 %); `simulated_with_comm` adds the
-median hand-over time between ranks measured in the run (`comm_latency`).
+Second part, the bubble: picolib alone, p = 4, m = 8, with cost emulation (each op sleeps
+to a fixed cost, F = B = W = COST for a 2-block stage, BW = B + W, half for the half-size
+stages of interleaved and DualPipeV), every schedule from AFAB to DualPipe. Its "peer" is the
+simulator (ideal devices, the same op lists and costs), timing each op as the executor runs
+it: an overlapped F&B pair of DualPipe(V) as its two ops one after the other
+(`simulate(..., overlap=False)`). `measured` / `simulated` are the bubble_ratio of each;
+`simulated_with_comm` adds the median hand-over time between ranks measured in the run
+(`comm_latency`); `simulated_fb_chunk` times each F&B pair as one chunk that waits for both
+inputs (DeepSeek's overlapped execution, `overlap=True`), which the closed form (`formula`)
+counts. `replayed` is the simulator fed the run's own op durations (each op's measured
+length: an emulated op lasts its cost plus whatever the loaded machine adds, `op_overrun_s`
+its median) and hand-over time: the schedule the executor should have produced from the ops
+it actually ran. The script fails (exit status 1, after writing the results) when a
+schedule's measured bubble and its replay differ by more than TOLERANCE (5 %): the executor
+added waits the op lists do not have, or the simulator counts the schedule wrong.
+`--bubble-only` redoes the bubble part and keeps the side-by-side rows of the last run.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -43,8 +52,9 @@ sys.path.insert(0, str(ROOT))
 
 from picolib.launch import run  # noqa: E402
 from picolib.model import LlamaConfig, TinyLlama, param_count, random_tokens  # noqa: E402
-from picolib.pipeline_parallel import run_schedule, split_stages  # noqa: E402
-from picolib.pipeline_schedules import from_torch, make_schedule  # noqa: E402
+from picolib.pipeline_parallel import run_schedule, schedule_stages, split_stages  # noqa: E402
+from picolib.pipeline_schedules import bubble_formula, from_torch, make_schedule  # noqa: E402
+from _report import write  # noqa: E402
 from picolib.pipeline_simulator import comm_latency, simulate, validate  # noqa: E402
 from picolib.timeline import Timeline, bubble_ratio, merge  # noqa: E402
 
@@ -52,9 +62,11 @@ CFG = LlamaConfig(vocab_size=256, hidden=128, n_layers=8, n_heads=4, n_kv_heads=
                   ffn_hidden=256, max_seq=64, attn_impl="sdpa")
 M, MB, SEQ = 8, 4, 64
 WARMUP, ROUND, ROUNDS = 2, 2, 8          # 2 + 16 timed steps per side
-COST = 0.4                               # seconds per emulated op (bubble part): long enough that
-                                         # the hand-over between ranks (a few ms here) stays small
-OUT = ROOT / "bench" / "results" / "pipeline.json"
+COST = 1.0                               # seconds per emulated op (bubble part): long enough that
+                                         # hand-overs and late wake-ups (ms) stay small beside it
+TOLERANCE = 0.05                         # |measured / simulated − 1| allowed per schedule
+BUBBLE_CASES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("dualpipev", 1),
+                ("dualpipe", 1)]
 ROWS = [("1f1b", "Schedule1F1B", 1), ("interleaved", "ScheduleInterleaved1F1B", 2),
         ("zero_bubble", "ScheduleInterleavedZeroBubble", 2), ("dualpipev", "ScheduleDualPipeV", 2)]
 
@@ -130,59 +142,82 @@ def bench_worker(p):
     return rows
 
 
-def bubble_worker(cases):
+def _costs(sched, p):
+    """Emulated seconds per op: COST for a stage of a p-stage cut, 1/k of it for k stages per
+    rank (interleaved, DualPipeV); BW = B + W."""
+    k = 1 if sched.name == "dualpipe" else sched.n_stages // p
+    return {"F": COST / k, "B": COST / k, "W": COST / k, "BW": 2 * COST / k}
+
+
+def bubble_worker(p, m):
     rank, out = dist.get_rank(), {}
     tokens, targets = random_tokens(MB * 8, 16, CFG.vocab_size, seed=0)
     cfg = CFG.replace(hidden=32, ffn_hidden=64)
-    for name, p, m, v in cases:
-        model = TinyLlama(cfg)
+    for name, v in BUBBLE_CASES:
         sched = make_schedule(name, p, m, v)
-        mine = {s: st for s, st in enumerate(split_stages(model, sched.n_stages)) if s in sched.stages_of(rank)}
+        stages = schedule_stages(TinyLlama(cfg), sched)
+        mine = {s: st for s, st in stages.items() if s in sched.stages_of(rank)}
         args = (list(tokens[:2 * m].chunk(m)), list(targets[:2 * m].chunk(m)))
         run_schedule(sched, mine, *args)                         # warm-up
-        k = sched.n_stages // p
-        tl = Timeline(emulate={"F": COST / k, "B": COST / k, "W": COST / k, "BW": 2 * COST / k})
+        tl = Timeline(emulate=_costs(sched, p))
         dist.barrier()
         run_schedule(sched, mine, *args, timeline=tl)
         out[name] = tl.events
     return out
 
 
-def main():
+def bubble_rows(p=4, m=8):
+    events = run(bubble_worker, p, p, m, timeout=600)
     rows = []
-    for p in (2, 4):
-        rows += run(bench_worker, p, p, timeout=600)[0]
-    cases = [("afab", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("zb_h1", 4, 8, 1),
-             ("dualpipev", 4, 8, 1)]
-    events = run(bubble_worker, 4, cases, timeout=600)
-    bubbles = []
-    for name, p, m, v in cases:
+    for name, v in BUBBLE_CASES:
         s = make_schedule(name, p, m, v)
-        k = s.n_stages // p
-        meas = bubble_ratio(merge([e[name] for e in events]))
-        sim = bubble_ratio(simulate(s, {"F": COST / k, "B": COST / k, "W": COST / k}))
+        c = {k: _costs(s, p)[k] for k in ("F", "B", "W")}
         ev_m = merge([e[name] for e in events])
         hop = comm_latency(ev_m, s)
-        sim_c = bubble_ratio(simulate(s, {"F": COST / k, "B": COST / k, "W": COST / k, "comm": hop}))
-        span_m = max(e["end"] for e in ev_m)
-        span_s = max(e["end"] for e in simulate(s, {"F": COST / k, "B": COST / k, "W": COST / k}))
-        bubbles.append({"name": f"bubble_{name}_4ranks", "picolib_s": round(span_m, 4),
-                        "peer_s": round(span_s, 4), "ratio": round(span_m / span_s, 3),
-                        "peer": "simulate() on ideal devices, same op lists and emulated costs",
-                        "measured": round(meas, 4), "simulated": round(sim, 4),
-                        "rel_diff": round(meas / sim - 1, 3), "comm_s": round(hop, 5),
-                        "simulated_with_comm": round(sim_c, 4), "cost_s": COST, "micro_batches": m})
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(rows + bubbles, indent=1) + "\n")
-    print("| schedule | picolib (s) | torch.distributed.pipelining (s) | ratio |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['name']} ({r['schedule_peer']}) | {r['picolib_s']:.4f} | {r['peer_s']:.4f} | {r['ratio']:.2f} |")
-    print("\n| schedule (p=4, m=8) | measured bubble | simulated | difference | simulated with measured hop |")
-    print("|---|---|---|---|---|")
-    for b in bubbles:
-        print(f"| {b['name']} | {b['measured']:.3f} | {b['simulated']:.3f} | {b['rel_diff']:+.1%} | "
-              f"{b['simulated_with_comm']:.3f} ({b['comm_s'] * 1e3:.1f} ms) |")
+        sim = simulate(s, c, overlap=False)                       # as the executor runs it
+        sim_c = simulate(s, c, overlap=False, comm=hop)
+        took = {(e["name"], e["meta"]["stage"], e["meta"]["mb"]): e["end"] - e["start"] for e in ev_m}
+        replay = simulate(s, lambda op: took[op.kind, op.stage, op.mb], overlap=False, comm=hop)
+        meas, b_sim, b_sim_c = bubble_ratio(ev_m), bubble_ratio(sim), bubble_ratio(sim_c)
+        b_replay = bubble_ratio(replay)
+        formula = bubble_formula(p, m, v, schedule=name, cost=c)
+        rows.append({"schedule": name, "measured": round(meas, 4), "simulated": round(b_sim, 4),
+                     "simulated_with_comm": round(b_sim_c, 4), "comm_s": round(hop, 5),
+                     "rel_diff": round(meas / b_sim - 1, 4),
+                     "rel_diff_with_comm": round(meas / b_sim_c - 1, 4),
+                     "replayed": round(b_replay, 4), "rel_diff_replayed": round(meas / b_replay - 1, 4),
+                     "op_overrun_s": round(statistics.median(
+                         took[op.kind, op.stage, op.mb] - _costs(s, p)[op.kind]
+                         for seq in s.ops for op in seq), 5),
+                     "simulated_fb_chunk": round(bubble_ratio(simulate(s, c)), 4),
+                     "formula": None if formula is None else round(formula, 4),
+                     "makespan_measured_s": round(max(e["end"] for e in ev_m), 4),
+                     "makespan_simulated_s": round(max(e["end"] for e in sim), 4)})
+        r = rows[-1]
+        print(f"bubble {name:12s} measured {meas:.4f}  simulated {b_sim:.4f} ({r['rel_diff']:+.1%}), "
+              f"with the measured hop {b_sim_c:.4f} ({r['rel_diff_with_comm']:+.1%}), replayed "
+              f"{b_replay:.4f} ({r['rel_diff_replayed']:+.1%}); F&B as one chunk "
+              f"{r['simulated_fb_chunk']:.4f}; formula {r['formula']}", flush=True)
+    return {"p": p, "m": m, "cost_s": COST, "tolerance": TOLERANCE,
+            "peer": "simulate() on ideal devices, same op lists and emulated costs", "rows": rows}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--bubble-only" in argv:          # keep the last run's side-by-side rows, redo the bubble
+        from _report import load
+        rows = load("pipeline")["side_by_side"]
+    else:
+        rows = []
+        for p in (2, 4):
+            rows += run(bench_worker, p, p, timeout=600)[0]
+    bubble = bubble_rows()
+    write("pipeline", {"side_by_side": rows, "bubble": bubble})
+    bad = [r for r in bubble["rows"] if abs(r["rel_diff_replayed"]) > TOLERANCE]
+    if bad:
+        sys.exit("measured and simulated bubbles differ by more than "
+                 f"{TOLERANCE:.0%}: " + ", ".join(f"{r['schedule']} {r['measured']} vs "
+                                                 f"{r['replayed']}" for r in bad))
 
 
 if __name__ == "__main__":

@@ -80,11 +80,13 @@ def _check_ops(sched: Schedule):
                 raise ScheduleError(f"rank {r}: W(s{s},mb{mb}) comes before its B")
 
 
-def simulate(sched: Schedule, cost=None, check: bool = True, overlap: bool = True) -> list[dict]:
+def simulate(sched: Schedule, cost=None, check: bool = True, overlap: bool = True,
+             comm: float | None = None) -> list[dict]:
     """Run the schedule on ideal devices: each op starts when its rank is free and its input
     has arrived (producer's end + comm cost if it crossed ranks). `cost` is a dict with
     "F", "B", "W" (and "BW", default B + W; "F&B", default F + BW; "comm", default 0),
-    time per op, or a function op -> time. With `overlap`, each pair in `sched.overlap` is
+    time per op, or a function op -> time (e.g. each op's duration in a measured run: a
+    replay); `comm`, if given, is the hand-over time for either form. With `overlap`, each pair in `sched.overlap` is
     one chunk: it starts when both its inputs are there and lasts cost["F&B"] (drawn as its
     F then its backward, sharing the time in proportion to their costs). Returns timeline
     events (rank, name, start, end, meta: stage, chunk, mb), ready for
@@ -93,6 +95,8 @@ def simulate(sched: Schedule, cost=None, check: bool = True, overlap: bool = Tru
     if check:
         _check_ops(sched)
     c = {"F": 1.0, "B": 1.0, "W": 1.0, "comm": 0.0, **(cost if isinstance(cost, dict) else {})}
+    if comm is not None:
+        c["comm"] = comm
     c.setdefault("BW", c["B"] + c["W"])
     op_cost = cost if callable(cost) else (lambda op: c[op.kind])
     end: dict = {}           # (kind-class, stage, mb) -> end time; B and BW both file as "B"
