@@ -4,7 +4,7 @@ sequence parallelism.
     saved_bytes(tp, seq, sp, hidden, ffn_hidden, n_heads, batch)   # the number
     saved_bytes_bars(tp, seq, sp)                                   # the knob cell (bars)
     layer_timeline(sp, cfg, unit)         # §4: one block's forward, op by op, on tp ranks
-    plan_640(tp, sp, seq, ...)            # §8: the 640-H100 plan of the Llama-3-70B sizing (lesson 05 §8)
+    plan_640(tp, sp, seq, ...)            # §8: the 640-H100 plan of the Llama-3-70B sizing
     max_seq(tp, sp, ...), max_micro_batch_size(tp, sp, seq, ...)   # §8: what fits in 0.9 × 80 GB
 
 Both use `picolib.sequence_parallel.activation_bytes_per_layer` (fp32, eager attention, the
