@@ -11,7 +11,9 @@ Choices made for teaching:
   so a parallel version can shard each one;
 - attention is written out (`attn_impl="eager"`) so the saved s×s score matrices are
   visible to the memory lesson; `attn_impl="sdpa"` uses the fused kernel (flash-style
-  on CPU and GPU), which saves no s×s matrix;
+  on CPU and GPU), which saves no s×s matrix and takes the K/V heads unrepeated (GQA);
+- RoPE is one complex multiply (`apply_rope`); generation keeps the keys and values of
+  the tokens seen in a `KVCache` (`picolib.generate`);
 - `recompute="full"` recomputes each block in backward, `"selective"` only the
   attention core (the softmax(QKᵀ)V part), as in Korthikanti et al. 2022 (lesson 01);
 - weights come from the config's seed alone: same seed → bitwise same model.
@@ -29,9 +31,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["LlamaConfig", "TinyLlama", "RMSNorm", "AttentionCore", "Attention", "SwiGLU", "Block",
-           "CrossEntropy",
-           "rope_tables", "apply_rope", "upcast", "attention_core", "param_count", "random_tokens",
-           "TextData", "repeat_kv"]
+           "CrossEntropy", "KVCache",
+           "rope_tables", "apply_rope", "upcast", "attention_core", "causal_mask", "param_count",
+           "random_tokens", "TextData", "repeat_kv"]
 
 
 @dataclass(frozen=True)
@@ -101,11 +103,41 @@ def rope_tables(head_dim: int, max_seq: int, theta: float):
     return angles.cos().float(), angles.sin().float()
 
 
+class _Rotate(torch.autograd.Function):
+    """x rotated by the angles (cos, sin); its backward rotates the gradient back (the
+    opposite angle: cos, −sin). Saving only the tables (views of the model's buffers) keeps
+    the rotation's saved bytes at zero, as lesson 01 counts them."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad.contiguous(), cos, -sin), None, None
+
+
+def _rotate(x, cos, sin):
+    pairs = torch.view_as_complex(upcast(x).unflatten(-1, (-1, 2)))       # x[2i] + i·x[2i+1]
+    turn = torch.complex(upcast(cos), upcast(sin))                        # e^{i·angle}, (s, d/2)
+    return torch.view_as_real(pairs * turn).flatten(-2).type_as(x)
+
+
 def apply_rope(x, cos, sin):
-    """Rotate pairs (x[2i], x[2i+1]) by the position's angle. x: (b, heads, s, d); cos/sin: (s, d/2)."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
+    """Rotate each pair (x[2i], x[2i+1]) by its position's angle. x: (b, heads, s, d);
+    cos/sin: (s, d/2).
+
+    One step: the pair is read as the complex number x[2i] + i·x[2i+1] and multiplied by
+    cos + i·sin — one complex multiply, in fp32 at least (Meta's Llama code does the same).
+    We chose it over the rotate-half form (x·cos + rotate_half(x)·sin, Hugging Face's)
+    because rotate-half turns the pairs (x[i], x[i + d/2]): the same weights would then be
+    a different model, while the complex multiply keeps the pairs this model always used
+    (losses and gradients equal the two-slice form it replaced, tests/test_model.py) and
+    is one kernel where two slices, four products and a stack were seven (measured on one
+    CPU thread: forward + backward 3× faster or more)."""
+    return _Rotate.apply(x, cos, sin)
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -118,16 +150,33 @@ def repeat_kv(x, n_rep: int):
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
+# SDPA takes K/V heads unrepeated (GQA) from torch 2.5 on; before, they are repeated here
+SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
 def attention_core(q, k, v, impl: str = "eager", causal: bool = True):
-    """softmax(q kᵀ/√d + causal mask) v for (b, heads, s, d) tensors."""
+    """softmax(q kᵀ/√d + causal mask) v. q (b, heads, s_q, d); k, v (b, kv_heads, s_k, d)
+    with kv_heads dividing heads (GQA: each K/V head serves heads/kv_heads query heads).
+    With s_k > s_q (a K/V cache) the queries are the last s_q positions."""
+    n_rep = q.shape[1] // k.shape[1]
+    s_q, s_k = q.shape[-2], k.shape[-2]
     if impl == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if not SDPA_GQA:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        gqa = {"enable_gqa": n_rep > 1} if SDPA_GQA else {}
+        if s_q == s_k or not causal:                   # SDPA's is_causal aligns top-left
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(s_q, s_k, q.device), **gqa)
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if causal:
-        s_q, s_k = scores.shape[-2:]
-        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~causal_mask(s_q, s_k, q.device), float("-inf"))
     return scores.softmax(-1) @ v
+
+
+def causal_mask(s_q: int, s_k: int, device=None):
+    """(s_q, s_k) bool, True where query i (the (s_k − s_q + i)-th position) may see key j."""
+    return torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(s_k - s_q)
 
 
 class AttentionCore(nn.Module):
@@ -136,8 +185,9 @@ class AttentionCore(nn.Module):
     A module of its own so that a transform can swap it (context parallelism puts ring
     attention here, lesson 06) while the projections around it stay. It receives the
     key/value heads unrepeated (GQA), so a core that moves K/V between ranks moves the
-    smaller tensors. `selective` recomputes it in backward instead of saving the s×s
-    scores (lesson 01)."""
+    smaller tensors; the fused kernel (`sdpa`) takes them so too, eager attention repeats
+    them (the repeated K/V are what it saves). `selective` recomputes it in backward
+    instead of saving the s×s scores (lesson 01)."""
 
     def __init__(self, impl: str = "eager", selective: bool = False):
         super().__init__()
@@ -145,8 +195,9 @@ class AttentionCore(nn.Module):
 
     def forward(self, q, k, v):
         """q (b, heads, s, d); k, v (b, kv_heads, s, d) with kv_heads dividing heads (GQA)."""
-        n_rep = q.shape[1] // k.shape[1]  # heads may be a shard: keep the ratio, not the totals
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        if self.impl == "eager":   # heads may be a shard: keep the ratio, not the totals
+            n_rep = q.shape[1] // k.shape[1]
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         if self.selective and torch.is_grad_enabled():
             return checkpoint(attention_core, q, k, v, self.impl, use_reentrant=False)
         return attention_core(q, k, v, self.impl)
@@ -174,11 +225,15 @@ class Attention(nn.Module):
     def output(self, y):
         return self.wo(y)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cache: "KVCache | None" = None):
+        """`cache` (generation): this layer's earlier keys and values; the new ones join
+        them and the queries attend to all."""
         q, k, v = self.project(x)
         b, s, _ = q.shape
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(self, k, v)
         out = self.core(q, k, v)
         return self.output(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -206,9 +261,30 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, cache: "KVCache | None" = None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
+
+
+class KVCache:
+    """Keys and values of the tokens a sequence has seen so far, per attention layer
+    (generation, `picolib.generate`): each new token computes only its own K/V, appends
+    them, and attends to all. `length` is the number of tokens cached."""
+
+    def __init__(self):
+        self.keys: dict = {}        # attention module -> (b, kv_heads, length, d)
+        self.values: dict = {}
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.keys.values())).shape[2] if self.keys else 0
+
+    def append(self, layer, k, v):
+        if layer in self.keys:
+            k = torch.cat((self.keys[layer], k), dim=2)
+            v = torch.cat((self.values[layer], v), dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
 
 
 class CrossEntropy(nn.Module):
@@ -275,7 +351,10 @@ class TinyLlama(nn.Module):
         stage sends and receives)."""
         return batch, seq // self.sequence_shards, self.cfg.hidden
 
-    def forward(self, x, positions: torch.Tensor | range | None = None):
+    def forward(self, x, positions: torch.Tensor | range | None = None, cache: KVCache | None = None):
+        """`cache`: the K/V of the tokens before `x` (generation); positions then continue
+        from its length."""
+        start = 0 if cache is None else cache.length
         if self.embed is not None:
             seq = x.shape[1]
             if seq % self.sequence_shards:
@@ -286,13 +365,14 @@ class TinyLlama(nn.Module):
         else:
             seq = x.shape[1] * self.sequence_shards
         if positions is None:
-            positions = range(seq) if self.position_ids is None else self.position_ids(seq)
+            positions = (range(start, start + seq) if self.position_ids is None
+                         else self.position_ids(seq))
         cos, sin = self.rope(positions)
         for block in self.blocks:
             if self.cfg.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, cache, use_reentrant=False)
             else:
-                x = block(x, cos, sin)
+                x = block(x, cos, sin, cache)
         return x if self.lm_head is None else self.lm_head(self.norm(x))
 
     def loss(self, tokens, targets, positions: torch.Tensor | range | None = None):
