@@ -23,6 +23,8 @@ The contract (lesson 00 shows each part):
 - a run that does not finish in `timeout` seconds becomes a `WorkerTimeout` that shows
   where each stuck rank was; an interrupt (the notebook's stop button) ends every rank;
 - no rank, nothing a rank started, and not the server outlives the caller;
+- a server that died between two runs (killed, the out-of-memory killer) is restarted by
+  the next run; one that dies during a run is that run's error, named;
 - what a rank prints reaches the caller prefixed with `[rank r]`.
 
 On a cluster the same worker code runs under `torchrun`; call `init_from_env()` first.
