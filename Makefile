@@ -40,8 +40,11 @@ test-notebooks: $(STAMP)
 exercises: $(STAMP)
 	$(PY) tools/make_exercises.py
 
+# `make bench`: every benchmark (bench/*.py; bench/_report.py is their shared writer), then the
+# README's tables from bench/results/*.json (`$(PY) tools/bench_tables.py` redoes only the tables).
 bench: $(STAMP)
-	for b in bench/*.py; do $(PY) $$b || exit 1; done
+	for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
+	$(PY) tools/bench_tables.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -116,7 +116,7 @@ def _context_parallel(data):
     t1 = _table(["seq", "cp", "one process (s)", "ring contiguous", "ring zig-zag", "all-gather",
                  "Ulysses", "saved MiB/rank (ring / all-gather / Ulysses)", "one process MiB"], out)
     t2 = _table(["seq", "cp", "ring / all-gather: step time", "saved bytes", "bytes sent",
-                 "bytes sent per rank, ring / all-gather (counted)"],
+                 "bytes sent per rank, ring / all-gather (ledger)"],
                 [[f"{r['seq']:,}", r["cp"], f"{r['time_ratio']:.2f}", f"{r['saved_bytes_ratio']:.3f}",
                   f"{r['sent_bytes_ratio']:.3f}",
                   f"{by[r['seq'], r['cp'], 'ring', 'zigzag']['sent_bytes_per_rank']:,} / "

@@ -16,7 +16,6 @@ worker that calls `init_process_group("gloo", init_method="tcp://127.0.0.1:<free
 """
 from __future__ import annotations
 
-import json
 import socket
 import statistics
 import subprocess
@@ -30,11 +29,11 @@ import torch.multiprocessing as tmp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from picolib.launch import run  # noqa: E402
+from _report import write  # noqa: E402
 
 WORLD_SIZES = (2, 4, 8)
 REPEATS = 7
 NUMEL = 4
-OUT = Path(__file__).resolve().parent / "results" / "launch.json"
 
 
 def job() -> float:
@@ -130,13 +129,7 @@ def main() -> list[dict]:
               file=sys.stderr, flush=True)
     print(f"{STALL_RUNS} sequential runs: median {stalls['median_s']:.3f} s, max "
           f"{stalls['max_s']:.3f} s, {stalls['over_1s']} over {STALL_S:g} s", file=sys.stderr)
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(rows + [stalls], indent=1) + "\n")
-    print("| ranks | picolib warm (s) | picolib first call (s) | spawn (s) | warm ratio |"
-          " first ratio |\n|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['world_size']} | {r['picolib_s']:.3f} | {r['picolib_first_call_s']:.2f} |"
-              f" {r['peer_s']:.2f} | {r['ratio']:.3f} | {r['first_ratio']:.2f} |")
+    write("launch", rows + [stalls])
     return rows
 
 

@@ -10,6 +10,9 @@ same TinyLlama cut into p stages of n_layers/p blocks:
 - tp_uniform:  TeraPipe, the best uniform slicing by the cost model (M ∈ {2, 4, ..., 32});
 - tp_dp:       TeraPipe, the DP's slicing (slices in multiples of SEQ/32 tokens).
 
+`ratios`: the DP slicing's speed-up over each baseline (plain 1F1B, uniform slicing) at the
+same p, sequence and stages, emulated, measured and predicted (baseline time / DP time).
+
 The cost model t(l, c) is measured first, in this process, on one stage (fastest of 3
 runs per (l, c)) and fitted (`fit_cost_model`); `predicted_s` = Σtᵢ + (K−1)·max tᵢ from it
 (1f1b: one slice, p·t(SEQ, 0)). Two measurements per row:
@@ -23,7 +26,6 @@ runs per (l, c)) and fitted (`fit_cost_model`); `predicted_s` = Σtᵢ + (K−1)
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -43,12 +45,12 @@ from picolib.terapipe import (FORWARD_SHARE, TeraPipePlan, measure_costs, run_te
                               terapipe_stage)
 from picolib.terapipe_slicer import dp_slices, fit_cost_model, pipeline_latency, uniform_slices  # noqa: E402
 from picolib.timeline import Timeline, makespan, merge  # noqa: E402
+from _report import write  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=256, hidden=128, n_layers=4, n_heads=4, n_kv_heads=2,
                   ffn_hidden=256, max_seq=2048, attn_impl="sdpa")
 SEQS, RANKS = (512, 1024, 2048), (2, 4)
 STEPS, SCALE = 5, 8.0
-OUT = ROOT / "bench" / "results" / "terapipe.json"
 
 
 def _cost_model(p: int, seq: int):
@@ -136,9 +138,22 @@ def main():
                       f"{r['predicted_s'] * 1e3:8.1f} ms  emulated {r['emulated_s']:.3f} s / "
                       f"{r['predicted_emulated_s']:.3f} s  slices {len(r['slices'])}", flush=True)
             print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(rows, indent=1) + "\n")
-    print(f"wrote {OUT}")
+    ratios = []
+    for p in RANKS:
+        for seq in SEQS:
+            r = {n: next(x for x in rows if x["name"] == f"{n}_{p}ranks_seq{seq}")
+                 for n in ("1f1b", "tp_uniform", "tp_dp")}
+            ratios.append({"world_size": p, "seq": seq, "variant": "tp_dp",
+                           **{f"speedup_vs_{b}_{what}": round(r[b][key] / r["tp_dp"][key], 3)
+                              for b in ("1f1b", "tp_uniform")
+                              for what, key in (("emulated", "emulated_s"), ("measured", "measured_s"),
+                                                ("predicted", "predicted_s"))}})
+    write("terapipe", {"note": "one run on a shared, noisy 2-core machine: wall-clock rows measure "
+                               "the machine; the emulated rows (ops sleep to their modelled cost) "
+                               "measure the schedule",
+                       "baseline": "1f1b: lesson 07's executor, one micro-batch (batch 1), the same "
+                                   "stages; tp_uniform: the best uniform slicing by the cost model",
+                       "rows": rows, "ratios": ratios})
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ ffn 768, 4 layers, vocab 1024, batch 4 × 256 tokens, eager attention.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from picolib.launch import run  # noqa: E402
+from _report import write  # noqa: E402
 from picolib.model import LlamaConfig, TinyLlama, random_tokens  # noqa: E402
 from picolib.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
@@ -46,7 +46,6 @@ CFG = LlamaConfig(vocab_size=1024, hidden=256, n_layers=4, n_heads=8, n_kv_heads
 MB, SEQ = 4, 256
 WARMUP, ROUND, ROUNDS = 1, 2, 3          # 1 + 6 timed steps per side
 WORLDS = (2, 4)
-OUT = ROOT / "bench" / "results" / "tp_sp.json"
 
 
 # ----------------------------------------------------------------------- the contestants
@@ -83,8 +82,8 @@ def peer_model(sp: bool):
                 "mlp.w_down": RowwiseParallel(output_layouts=seq)}
         if sp:
             plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                         "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                    desired_input_layouts=(Replicate(), None, None)),
+                         "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                    desired_input_layouts=(Replicate(), None, None, None)),
                          "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
                                                    desired_input_layouts=(Replicate(),))})
         parallelize_module(block, mesh, plan)
@@ -176,15 +175,7 @@ def main():
                          "picolib_act_bytes": res["picolib_act_bytes"],
                          "peer_act_bytes": res["peer_act_bytes"]})
             print(rows[-1], flush=True)
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({"sizes": {"cfg": CFG.__dict__, "batch": MB, "seq": SEQ},
-                               "rows": rows}, indent=1) + "\n")
-    print("\n| row | picolib s/step | DTensor s/step | ratio | picolib saved B/rank | DTensor saved B/rank |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['name']} | {r['picolib_s']:.4f} | {r['peer_s']:.4f} | {r['ratio']:.2f} | "
-              f"{r['picolib_act_bytes']:,} | {r['peer_act_bytes']:,} |")
-
+    write("tp_sp", {"sizes": {"cfg": CFG.__dict__, "batch": MB, "seq": SEQ}, "rows": rows})
 
 if __name__ == "__main__":
     main()

@@ -36,7 +36,6 @@ ratio is picolib's median step time over the native one's (lesson 10 asks ≤ 1.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -52,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from picolib.compose import TrainConfig  # noqa: E402
 from picolib.launch import run  # noqa: E402
+from _report import write  # noqa: E402
 from picolib.model import TextData, TinyLlama, param_count  # noqa: E402
 from picolib.train import train  # noqa: E402
 
@@ -73,7 +73,6 @@ SIDE = TrainConfig(dp=2, tp=2, zero=3, preset="base", batch=8, seq=128, micro_ba
                    steps=4, data="text", progress=False)
 ROUNDS = 6                               # 6 × (4 − WARMUP) = 12 timed steps per side
 LOSS_TOL_SIDE = 1e-5                     # |picolib − native| per step (fp32; seen ~1e-7)
-OUT = ROOT / "bench" / "results" / "train_5d.json"
 MiB = 2 ** 20
 
 
@@ -203,15 +202,14 @@ def main():
             "picolib_step_times_s": [round(t, 3) for t in res["times"]["picolib"]],
             "native_step_times_s": [round(t, 3) for t in res["times"]["native"]],
             "config": {k: v for k, v in asdict(SIDE).items() if v != getattr(TrainConfig(), k)}}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({
+    write("train_5d", {
         "note": "8 ranks on this machine's 2 cores oversubscribe the CPU: part 1's figures are "
                 "relative (configurations against each other, one run), not 8-device speeds",
         "sizes": {"preset": BASE.preset, "params": param_count(BASE.model_config()),
                   "batch": BASE.batch, "seq": BASE.seq, "steps": BASE.steps, "warmup": WARMUP,
                   "data": BASE.data},
         "configs": rows, "side_by_side": side, "torch": torch.__version__,
-        "wall_s": round(time.perf_counter() - t_start, 1)}, indent=1, ensure_ascii=False) + "\n")
+        "wall_s": round(time.perf_counter() - t_start, 1)})
     print(f"\n8 gloo ranks on 2 cores (oversubscribed: relative figures), preset {BASE.preset} "
           f"({param_count(BASE.model_config()):,} parameters), {BASE.batch}×{BASE.seq} tokens "
           f"per step, median of {ROUNDS_5D * (BASE.steps - WARMUP)} steps\n")
