@@ -1,0 +1,182 @@
+"""Checks for lesson 12 (inside one accelerator): the roofline's time bound, the bytes
+attention moves naively and in tiles, FP8 quantization with a scale per tensor, row or tile."""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from ..attention_io import naive_bytes, tiled_bytes
+from ..low_precision import fake_quantize
+from ..roofline import op_time
+from ._core import call_student, compare, report
+
+__all__ = ["check_roofline_time", "check_attention_bytes", "check_fp8_quantize"]
+
+
+def _close(got, expected, rel: float = 1e-9) -> bool:
+    try:
+        return abs(float(got) - expected) <= rel * abs(expected) + 1e-30
+    except (TypeError, ValueError):
+        return False
+
+
+def _fits(rule, wrong) -> bool:
+    return all(_close(got, rule(*args), 1e-6) for args, got in wrong)
+
+
+def check_roofline_time(fn) -> None:
+    """`fn(flops, nbytes, peak, bandwidth) -> seconds`: the least time the roofline allows."""
+    rng, problems, answers, cases = random.Random(12), [], [], 0
+    shapes = [(2e12, 1e9, 989e12, 3.35e12), (1e6, 4e6, 1e11, 2e10), (5e9, 1e7, 1e11, 2e10)]
+    for _ in range(9):
+        shapes.append((10 ** rng.uniform(5, 13), 10 ** rng.uniform(5, 11), 10 ** rng.uniform(10, 15),
+                       10 ** rng.uniform(9, 13)))
+    for args in shapes:
+        cases += 1
+        got = call_student(fn, *args)
+        line = compare(f"F={args[0]:.3g} FLOPs, B={args[1]:.3g} bytes, C={args[2]:.3g}, W={args[3]:.3g}",
+                       got, op_time(*args), atol=0.0, rtol=1e-9)
+        problems += line
+        answers.append((args, got))
+    if problems:
+        rules = {
+            "the two times are added: the roofline takes the larger one (memory and arithmetic "
+            "overlap; the slower of the two sets the time)": lambda f, b, c, w: f / c + b / w,
+            "the smaller of the two times: the bound is the larger — an operation waits for "
+            "whichever is slower": lambda f, b, c, w: min(f / c, b / w),
+            "FLOPs divided by the bandwidth and bytes by the peak: FLOPs go with C (FLOP/s), "
+            "bytes with W (bytes/s)": lambda f, b, c, w: max(f / w, b / c),
+            "the bytes are ignored: a memory-bound operation takes bytes / W": lambda f, b, c, w: f / c,
+            "the FLOPs are ignored: a compute-bound operation takes FLOPs / C": lambda f, b, c, w: b / w,
+        }
+        hint = next((k for k, rule in rules.items() if _fits(rule, answers)), None)   # every answer
+        problems = [f"{hint} — {problems[0]}"] if hint else problems
+    report("roofline time", problems, passed=cases)
+
+
+def check_attention_bytes(fn) -> None:
+    """`fn(s, d, block, elem, tiled) -> bytes` that one head's attention moves between slow
+    memory and the chip: naive (S and P through slow memory) or tiled with blocks of
+    `block` rows (Q and O once, K and V once per query block)."""
+    cases_in = [(1024, 128, 128, 2), (4096, 64, 64, 2), (1000, 64, 128, 4), (131072, 128, 128, 2),
+                (300, 32, 64, 4)]
+    problems, wrong, lines, cases = [], {True: [], False: []}, {True: [], False: []}, 0
+    for s, d, block, elem in cases_in:
+        for tiled in (False, True):
+            cases += 1
+            expected = tiled_bytes(s, d, block, elem) if tiled else naive_bytes(s, d, elem)
+            got = call_student(fn, s, d, block, elem, tiled)
+            line = compare(f"s={s} d={d} block={block} elem={elem} tiled={tiled}", got, float(expected),
+                           atol=0.5, rtol=1e-12)
+            if line:
+                problems += line
+                lines[tiled] += line
+                wrong[tiled].append(((s, d, block, elem), got))
+    if problems:
+        naive_rules = {
+            "naive: S and P are each written *and read back*: 4s² numbers, not 2s²":
+                lambda s, d, b, e: e * (4 * s * d + 2 * s * s),
+            "naive: the s×s matrices are missing: S and P each go to slow memory and back (4s²)":
+                lambda s, d, b, e: e * 4 * s * d,
+            "naive: Q, K, V are read and O written once each: 4sd, not 3sd":
+                lambda s, d, b, e: e * (3 * s * d + 4 * s * s),
+            "numbers counted, not bytes: multiply by elem (bytes per number)":
+                lambda s, d, b, e: 4 * s * d + 4 * s * s,
+        }
+        tiled_rules = {
+            "tiled: every query block reads K *and* V once: (s/B)·2sd, not (s/B)·sd":
+                lambda s, d, b, e: e * (2 * s * d + math.ceil(s / b) * s * d),
+            "tiled: Q is read and O written once (2sd); only K and V are re-read per query block":
+                lambda s, d, b, e: e * (math.ceil(s / b) * 2 * s * d),
+            "tiled: a last, partial block is still a block: the number of query blocks is "
+            "ceil(s/B)": lambda s, d, b, e: e * (2 * s * d + s / b * 2 * s * d),
+            "tiled: the s×s matrices never leave the chip: no s² term":
+                lambda s, d, b, e: e * (2 * s * d + math.ceil(s / b) * 2 * s * d + 4 * s * s),
+            "numbers counted, not bytes: multiply by elem (bytes per number)":
+                lambda s, d, b, e: 2 * s * d + math.ceil(s / b) * 2 * s * d,
+        }
+        named = []
+        for tiled, rules in ((False, naive_rules), (True, tiled_rules)):
+            if wrong[tiled]:
+                hint = next((k for k, rule in rules.items() if _fits(rule, wrong[tiled])), None)
+                named += [f"{hint} — {lines[tiled][0]}"] if hint else lines[tiled]
+        problems = named
+    report("attention bytes", problems, passed=cases)
+
+
+def _samples():
+    g = torch.Generator().manual_seed(12)
+    plain = torch.randn(8, 256, generator=g)
+    spread = torch.randn(6, 512, generator=g) * torch.logspace(-3, 2, 512)   # channels 1e-3 … 1e2
+    rows = torch.randn(16, 384, generator=g) * torch.logspace(-2, 3, 16)[:, None] * 3
+    return {"plain (8×256)": plain, "spread channels (6×512)": spread, "spread rows (16×384)": rows}
+
+
+def check_fp8_quantize(fn) -> None:
+    """`fn(x, group) -> tensor`: x rounded to FP8 e4m3 with one scale (amax / 448) per
+    tensor, per row or per 1×128 tile, returned in fp32 (the codes times their scales)."""
+    problems, cases = [], 0
+    for name, x in _samples().items():
+        for group in ("tensor", "row", "tile"):
+            cases += 1
+            expected = fake_quantize(x, group, "e4m3")
+            got = call_student(fn, x.clone(), group)
+            what = f"{name}, group={group!r}"
+            if not isinstance(got, torch.Tensor):
+                problems.append(f"{what}: expected a tensor, got {type(got).__name__}")
+                continue
+            if tuple(got.shape) != tuple(x.shape):
+                problems.append(f"{what}: shape {tuple(got.shape)}, expected {tuple(x.shape)} — return "
+                                "the dequantized tensor in x's shape")
+                continue
+            got = got.float()
+            if torch.equal(got, expected):
+                continue
+            problems.append(_fp8_hint(what, x, group, got, expected))
+    report("FP8 quantization", problems, passed=cases)
+
+
+def _fp8_hint(what, x, group, got, expected) -> str:
+    if torch.isnan(got).any():
+        return f"{what}: NaN in the result — a scale of 0 (a group of zeros keeps the scale 1)?"
+    unscaled = x.float().to(torch.float8_e4m3fn).float()
+    if torch.equal(got, unscaled):
+        return (f"{what}: x cast to FP8 without a scale — values beyond 448 are clipped and small "
+                "ones lose their digits: divide by a scale amax/448 before the cast")
+    for other in ("tensor", "row", "tile"):
+        if other != group and torch.equal(got, fake_quantize(x, other, "e4m3")):
+            per = {"tensor": "one scale for the whole tensor", "row": "one scale per row",
+                   "tile": "one scale per 1×128 tile"}[other]
+            want = {"tensor": "one amax over the whole tensor", "row": "one amax per row (last dimension)",
+                    "tile": "one amax per 1×128 piece of each row"}[group]
+            return f"{what}: {per}; group={group!r} wants {want}"
+    if torch.equal(got, fake_quantize(x, group, "e5m2")):
+        return f"{what}: these are e5m2 values — the exercise asks for torch.float8_e4m3fn (largest 448)"
+    scaled57 = _quantize_with(x, group, 57344.0)
+    if scaled57 is not None and torch.equal(got, scaled57):
+        return (f"{what}: the scale used 57,344 (e5m2's largest) with e4m3 codes: scale = amax / 448 "
+                "for float8_e4m3fn")
+    signed = _quantize_with(x, group, 448.0, signed_max=True)
+    if signed is not None and torch.equal(got, signed):
+        return (f"{what}: amax taken as the largest value, not the largest |value|: a negative "
+                "extreme then overflows (use x.abs().amax())")
+    codes_only = _quantize_with(x, group, 448.0, rescale=False)
+    if codes_only is not None and torch.equal(got, codes_only):
+        return f"{what}: these are the FP8 codes — multiply them by their scale to return x's values"
+    err = ((got - expected).abs().max()).item()
+    return f"{what}: values differ from FP8 e4m3 with scale amax/448 (max abs difference {err:.3g})"
+
+
+def _quantize_with(x, group, fmax, signed_max=False, rescale=True):
+    from ..low_precision import _groups
+    try:
+        g = _groups(x.float(), group)
+    except ValueError:
+        return None
+    amax = (g.amax(dim=1, keepdim=True) if signed_max else g.abs().amax(dim=1, keepdim=True))
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    codes = (g / scale).to(torch.float8_e4m3fn).float()
+    return (codes * scale if rescale else codes).reshape(x.shape)
+
