@@ -246,10 +246,11 @@ def _own(n: int, r: int, lo: int, hi: int) -> tuple[int, int]:
     return lo + min(a, hi - lo), lo + min(b, hi - lo)
 
 
-def holdings(wrapper, optimizer=None) -> Holdings:
+def holdings(wrapper, optimizer=None, create_state: bool = True) -> Holdings:
     """The one reader of DDP's and ZeRO's internals (see the module docstring). `optimizer`:
-    DDP's torch.optim optimizer (ZeRO is its own). With DDP the optimizer's state is created
-    (zeros, step 0) where it does not exist yet, so a checkpoint can be loaded into it."""
+    DDP's torch.optim optimizer (ZeRO is its own). With DDP and `create_state` the
+    optimizer's state is created (zeros, step 0, as its first step would) where it does not
+    exist yet, so a checkpoint can be loaded into it; without, such a `Held` has no state."""
     if hasattr(wrapper, "units"):                                   # ZeRO
         from .flat import shard_bounds
         items = []
@@ -286,17 +287,17 @@ def holdings(wrapper, optimizer=None) -> Holdings:
         if not p.requires_grad:
             continue
         g = groups.get(id(p)) or wrapper.group
-        st = optimizer.state[p]
-        if "exp_avg" not in st:
+        st = optimizer.state[p] if create_state else optimizer.state.get(p, {})
+        if "exp_avg" not in st and create_state:
             st.update(step=torch.tensor(0.0), **{k: torch.zeros_like(p) for k in STATE})
         own = _own(dist.get_world_size(g), dist.get_rank(g), 0, p.numel())
         items.append(Held(name, 0, p.numel(), *own, p.detach().view(-1),
                           None if p.grad is None else p.grad.view(-1),
-                          {k: st[k].view(-1) for k in STATE}))
+                          {k: st[k].view(-1) for k in STATE if k in st}))
         params.append(p)
 
     def set_step(n):
         for p in params:
             optimizer.state[p]["step"] = torch.tensor(float(n))
-    return Holdings(items, lambda: int(optimizer.state[params[0]]["step"]) if params else 0,
+    return Holdings(items, lambda: int(optimizer.state.get(params[0], {}).get("step", 0)) if params else 0,
                     set_step, lambda: None)
