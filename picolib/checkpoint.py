@@ -1,29 +1,38 @@
 """Checkpoints that any mesh can resume (lesson 10), with `torch.distributed.checkpoint`.
 
-What is saved is the *logical* state: the single-process model's parameters and AdamW state,
-under the single-process names (`blocks.5.attn.wq.weight`, not stage 1's `blocks.1...`),
-whole tensors, and the step. So a checkpoint written at dp2×tp2 resumes at tp4, pp2 or on one
-process: resuming builds the whole model from it and applies the same transforms as a fresh
-start, which cut out each rank's slice (`apply_tensor_parallel` shards a whole model). The
-optimizer state is cut the same way: a model whose weights are the state, transformed alike.
+What is saved is the *logical* state: the single-process model's parameters and AdamW state
+under the single-process names (`blocks.5.attn.wq.weight`, not stage 1's `blocks.1...`;
+expert 3, not some rank's local expert 1), with their whole shapes, and the step. So a
+checkpoint written at dp2×tp2 resumes at tp4, pp2 or on one process.
 
-Saving is a collective. A rank turns what it holds into whole tensors — ZeRO's flat shards
-all-gathered over the replicas, tensor-parallel slices all-gathered over tp (a KV head held
-by several tp ranks once) — and hands them to `dcp.save`; DCP writes every tensor once,
-from one of the ranks that hold it, each rank its own file. Pipeline stages hold different
-tensors, so they write different parts. At the sizes of these lessons the whole tensors fit
-on a rank; a production checkpoint keeps the shards as DTensors instead and lets DCP reshard.
+Sharded: no rank ever builds a whole tensor. Each rank hands DCP only the boxes of the whole
+tensors it answers for, read from where each parameter lives (`picolib.layout`): its tp
+slices, its pipeline stages, its experts, and of what its data-parallel replicas share, its
+own part (`layout.holdings`: its ZeRO shard; with DDP a 1/n slice of the replicated tensor);
+a box held by several tp ranks (a norm, a KV head) is written by the first of them. A flat
+ZeRO range of a 2-D slice is at most three boxes (`layout.boxes_of_range`). DCP writes every
+element once, in parallel, each rank its own file, from views of the rank's own tensors
+(one box copied at a time). Loading asks each rank's own boxes — the whole local tensors of a
+DDP replica, the shard of a ZeRO rank — and DCP reads them out of whatever boxes were saved:
+it reshards. They land straight in the built model's parameters, ZeRO's master shards and
+the optimizer state; then ZeRO refreshes its compute copy (`Holdings.after_load`).
+
+DTensor cannot describe ZeRO's flat ranges, and a ShardedTensor must list every rank's
+shards; so a rank's boxes of one tensor are a small `_Boxes` object that speaks DCP's
+checkpointable protocol (`__create_write_items__`, `__create_chunk_list__`), found by
+planners that look up its boxes by offset.
 
 Versions, and never losing a run. `save(root, ...)` writes `root/step-NNNNNN/` (the step the
 run continues from): every rank writes into `root/.step-NNNNNN.tmp`, and once all ranks are
 done rank 0 renames it — a rename is atomic, so a step folder exists only complete; a kill at
-any moment leaves at worst a `.tmp` folder, which the next save removes. Then the oldest
+any moment leaves at worst a `.tmp` folder, which the next complete save removes. Then the oldest
 complete folders beyond `keep` are renamed away and deleted. `latest(root)` is the newest
 complete step (or `root` itself when it is a step folder); `check_resume` and `check_save`
 refuse a folder that cannot work before any rank starts.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -33,68 +42,87 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .mappings import gather_along
-from .tensor_parallel import ColumnParallelLinear, ParallelAttention, RowParallelLinear
-from .vocab_parallel import VocabParallelEmbedding
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["STATE", "save", "load", "global_name", "latest", "step_folders", "check_resume",
+from .layout import STATE, boxes_of_range, global_shapes, holdings, placements
+
+__all__ = ["STATE", "save", "load", "load_into", "latest", "step_folders", "check_resume",
            "check_save"]
 
-STATE = ("exp_avg", "exp_avg_sq")   # AdamW's state per parameter (and its step count)
+KEYS = ("model",) + tuple(f"optim.{k}" for k in STATE)   # one whole tensor each, per parameter
 
 
-def global_name(stage, name: str) -> str:
-    """A stage's parameter name in the whole model: its block i is the model's block layers[i]."""
-    return re.sub(r"^blocks\.(\d+)\.", lambda m: f"blocks.{stage.layers[int(m.group(1))]}.", name)
+class _Boxes:
+    """This rank's boxes of one whole tensor of shape `shape`: [(offsets, tensor)]."""
+
+    def __init__(self, shape):
+        self.shape, self.boxes = torch.Size(shape), {}
+
+    def add(self, offsets, tensor):
+        self.boxes[torch.Size(offsets)] = tensor
+
+    def size(self):
+        return self.shape
+
+    def __create_write_items__(self, fqn, obj):
+        return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=off, sizes=t.size()),
+                              properties=TensorProperties.create_from_tensor(t), size=self.shape))
+                for off, t in self.boxes.items()]
+
+    def __create_chunk_list__(self):
+        return [ChunkStorageMetadata(offsets=off, sizes=t.size()) for off, t in self.boxes.items()]
+
+    def box(self, index: MetadataIndex):
+        return self.boxes[torch.Size(index.offset)]
 
 
-def _tp_layouts(stage) -> dict[str, tuple[int, int, object]]:
-    """{parameter name: (dim, replicas, group)} for the tensor-parallel slices of `stage`."""
-    out = {}
-    for mname, m in stage.named_modules():
-        prefix = mname + "." if mname else ""
-        if isinstance(m, ColumnParallelLinear | VocabParallelEmbedding):
-            out[prefix + "weight"] = (0, 1, m.group)
-            if getattr(m, "bias", None) is not None and isinstance(m, ColumnParallelLinear):
-                out[prefix + "bias"] = (0, 1, m.group)
-        elif isinstance(m, RowParallelLinear):
-            out[prefix + "weight"] = (1, 1, m.group)
-        if isinstance(m, ParallelAttention) and m.replicas > 1:   # KV heads held by `replicas` ranks
-            for lin in ("wk", "wv"):
-                for p in ("weight", "bias"):
-                    if prefix + f"{lin}.{p}" in out:
-                        out[prefix + f"{lin}.{p}"] = (0, m.replicas, m.group)
-    return out
+class _SavePlanner(DefaultSavePlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index):
+        obj = self.state_dict[index.fqn]
+        return obj.box(index) if isinstance(obj, _Boxes) else super().lookup_object(index)
 
 
-def _whole(t: torch.Tensor, layout) -> torch.Tensor:
-    if layout is None:
-        return t.detach().clone()
-    dim, replicas, group = layout
-    whole = gather_along(t.detach().contiguous(), dim, group)
-    return torch.cat(whole.chunk(dist.get_world_size(group), dim)[::replicas], dim)
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        # DefaultLoadPlanner's set-up would turn the objects it does not know into None
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index):
+        obj = self.state_dict[index.fqn]
+        return obj.box(index) if isinstance(obj, _Boxes) else super().lookup_tensor(index)
 
 
-def _zero_flat(wrapper, key: str | None) -> dict[str, torch.Tensor]:
-    """{name: tensor} of a ZeRO wrapper's masters (key None) or optimizer state `key`,
-    all-gathered from the shards (a collective over its group)."""
-    return {n: t for u in wrapper.units
-            for n, t in u.gather(u.master if key is None else u.state[key], wrapper.group).items()}
-
-
-def _local_state(stage, wrapper, optimizer, zero: bool) -> tuple[dict, dict, int]:
-    """(params, {state key: tensors}, step) of one stage, by its local names, as held here."""
-    if zero:
-        params = _zero_flat(wrapper, None)
-        return params, {k: _zero_flat(wrapper, k) for k in STATE}, wrapper.steps
-    params = dict(stage.named_parameters())
-    state, step = {k: {} for k in STATE}, 0
-    for name, p in params.items():
-        s = optimizer.state.get(p, {})
-        for k in STATE:
-            state[k][name] = s[k] if k in s else torch.zeros_like(p)
-        step = int(s["step"]) if "step" in s else step
-    return params, state, step
+def _state_dict(cfg, stages: dict, wrappers: dict, optimizers: list, own: bool):
+    """({key: _Boxes} of this rank's boxes, Holdings per stage). `own`: only what this rank
+    answers for (a save); else all it holds (a load)."""
+    place = {(p.stage, p.local): p for p in placements(cfg, dist.get_rank())}
+    sd, held = {}, {}
+    for s in stages:
+        held[s] = h = holdings(wrappers[s], optimizers[0])
+        for item in h.items:
+            p = place[(s, item.name)]
+            lo, hi = (item.own_lo, item.own_hi) if own else (item.lo, item.hi)
+            if hi <= lo or (own and not p.first):
+                continue
+            flats = {"model": item.value, **{f"optim.{k}": item.state[k] for k in STATE}}
+            for local, sizes, at in boxes_of_range(p.sizes, lo, hi):
+                offsets = tuple(o + d for o, d in zip(p.offsets, local))
+                start = lo - item.lo + at
+                for key, flat in flats.items():
+                    box = flat[start:start + math.prod(sizes)].view(sizes)
+                    sd.setdefault(f"{key}.{p.name}", _Boxes(p.shape)).add(offsets, box)
+    return sd, held
 
 
 _STEP = re.compile(r"^step-(\d{6,})$")
@@ -133,12 +161,22 @@ def check_save(root) -> None:
                              f"go into a new folder or one that holds only step-NNNNNN folders")
 
 
-def check_resume(path, model_cfg) -> Path:
+def _shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the single-process model: of a TrainConfig (experts included) or of a
+    LlamaConfig (dense)."""
+    if hasattr(cfg, "model_config"):
+        return global_shapes(cfg)
+    from .model import TinyLlama
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in TinyLlama(cfg).named_parameters()}
+
+
+def check_resume(path, cfg) -> Path:
     """The step folder to resume from, after checking that it exists, is complete and holds a
-    model of `model_cfg`'s shapes (read from DCP's metadata, no tensor loaded)."""
+    model of `cfg`'s shapes (a TrainConfig, or a LlamaConfig; read from DCP's metadata, no
+    tensor loaded)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from .model import TinyLlama
     path = Path(path)
     if not path.exists():
         raise ValueError(f"--resume {path}: no such folder")
@@ -151,20 +189,19 @@ def check_resume(path, model_cfg) -> Path:
         saved = FileSystemReader(str(step)).read_metadata().state_dict_metadata
     except Exception as e:  # noqa: BLE001 - any unreadable metadata means the same to the user
         raise ValueError(f"--resume {step}: its metadata cannot be read ({type(e).__name__}: {e})") from None
-    with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in TinyLlama(model_cfg).named_parameters()}
+    shapes = _shapes(cfg)
     for name, shape in shapes.items():
         meta = saved.get(f"model.{name}")
         if meta is None:
             raise ValueError(f"--resume {step}: the checkpoint has no tensor {name!r}; "
-                             f"was it written with another --preset?")
+                             f"was it written with another --preset or --experts?")
         if tuple(meta.size) != shape:
             raise ValueError(f"--resume {step}: {name} is {tuple(meta.size)} in the checkpoint "
                              f"but {shape} in this model; was it written with another --preset?")
     extra = sorted(k[6:] for k in saved if k.startswith("model.") and k[6:] not in shapes)
     if extra:
         raise ValueError(f"--resume {step}: the checkpoint holds tensors this model lacks "
-                         f"({', '.join(extra[:3])}); was it written with another --preset?")
+                         f"({', '.join(extra[:3])}); was it written with another --preset or --experts?")
     return step
 
 
@@ -176,10 +213,11 @@ def _sync_folder(path: Path) -> None:
         os.close(fd)
 
 
-def save(root, stages: dict, wrappers: dict, optimizers: list, zero: bool, next_step: int,
+def save(root, cfg, stages: dict, wrappers: dict, optimizers: list, next_step: int,
          keep: int = 2) -> Path:
     """Write the logical state of all ranks' stages as `root/step-NNNNNN` (every rank calls
-    it), atomically, then keep only the newest `keep` step folders. Returns the folder."""
+    it; each writes only the boxes it answers for), atomically, then keep only the newest
+    `keep` step folders. `cfg`: the TrainConfig the ranks run. Returns the folder."""
     root = Path(root)
     final, tmp = root / f"step-{next_step:06d}", root / f".step-{next_step:06d}.tmp"
     rank0 = dist.get_rank() == 0
@@ -188,18 +226,10 @@ def save(root, stages: dict, wrappers: dict, optimizers: list, zero: bool, next_
         if tmp.exists():                       # a save killed before it finished
             shutil.rmtree(tmp)
     dist.barrier()
-    sd = {}
-    for s, stage in stages.items():
-        params, state, step = _local_state(stage, wrappers[s], optimizers[0] if not zero else None, zero)
-        layouts = _tp_layouts(stage)
-        for name, t in params.items():
-            g = global_name(stage, name)
-            sd[f"model.{g}"] = _whole(t, layouts.get(name)).float()
-            for k in STATE:
-                sd[f"optim.{k}.{g}"] = _whole(state[k][name], layouts.get(name)).float()
-    sd["optim.step"] = torch.tensor(step)
+    sd, held = _state_dict(cfg, stages, wrappers, optimizers, own=True)
+    sd["optim.step"] = torch.tensor(next(iter(held.values())).step)
     sd["next_step"] = torch.tensor(next_step)
-    dcp.save(sd, checkpoint_id=str(tmp))     # DCP fsyncs each file it writes
+    dcp.save(sd, checkpoint_id=str(tmp), planner=_SavePlanner())   # DCP fsyncs each file
     dist.barrier()                             # every rank's files are complete
     if rank0:
         if final.exists():                     # the same step saved again: replace it
@@ -212,17 +242,30 @@ def save(root, stages: dict, wrappers: dict, optimizers: list, zero: bool, next_
             gone = root / f".old-{stale.name}"
             stale.rename(gone)                 # never a half-deleted step-NNNNNN
             shutil.rmtree(gone)
-        for left in root.glob(".old-step-*"):  # deletions a kill interrupted
-            shutil.rmtree(left, ignore_errors=True)
+        for left in [*root.glob(".old-step-*"), *root.glob(".step-*.tmp")]:
+            shutil.rmtree(left, ignore_errors=True)   # deletions and saves a kill interrupted
     dist.barrier()
     return final
 
 
-def load(path, model_cfg, names: list[str] | None = None) -> tuple[dict, dict, int, int]:
-    """Read a checkpoint into whole tensors: (params, {state key: tensors}, optimizer step,
-    next data step), for the parameters `names` (default: all of a TinyLlama of `model_cfg`)."""
-    from .model import TinyLlama
-    shapes = {n: p.shape for n, p in TinyLlama(model_cfg).named_parameters()}
+def load_into(path, cfg, stages: dict, wrappers: dict, optimizers: list) -> int:
+    """Read a checkpoint (written on any mesh) straight into this rank's built stages, their
+    data-parallel wrappers and optimizers — each rank reads only the boxes it holds — and
+    return the step to continue from. Every rank calls it."""
+    sd, held = _state_dict(cfg, stages, wrappers, optimizers, own=False)
+    sd["optim.step"], sd["next_step"] = torch.tensor(0), torch.tensor(0)
+    dcp.load(sd, checkpoint_id=str(path), planner=_LoadPlanner())
+    for h in held.values():
+        h.step = int(sd["optim.step"])
+        h.after_load()
+    return int(sd["next_step"])
+
+
+def load(path, cfg, names: list[str] | None = None) -> tuple[dict, dict, int, int]:
+    """Read a checkpoint into whole tensors, on one process (to look at it, or to generate
+    from it): (params, {state key: tensors}, optimizer step, next data step), for the
+    parameters `names` (default: all of the model of `cfg`, a TrainConfig or LlamaConfig)."""
+    shapes = _shapes(cfg)
     names = list(shapes) if names is None else names
     sd = {f"model.{n}": torch.empty(shapes[n]) for n in names}
     sd.update({f"optim.{k}.{n}": torch.empty(shapes[n]) for k in STATE for n in names})

@@ -4,22 +4,19 @@ transforms applied to the one model in the documented order (docs/design.md) —
 (+ sequence) parallel, context parallel, experts, pipeline stages — then DDP or ZeRO over the
 ranks that hold the same weights (dp × cp), and the optimizer. `picolib.train` runs it.
 
-Resuming from a checkpoint (`picolib.checkpoint`) starts from the whole model and the whole
-optimizer state, and cuts both exactly as a fresh start cuts the weights.
+Resuming from a checkpoint (`picolib.checkpoint.load_into`) reads each rank's own part
+straight into what `build` made.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from . import checkpoint
-from .checkpoint import STATE
 from .context_parallel import LAYOUTS, apply_context_parallel, check_context_parallel
 from .data_parallel import DDP
 from .expert_parallel import apply_expert_parallel, expert_gradient_groups
-from .flat import shard_bounds
 from .mesh import Mesh, check_mesh
 from .model import LlamaConfig, TinyLlama
 from .moe import apply_moe, aux_loss_in_backward, check_moe
@@ -63,6 +60,7 @@ class TrainConfig:
     cp_layout: str = "zigzag"
     data: str = "text"            # "text": the shipped text; "random": uniform tokens
     lr: float = 1e-3
+    clip_grad: float = 1.0        # clip the global gradient norm to this (0: off)
     seed: int = 0
     peak_tflops: float | None = None
     log: str | None = None
@@ -139,10 +137,10 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
             raise ValueError(f"--zero 3 gathers each block over all dp={cfg.dp} replicas, but "
                              f"with --ep {cfg.ep} a block's experts differ between them: use "
                              "--zero 1 or 2")
-        if cfg.save or cfg.resume:
-            raise ValueError("checkpoints of expert layers are not supported by the trainer yet")
     elif cfg.ep > 1:
         raise ValueError(f"--ep {cfg.ep} spreads experts: add --experts")
+    if not cfg.clip_grad >= 0:
+        raise ValueError(f"--clip-grad must be ≥ 0 (0 turns clipping off), not {cfg.clip_grad}")
     if cfg.save_every < 0:
         raise ValueError(f"--save-every must be ≥ 0, not {cfg.save_every}")
     if cfg.keep < 1:
@@ -150,7 +148,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.save:
         checkpoint.check_save(cfg.save)
     if cfg.resume:
-        checkpoint.check_resume(cfg.resume, mcfg)
+        checkpoint.check_resume(cfg.resume, cfg)
     if cfg.zero == 3 and cfg.recompute != "none":
         raise ValueError("ZeRO-3 frees parameters after forward: --recompute needs --zero ≤ 2")
 
@@ -181,12 +179,9 @@ def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
     return stages, sched, expert_groups
 
 
-def build(cfg: TrainConfig, mesh: Mesh, resume=None):
-    """This rank's stages {index: module}, their wrappers, the optimizers and the schedule;
-    with `resume` = checkpoint.load(...), the weights and optimizer state it holds."""
+def build(cfg: TrainConfig, mesh: Mesh):
+    """This rank's stages {index: module}, their wrappers, the optimizers and the schedule."""
     model = TinyLlama(cfg.model_config())
-    if resume:
-        model.load_state_dict(resume[0])
     stages, sched, expert_groups = transform(model.to(device()), cfg, mesh)
     replicas = mesh.group("dp", "cp") if cfg.cp > 1 else mesh.group("dp")
     if cfg.zero:
@@ -198,32 +193,4 @@ def build(cfg: TrainConfig, mesh: Mesh, resume=None):
         wrappers = {s: DDP(m, group=replicas, groups=expert_groups) for s, m in stages.items()}
         params = [p for m in stages.values() for p in m.parameters()]
         optimizers = [torch.optim.AdamW(params, lr=cfg.lr)]
-    if resume:
-        _restore_optimizer(cfg, mesh, stages, wrappers, optimizers, resume)
     return stages, wrappers, optimizers, sched, replicas
-
-
-def _restore_optimizer(cfg, mesh, stages, wrappers, optimizers, resume):
-    """Cut the whole AdamW state like the weights: a model whose weights are the state goes
-    through the same transforms; then hand each rank its part (ZeRO: its flat shard)."""
-    _, state, step, _ = resume
-    cut = {}
-    for k in STATE:
-        twin = TinyLlama(cfg.model_config())
-        twin.load_state_dict(state[k])
-        cut[k] = transform(twin.to(device()), cfg, mesh)[0]
-    for s, stage in stages.items():
-        local = {k: dict(cut[k][s].named_parameters()) for k in STATE}
-        if cfg.zero:
-            w = wrappers[s]
-            w.steps = step
-            for u in w.units:
-                lo, hi = shard_bounds(u.numel, w.n, dist.get_rank(w.group))
-                for k in STATE:
-                    flat = torch.cat([local[k][n].detach().reshape(-1).float() for n in u.names])
-                    flat = torch.cat([flat, flat.new_zeros(max(hi - u.numel, 0))])
-                    u.state[k].copy_(flat[lo:hi])
-        else:
-            for name, p in stage.named_parameters():
-                optimizers[0].state[p] = {"step": torch.tensor(float(step)),
-                                          **{k: local[k][name].detach().clone() for k in STATE}}

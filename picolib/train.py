@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
+from .clipping import clip_grad_norm_
 from .comm import Ledger
 from .compose import PRESETS, TrainConfig, build, check_config
 from .context_parallel import ALGORITHMS, LAYOUTS, shard_sequence
@@ -166,16 +167,17 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     """Train on this rank (inside `launch.run` or under torchrun); returns one record per step
     (the same on every rank): step, loss (global mean), seconds, tokens/s, MFU, HFU, the
     busiest rank's state and activation bytes, bytes sent per collective and per kind of
-    parallelism (DP, TP, PP, CP, EP; each the busiest rank's).
+    parallelism (DP, TP, PP, CP, EP; each the busiest rank's), and grad_norm: the global L2
+    norm of the gradient before clipping (`cfg.clip_grad`, picolib.clipping).
 
     With `cfg.progress`, rank 0 draws a progress bar and prints a summary; given
     `progress_to` (a file), it appends each step's record and the summary there as JSON lines
     instead, for the process that owns the terminal to draw (`main` does)."""
     check_config(cfg, dist.get_world_size())
     mesh = Mesh(device().type, **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
-    resume = checkpoint.load(checkpoint.latest(cfg.resume), cfg.model_config()) if cfg.resume else None
-    stages, wrappers, optimizers, sched, replicas = build(cfg, mesh, resume)
-    start = resume[3] if resume else 0
+    stages, wrappers, optimizers, sched, replicas = build(cfg, mesh)
+    start = checkpoint.load_into(checkpoint.latest(cfg.resume), cfg, stages, wrappers,
+                                 optimizers) if cfg.resume else 0
     data = TextData() if cfg.data == "text" else None
     peak, peak_text = _peak_flops(cfg)
     n_params, tokens_per_step = param_count(cfg.model_config()), cfg.batch * cfg.seq
@@ -199,6 +201,9 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
             with Ledger() as led, SavedActivations() as act:
                 try:
                     loss = _step(cfg, stages, wrappers, sched, mesh, tokens, targets, tl)
+                    for w in wrappers.values():      # reduced gradients, then the global norm
+                        w.finish_gradient_sync()
+                    grad_norm = clip_grad_norm_(cfg, wrappers, optimizers[0], cfg.clip_grad).item()
                     for opt in optimizers:
                         opt.step()
                 except FloatingPointError as e:      # raised on every rank alike
@@ -216,7 +221,8 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
             by_kind = _sent_by_kind(led, mesh, replicas, kinds)
             busiest = _max_over_ranks([seconds, state, act.peak] + [sent.get(op, 0) for op in OPS]
                                       + [by_kind.get(k, 0) for k in KINDS])
-            rec = {"step": step, "loss": total[0].item() / total[1].item(), "seconds": busiest[0],
+            rec = {"step": step, "loss": total[0].item() / total[1].item(), "grad_norm": grad_norm,
+                   "seconds": busiest[0],
                    "tokens_per_s": tokens_per_step / busiest[0],
                    "mfu": model_flops(n_params, tokens_per_step) / (busiest[0] * cfg.world_size * peak),
                    "hfu": hardware_flops(n_params, tokens_per_step, hw_recompute)
@@ -235,8 +241,7 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 bar.update()
             if cfg.save and (step == cfg.steps - 1 or cfg.save_every and (step + 1) % cfg.save_every == 0):
-                checkpoint.save(cfg.save, stages, wrappers, optimizers, bool(cfg.zero), step + 1,
-                                keep=cfg.keep)
+                checkpoint.save(cfg.save, cfg, stages, wrappers, optimizers, step + 1, keep=cfg.keep)
             if tl is not None:
                 events = gather(tl)
                 if rank0:
@@ -288,7 +293,9 @@ HELP = {
     "cp_algorithm": "context-parallel attention: " + ", ".join(ALGORITHMS),
     "cp_layout": "who holds which tokens: " + ", ".join(LAYOUTS),
     "data": "text (the shipped text, byte tokens) or random tokens",
-    "lr": "AdamW learning rate", "seed": "seed of the weights and the data",
+    "lr": "AdamW learning rate",
+    "clip_grad": "clip the gradient's global L2 norm (every element counted once) to this; 0: off",
+    "seed": "seed of the weights and the data",
     "peak_tflops": "peak per rank for MFU (default: H100 dense BF16 on GPUs, measured on CPUs)",
     "log": "write one JSON object per step to this file (under torchrun: --log-file)",
     "trace": "write a Perfetto/Chrome trace of the last step to this file",
