@@ -1,0 +1,67 @@
+"""Lesson 12's claims, settled again outside the notebook (smaller and faster): the H100's
+ridge from the preset against the published figure, flash attention's I/O ratio 2B/d against
+counted runs, eager attention's s² tensors against sdpa's, fp16's vanishing gradients
+against bf16 and loss scaling, FP8's outlier errors by scale granularity, and a short FP8
+training run against bf16."""
+import torch
+
+from picolib.attention_io import largest_block, naive_bytes, tiled_attention, tiled_bytes
+from picolib.hardware import PRESETS
+from picolib.roofline import op_time, ridge
+
+
+def test_h100_ridge_is_the_published_295_and_small_matmuls_fall_below_it():
+    h100 = PRESETS["H100-SXM"]
+    assert round(ridge(h100.bf16, h100.hbm_bandwidth)) == int(990e12 / 3.35e12) == 295   # scaling book: "295"
+
+    def intensity(m, k, n, elem=2):
+        return 2 * m * k * n / (elem * (m * k + k * n + m * n))
+    assert intensity(512, 64, 176) < 295 < intensity(4096, 4096, 14336)
+    # a memory-bound op's bound is its bytes over W, a compute-bound one's its FLOPs over C
+    assert op_time(1e9, 1e9, h100.bf16, h100.hbm_bandwidth) == 1e9 / h100.hbm_bandwidth
+    assert op_time(1e15, 1e9, h100.bf16, h100.hbm_bandwidth) == 1e15 / h100.bf16
+
+
+def test_tiled_attention_moves_2B_over_d_times_fewer_bytes_for_long_sequences():
+    for d, kib in ((64, 228), (128, 228), (128, 64)):
+        block = largest_block(d, kib * 1024)
+        ratio = naive_bytes(2 ** 20, d) / tiled_bytes(2 ** 20, d, block)
+        assert abs(ratio - 2 * block / d) < 0.01 * ratio, (d, kib, block, ratio)
+    q, k, v = (torch.randn(300, 32) for _ in range(3))        # a partial last block
+    out, moved = tiled_attention(q, k, v, 64)
+    assert moved == tiled_bytes(300, 32, 64, elem=4)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_eager_attention_creates_s_squared_bytes_and_sdpa_linear():
+    from picolib.tryit.lesson12 import attention_cost
+    cost = attention_cost(seqs=(128, 256), heads=1, d=32)
+    eager = cost["eager"][256][1] / cost["eager"][128][1]
+    sdpa = cost["sdpa"][256][1] / cost["sdpa"][128][1]
+    assert 3.3 < eager < 4.0 and 1.9 < sdpa <= 2.05
+    assert cost["eager"][256][2] == 256 * 256 * 4
+
+
+def test_fp16_gradients_vanish_bf16_and_loss_scaling_keep_them():
+    from picolib.tryit.lesson12 import fp16_gradients, scaler_steps
+    g = fp16_gradients(divisors=(4096,), batch=2, seq=32)[4096]
+    assert g["fp16"][0] > 0.05 and g["bf16"][0] == 0 and g["fp16 + loss scaling"][0] < 1e-4
+    assert g["fp16 + loss scaling"][1] < g["bf16"][1] < 0.02 < g["fp16"][1]
+    steps = scaler_steps(init_scale=2.0 ** 24, steps=5)
+    assert not steps[0][1] and any(ok for _, ok in steps)
+
+
+def test_fine_grained_fp8_scales_survive_an_outlier():
+    from picolib.tryit.lesson12 import outlier_errors
+    err = outlier_errors(outliers=(1, 1000))
+    assert abs(err["tensor"][0] / err["tile"][0] - 1) < 0.1                 # no outlier: alike
+    assert err["tensor"][1] > 3 * err["tile"][1] and err["row"][1] > err["tile"][1]
+
+
+def test_a_short_fp8_run_tracks_bf16():
+    from picolib.tryit.lesson12 import fp8_runs
+    runs = fp8_runs(steps=20, modes=("bf16", "fp8, 1×128 tiles"))
+    late = {m: sum(l[-5:]) / 5 for m, l in runs.items()}
+    assert runs["bf16"][0] - late["bf16"] > 1.5
+    assert abs(late["fp8, 1×128 tiles"] - late["bf16"]) < 0.02
