@@ -64,10 +64,31 @@ class Hardware:
         return self.fp8 if precision == "fp8" else self.bf16
 
     def link(self, n_gpus: int, stride: int = 1) -> float:
-        """Per-GPU bandwidth of a group of `n_gpus` spaced `stride` apart: NVLink while the
-        group stays inside one node, the slowest level it reaches otherwise."""
+        """Per-GPU bandwidth (bytes/s, in the ring formulas' bytes) of a group of `n_gpus`
+        GPUs spaced `stride` apart, numbered node by node. Inside one node: NVLink. A group
+        that leaves the node moves its data level by level (reduce inside the node, exchange
+        the shards across nodes, gather back; NCCL's several rings or its tree do the same):
+        at each level it reaches, the k members of the group below that level share the
+        traffic, each on its own link of the level, so the group gets k × that level's
+        per-GPU bandwidth there, and NVLink (once k > 1) caps the node's part. The slowest
+        level sets the pace. H100 SuperPod: tp = 16 over two whole nodes 8 × 50 = 400 GB/s;
+        one GPU per node (a dp group across the tp groups) 50 GB/s, one NIC; 1,024 whole
+        nodes' GPUs 400 GB/s (the spine's 256 × 25 GB/s is not the bottleneck), the
+        all-reduce bandwidth of the scaling book's table."""
+        if n_gpus < 1 or stride < 1:
+            raise ValueError(f"need n_gpus ≥ 1 and stride ≥ 1, got {n_gpus}, {stride}")
         span = n_gpus * stride
-        return min(lv.per_gpu for lv in self.levels if lv is self.levels[0] or span > self._below(lv))
+        node = self.levels[0]
+        if span <= node.gpus:
+            return node.per_gpu
+        k = min(n_gpus, max(1, node.gpus // stride))       # the group's members in one node
+        bw = node.per_gpu if k > 1 else math.inf
+        below = node.gpus
+        for lv in self.levels[1:]:
+            if span > below:
+                bw = min(bw, k * lv.per_gpu)
+            k, below = min(n_gpus, max(1, lv.gpus // stride)), lv.gpus
+        return bw
 
     def _below(self, level: Level) -> int:
         i = self.levels.index(level)

@@ -1,18 +1,20 @@
 """Step time, MFU, and a search over configurations (lesson 11).
 
 What: `step_time` prices one training step of a `picolib.planner.Parallelism` on a
-`picolib.hardware` preset — compute at an assumed fraction of the dense peak, the
-pipeline bubble of its schedule, the collectives on the critical path (TP, CP, EP, the
-pipeline's sends) and the data-parallel traffic left over after it overlaps the backward
-— and the MFU that follows; `search` enumerates the configurations of a model on N GPUs
-at a global batch, keeps those that fit in memory and ranks them by step time; `describe`
-prints one plan.
+`picolib.hardware` preset by playing its pipeline schedule (`pipeline_simulator.simulate`)
+with each op's cost — every matmul on the roofline (`matmul_seconds`), the causal attention
+core, the collectives on the critical path (TP, CP, EP, the pipeline's sends) — and takes
+the slowest rank, plus the data-parallel traffic its last backward does not hide; the MFU
+follows (`model_flops_per_token`: 6 × active parameters + causal attention). `search`
+enumerates the configurations of a model on N GPUs at a global batch, keeps those that fit
+in memory and ranks them by step time; `describe` prints one plan.
 Why: the planner's bytes (picolib/planner.py) are exact; turning bytes into seconds needs
-assumptions, and they are all here, named: `efficiency` (the fraction of the dense peak the
-matmuls reach, 0.6 unless given), α per collective step (`hardware.ALPHA`), ring
-collectives at each GPU's own link bandwidth, data-parallel traffic overlapped with the
-backward (two thirds of the compute). Use the times to compare configurations, not as
-promises.
+assumptions, and they are all here, named: `MATMUL_CEILING` (the fraction of the dense peak
+a large matmul sustains, 0.75; or one `efficiency` for every matmul), α per collective call
+(`hardware.ALPHA`), each group at its bandwidth (`Hardware.link`: NVLink inside a node, k
+NICs for k GPUs of a node beyond it), the expert all-to-all hidden only inside DualPipe's
+F&B pairs (`ep_overlap`). Use the times to compare configurations, not as promises; lesson
+11 checks them against the Llama 3 report's Table 4.
 """
 from __future__ import annotations
 
@@ -21,10 +23,10 @@ import itertools
 from .hardware import ALPHA, hardware
 from .memory import hardware_flops, model_flops
 from .model import LlamaConfig, param_count
-from .pipeline_schedules import bubble_formula
 from .planner import MoE, Parallelism, layer_numel, memory, traffic
 
-__all__ = ["active_params", "tp_comm_ratio", "step_time", "search", "describe"]
+__all__ = ["active_params", "tp_comm_ratio", "step_time", "search", "describe", "matmul_seconds",
+           "attention_flops", "model_flops_per_token", "MATMUL_CEILING"]
 
 
 def active_params(cfg: LlamaConfig, moe: MoE | None = None) -> float:
@@ -65,40 +67,227 @@ def tp_comm_ratio(cfg: LlamaConfig, tp: int, hw="H100-SXM", *, collectives: floa
             "compute_per_token": compute, "ratio": exposed / compute}
 
 
-def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoE | None = None,
-              efficiency: float = 0.6, alpha: float = ALPHA) -> dict:
-    """Seconds of one step, its parts, tokens/s and MFU (model FLOPs 6N per token over
-    step time × GPUs × dense peak). Compute runs at `efficiency` × peak (8N per token with
-    full recomputation: HFU, lesson 01); the bubble is the schedule's (p−1)/(v·m)
-    (ZB-H1: its own formula at F = B = W); TP/CP/EP/PP bytes are on the critical path at the
-    per-GPU bandwidth of their group (NVLink inside a node); DP bytes overlap the backward."""
+MATMUL_CEILING = 0.75   # fraction of the dense peak a large GEMM sustains: an assumption
+
+
+def matmul_seconds(m: int, k: int, n: int, hw="H100-SXM", precision: str = "bf16",
+                   ceiling: float = MATMUL_CEILING) -> float:
+    """Seconds of one (m × k) @ (k × n) matmul on the roofline (lesson 11): the larger of its
+    2mkn FLOPs at `ceiling` × the dense peak and its bytes — read A and B, write C, in the
+    compute dtype — at the HBM bandwidth. Arithmetic intensity 2mkn / (e(mk + kn + mn))
+    FLOPs per byte against the ridge peak/HBM (H100 bf16: 989e12 / 3.35e12 ≈ 295): a matmul
+    of a few hundred tokens is memory-bound, one of thousands compute-bound."""
     hw = hardware(hw)
-    if not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
-    sent = traffic(cfg, par, 0, moe)
-    tokens = par.dp * par.micro_batches * par.micro_batch_size * par.seq
-    n_act, gpus, peak = active_params(cfg, moe), par.n_gpus, hw.peak(par.precision)
-    compute = hardware_flops(n_act, tokens, "full" if par.recompute == "full" else "none") \
-        / gpus / (peak * efficiency)
-    if par.pp == 1:
-        bubble = 0.0
-    elif par.schedule == "zb_h1":
-        bubble = bubble_formula(par.pp, par.micro_batches, schedule="zb_h1")
+    e = 1 if precision == "fp8" else 2
+    return max(2 * m * k * n / (hw.peak(precision) * ceiling), e * (m * k + k * n + m * n) / hw.hbm_bandwidth)
+
+
+def attention_flops(cfg: LlamaConfig, seq: int, causal: bool = True) -> float:
+    """Forward FLOPs per token of one layer's attention core (QKᵀ and the weighted sum of V,
+    2·2·s·h_q with h_q = heads × head_dim): causal attention computes half the square.
+    Megatron-LM's count (Narayanan et al. 2021, 72·B·s·l·h²·(1 + s/6h + …)) and PaLM's
+    take the whole square (causal=False); picolib counts what a causal kernel executes."""
+    return 4 * seq * cfg.n_heads * cfg.head_dim / (2 if causal else 1)
+
+
+def model_flops_per_token(cfg: LlamaConfig, seq: int, moe: MoE | None = None,
+                          causal: bool = True) -> float:
+    """Model FLOPs per token of one training step: 6 × the active parameters (forward 2,
+    backward 4) plus 3 × each layer's attention core (`attention_flops`). The MFU convention
+    picolib uses; `causal=False` gives Megatron-LM's whole-square count."""
+    return 6 * active_params(cfg, moe) + 3 * cfg.n_layers * attention_flops(cfg, seq, causal)
+
+
+def _stage_seconds(cfg, par, hw, moe, eff, ceiling):
+    """{piece: (F, B, W) seconds of compute per micro-batch} on one tp rank: each matmul at
+    its roofline time (or at `eff` × peak), attention at the ceiling (flash: compute-bound)."""
+    from .planner import _n_pieces, stage_layers
+    from .tensor_parallel import kv_heads_per_rank
+    t, h, d = par.tp, cfg.hidden, cfg.head_dim
+    tokens = par.micro_batch_size * par.seq // par.cp
+    kv_local, _ = kv_heads_per_rank(cfg.n_heads, cfg.n_kv_heads, t)
+    prec = par.precision if par.precision != "fp32" else "bf16"
+    rate = hw.peak(prec) * (eff if eff is not None else ceiling)
+
+    def mm(m, k, n):      # forward; input gradient; weight gradient
+        if eff is not None:
+            x = 2 * m * k * n / rate
+            return x, x, x
+        return (matmul_seconds(m, k, n, hw, prec, ceiling), matmul_seconds(m, n, k, hw, prec, ceiling),
+                matmul_seconds(k, m, n, hw, prec, ceiling))
+
+    shapes = [(tokens, h, (cfg.n_heads // t + 2 * kv_local) * d), (tokens, cfg.n_heads // t * d, h)]
+    if moe is None:
+        shapes += [(tokens, h, 2 * cfg.ffn_hidden // t), (tokens, cfg.ffn_hidden // t, h)]
     else:
-        bubble = bubble_formula(par.pp, par.micro_batches, par.v)
-    m = par.micro_batches
-    calls = (10 if par.sp else 4) * -(-cfg.n_layers // par.pp) * m if par.tp > 1 else 0
-    t_tp = sent["tp"] / hw.link(par.tp) + calls * alpha
-    t_cp = sent["cp"] / hw.link(par.cp, stride=par.tp)
-    t_ep = sent["ep"] / hw.link(par.ep, stride=par.tp * par.cp)
-    t_pp = sent["pp"] / hw.link(par.pp, stride=par.tp * par.cp * par.dp) if par.pp > 1 else 0.0
-    t_dp = sent["dp"] / hw.link(par.dp * par.cp, stride=par.tp) if par.dp * par.cp > 1 else 0.0
-    exposed_dp = max(0.0, t_dp - 2 / 3 * compute)
-    total = compute * (1 + bubble) + t_tp + t_cp + t_ep + t_pp + exposed_dp
-    mfu = model_flops(n_act, tokens) / (total * gpus * peak)
-    return {"seconds": total, "compute": compute, "bubble": compute * bubble, "tp": t_tp,
-            "cp": t_cp, "ep": t_ep, "pp": t_pp, "dp": t_dp, "dp_exposed": exposed_dp,
-            "tokens_per_s": tokens / total, "mfu": mfu}
+        mine = tokens // t if par.sp else tokens            # routed experts are not tp-split
+        per_expert = max(1, par.ep * mine * moe.top_k // moe.n_experts)
+        local = moe.n_experts // par.ep
+        shapes += [(tokens, h, moe.n_experts)] + local * [(per_expert, h, 2 * moe.expert_ffn),
+                                                          (per_expert, moe.expert_ffn, h)]
+        if moe.shared:
+            shapes += [(tokens, h, 2 * moe.shared * moe.expert_ffn // t),
+                       (tokens, moe.shared * moe.expert_ffn // t, h)]
+    layer = [sum(x) for x in zip(*(mm(*sh) for sh in shapes))]
+    attn = par.micro_batch_size * (par.seq // par.cp) * attention_flops(cfg, par.seq) / t / \
+        (hw.peak(prec) * (eff if eff is not None else ceiling))
+    head = mm(tokens, h, cfg.vocab_size // t)
+    n = _n_pieces(par)
+    out = {}
+    for piece, layers in enumerate(stage_layers(cfg.n_layers, n)):
+        f = layers * (layer[0] + attn) + (head[0] if piece == n - 1 else 0)
+        b = layers * (layer[1] + 2 * attn) + (head[1] if piece == n - 1 else 0)
+        w = layers * layer[2] + (head[2] if piece == n - 1 else 0)
+        out[piece] = (f, b, w)
+    return out
+
+
+def _ep_seconds(cfg, par, hw, moe, nbytes, ep_nodes):
+    """Seconds of `nbytes` of expert all-to-all (the bytes `traffic` counts: k copies per
+    token, (ep−1)/ep of them leaving the rank). Inside a node: NVLink. Across N nodes: the
+    copies for other nodes, k(N−1)/N per token, go through this GPU's own NIC (an all-to-all
+    cannot be reduced on the way), the rest over NVLink. `ep_nodes` = M (node-limited
+    routing, DeepSeek-V3: M = 4): a token goes to at most M nodes, once per node over the
+    NIC (the node forwards it to its experts over NVLink): min(M, the nodes k experts
+    reach on average) (N−1)/N NIC copies per token instead of k(N−1)/N."""
+    if not nbytes:
+        return 0.0
+    node = hw.levels[0]
+    span = par.ep * par.tp * par.cp                          # ep ranks are dp ranks
+    nodes = max(1, span // node.gpus)
+    if nodes == 1 or len(hw.levels) == 1:
+        return nbytes / node.per_gpu
+    k, e = moe.top_k, par.ep
+    leaving = k * (e - 1) / e                                # copies per token in nbytes
+    remote = k * (nodes - 1) / nodes                         # copies whose expert is on another node
+    if ep_nodes is None:
+        nic, nv = remote, max(0.0, leaving - remote)
+    else:
+        reach = nodes * (1 - (1 - 1 / nodes) ** k)           # distinct nodes of k uniform experts
+        nic, nv = min(ep_nodes, reach) * (nodes - 1) / nodes, leaving   # + forwarding in the node
+    return nbytes / leaving * (nic / hw.levels[1].per_gpu + nv / node.per_gpu)
+
+
+def _dp_seconds(cfg, par, hw, moe, pp_rank):
+    """Seconds of the rank's data-parallel traffic: each group of `dp_groups` at the link of
+    its ranks (dp·cp replicas spaced tp apart; an expert's copies spaced ep·tp·cp apart)."""
+    from .planner import dp_groups
+    from .sharded_optim import zero_traffic_bytes
+    gdt = 4 if par.precision == "fp32" else 2
+    out = 0.0
+    for i, (units, n) in enumerate(dp_groups(cfg, par, pp_rank, moe)):
+        if n == 1:
+            continue
+        nbytes = zero_traffic_bytes(par.zero, units if par.zero else [sum(units)], n, gdt)
+        stride = par.tp if i == 0 else par.tp * par.cp * par.ep
+        out += nbytes / hw.link(n, stride=stride)
+    return out
+
+
+def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoE | None = None,
+              efficiency: float | None = None, alpha: float = ALPHA, *,
+              ceiling: float = MATMUL_CEILING, ep_overlap: float = 1.0,
+              ep_nodes: int | None = None, causal: bool = True) -> dict:
+    """Seconds of one step, its parts, tokens/s and MFU, from the slowest pipeline rank.
+
+    Each op of the schedule (F, B, W, BW of a stage and micro-batch) costs its compute —
+    every matmul of its layers (and the head on the last piece) on the roofline
+    (`matmul_seconds`, `ceiling`; or all at `efficiency` × peak when given, the old single
+    constant), the causal attention core at the ceiling — plus its collectives on the
+    critical path: TP (α per call), CP and EP bytes split half to the forward, half to the
+    backward, at their groups' bandwidths (`Hardware.link`; EP: `_ep_seconds`,
+    node-limited with `ep_nodes`), and the pipeline send of its output. The expert
+    all-to-all of an op that the schedule pairs with an op of the other direction (DualPipe's
+    F&B chunks) hides behind that pair's compute: `ep_overlap` of it, at most the compute
+    (default 1: DeepSeek-V3's report says DualPipe hides its all-to-all fully); unpaired
+    ops hide none. `picolib.pipeline_simulator.simulate` plays the schedule with these
+    costs; each rank's idle time is the schedule's bubble, read off the simulation, not a
+    formula per name. Data-parallel traffic overlaps the rank's last micro-batch backward
+    (B + W of its stages), the rest is exposed. The step ends when the slowest rank ends.
+
+    MFU = `model_flops_per_token` (6 × active parameters + causal attention) × tokens /
+    (seconds × GPUs × dense peak). Returns {"seconds", "compute", "bubble", "tp", "cp",
+    "ep", "pp", "dp", "dp_exposed"} of the slowest rank, "tokens_per_s", "mfu",
+    "slowest" (its pipeline rank) and "ranks" (the same parts for every pipeline rank)."""
+    from .pipeline_simulator import simulate
+    from .planner import _n_pieces, _schedule, stage_layers, stage_piece, traffic
+    hw = hardware(hw)
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
+    if not 0 < ceiling <= 1 or not 0 <= ep_overlap <= 1:
+        raise ValueError(f"ceiling must be in (0, 1] and ep_overlap in [0, 1]; got {ceiling}, {ep_overlap}")
+    if ep_nodes is not None and ep_nodes < 1:
+        raise ValueError(f"ep_nodes must be ≥ 1, not {ep_nodes}")
+    m, p = par.micro_batches, par.pp
+    comp = _stage_seconds(cfg, par, hw, moe, efficiency, ceiling)
+    full = par.recompute == "full"
+    sched = _schedule(par.schedule, p, m, par.v) if p > 1 else None
+    n_pieces = _n_pieces(par)
+    sent = [traffic(cfg, par, r, moe) for r in range(p)]
+    e = 4 if par.precision == "fp32" else 2
+    act = par.micro_batch_size * (par.seq // par.cp // (par.tp if par.sp else 1)) * cfg.hidden * e
+    t_send = act / hw.link(2, stride=par.tp * par.cp * par.dp) if p > 1 else 0.0
+    per_rank = []
+    counts = stage_layers(cfg.n_layers, n_pieces)
+    for r in range(p):
+        pieces = [stage_piece(par, st) for st in (sched.stages_of(r) if sched else [0])]
+        ops = m * len(pieces) // (len(sched.pipes) if sched else 1)   # forwards on this rank
+        calls = (10 if par.sp else 4) * m * sum(counts[k] for k in pieces) if par.tp > 1 else 0
+        per_rank.append({"tp": (sent[r]["tp"] / hw.link(par.tp) + calls * alpha) / ops / 2,
+                         "cp": sent[r]["cp"] / hw.link(par.cp, stride=par.tp) / ops / 2,
+                         "ep": _ep_seconds(cfg, par, hw, moe, sent[r]["ep"], ep_nodes) / ops / 2})
+    paired = set()
+    if sched:
+        for r, ops in enumerate(sched.ops):
+            for i in sched.overlap[r]:
+                paired.update({ops[i], ops[i + 1]})
+    parts = [dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0) for _ in range(p)]
+
+    piece = {st: stage_piece(par, st) for st in range(len(sched.stage_ranks))} if sched else {0: 0}
+    rank_of = sched.stage_ranks if sched else (0,)
+    firsts = {st for st in piece if not sched or sched.is_first(st)}
+    lasts = {st for st in piece if not sched or sched.is_last(st)}
+
+    def cost(op):
+        r = rank_of[op.stage]
+        f, b, w = comp[piece[op.stage]]
+        c = {"F": f, "B": b + (f if full else 0), "W": w, "BW": b + w + (f if full else 0)}[op.kind]
+        x = per_rank[r]
+        comm = {k: (x[k] if op.kind != "W" else 0.0) for k in ("tp", "cp", "ep")}
+        if op in paired:
+            comm["ep"] -= min(ep_overlap * comm["ep"], c)
+        last = (op.kind == "F" and op.stage not in lasts) or \
+            (op.kind in ("B", "BW") and op.stage not in firsts)
+        pp_t = t_send if last else 0.0
+        for k, v in (("compute", c), ("pp", pp_t), *comm.items()):
+            parts[r][k] += v
+        return c + pp_t + sum(comm.values())
+
+    if sched:
+        events = simulate(sched, cost=cost, check=False)
+        ends = [max((ev["end"] for ev in events if ev["rank"] == r), default=0.0) for r in range(p)]
+    else:
+        from .pipeline_schedules import Op
+        ends = [sum(cost(Op(k, 0, i)) for i in range(m) for k in ("F", "BW"))]
+    span = max(ends)
+    ranks = []
+    for r in range(p):
+        busy = sum(parts[r].values())
+        pieces = [stage_piece(par, s) for s in (sched.stages_of(r) if sched else [0])]
+        window = sum(comp[k][1] + comp[k][2] for k in pieces)          # last backward
+        t_dp = _dp_seconds(cfg, par, hw, moe, r)
+        exposed = max(0.0, t_dp - window)
+        ranks.append({**parts[r], "bubble": span - busy, "dp": t_dp, "dp_exposed": exposed,
+                      "seconds": span + exposed})
+    # the slowest rank: the last to finish; of those (a pipeline ends together), the busiest
+    slowest = max(range(p), key=lambda r: (ranks[r]["seconds"], span - ranks[r]["bubble"]))
+    out = dict(ranks[slowest])
+    tokens = par.dp * m * par.micro_batch_size * par.seq
+    peak = hw.peak(par.precision)
+    out.update(tokens_per_s=tokens / out["seconds"], slowest=slowest, ranks=ranks,
+               mfu=model_flops_per_token(cfg, par.seq, moe, causal) * tokens
+               / (out["seconds"] * par.n_gpus * peak))
+    return out
 
 
 # Ways to save memory, the cheapest first in this cost model: ZeRO-1/2 and selective
@@ -114,7 +303,7 @@ def _divisors(n: int, upto: int) -> list[int]:
 
 
 def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-SXM",
-           moe: MoE | None = None, top: int = 5, usable: float = 0.9, efficiency: float = 0.6,
+           moe: MoE | None = None, top: int = 5, usable: float = 0.9, efficiency: float | None = None,
            precision: str = "bf16", max_pp: int = 32, max_cp: int = 1,
            activations: str = "korthikanti") -> list[dict]:
     """The `top` fastest configurations of `cfg` on `n_gpus` GPUs for a step of
@@ -165,7 +354,7 @@ def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-
 
 
 def describe(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoE | None = None,
-             efficiency: float = 0.6) -> str:
+             efficiency: float | None = None) -> str:
     """A plan in a few lines: degrees, memory of the worst rank, step time and MFU."""
     hw = hardware(hw)
     mem, t = memory(cfg, par, moe=moe), step_time(cfg, par, hw, moe, efficiency)
@@ -179,4 +368,5 @@ def describe(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoE | None 
             f"{gb['total']:.1f} GB of {hw.memory / 1e9:.0f}\n"
             f"  step {t['seconds']:.2f} s (compute {t['compute']:.2f}, bubble {t['bubble']:.2f}, "
             f"TP {t['tp']:.2f}, exposed DP {t['dp_exposed']:.2f}, PP {t['pp']:.3f}); "
-            f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} (at efficiency {efficiency})")
+            f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} "
+            f"({'roofline matmuls' if efficiency is None else f'efficiency {efficiency}'})")

@@ -14,7 +14,11 @@ Why: each formula is one the earlier lessons measured — ZeRO's bytes
 (`picolib.sharded_optim.zero_memory_bytes`, lesson 03), saved activations per layer
 (`picolib.sequence_parallel`, lessons 01 and 05), the ring's bytes (`picolib.comm`, lesson
 00). Put together they size a run on thousands of GPUs; on the configurations picolib runs,
-tests/test_planner_measured.py checks them byte for byte against real ranks.
+tests/test_planner_measured.py and tests/test_planner_trainer.py (the trainer: dense and MoE,
+dp ≠ ep, DDP and ZeRO-1/2, with pp, tp, sp and cp) check them byte for byte against real ranks.
+The pipeline is read off picolib's schedule: which stages a rank holds (DualPipe: two
+copies; DualPipeV: the V, head and embedding on rank 0), what it keeps in flight, what it
+sends; a schedule `make_schedule` refuses, the planner refuses.
 
 Two activation models. "picolib": the TinyLlama block exactly as picolib runs it (eager
 attention, no dropout; lesson 05's `activation_bytes_per_layer`) — used to check against
@@ -38,7 +42,8 @@ from .tensor_parallel import kv_heads_per_rank
 
 __all__ = ["MoE", "Parallelism", "check", "layer_numel", "rank_units", "rank_layers",
            "stage_layers", "elem_bytes", "layer_activation_bytes", "in_flight", "memory", "traffic",
-           "LLAMA3_70B", "LLAMA3_405B"]
+           "expert_numel", "dp_groups", "stage_piece", "runtime_overhead",
+           "RUNTIME_OVERHEAD", "LLAMA3_70B", "LLAMA3_405B"]
 
 # Published Llama 3 shapes (Llama 3 paper, Table 3; vocabulary 128,256, untied embeddings)
 LLAMA3_70B = LlamaConfig(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64,
@@ -106,8 +111,11 @@ def check(cfg: LlamaConfig, par: Parallelism, moe: MoE | None = None) -> None:
     shards = (par.tp if par.sp else 1) * par.cp * (2 if par.cp > 1 else 1)
     if par.seq % shards:
         raise ValueError(f"seq={par.seq} must divide by {shards} (sp·tp and 2·cp chunks)")
-    if cfg.n_layers < par.pp * par.v:
-        raise ValueError(f"n_layers={cfg.n_layers} is fewer than the pp·v={par.pp * par.v} stages")
+    if par.pp > 1:
+        _ops(par.schedule, par.pp, par.micro_batches, par.v)   # make_schedule's own checks
+    if cfg.n_layers < _n_pieces(par):
+        raise ValueError(f"n_layers={cfg.n_layers} is fewer than the {_n_pieces(par)} pipeline "
+                         f"stages of {par.schedule if par.pp > 1 else 'one stage'}")
     if par.zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0 (DDP), 1, 2 or 3, not {par.zero!r}")
     if par.zero == 3 and par.pp > 1:
@@ -120,8 +128,6 @@ def check(cfg: LlamaConfig, par: Parallelism, moe: MoE | None = None) -> None:
         raise ValueError(f"activations must be 'korthikanti' or 'picolib', not {par.activations!r}")
     if par.sp and par.tp == 1:
         raise ValueError("sp=True needs tp > 1 (sequence parallelism splits over the TP group)")
-    if par.pp > 1:
-        _ops(par.schedule, par.pp, par.micro_batches, par.v)   # make_schedule's own checks
     if moe is not None:
         _positive(n_experts=moe.n_experts, top_k=moe.top_k, expert_ffn=moe.expert_ffn)
         if moe.n_experts % par.ep or par.dp % par.ep or moe.top_k > moe.n_experts:
@@ -171,26 +177,81 @@ def stage_layers(n_layers: int, n_stages: int) -> list[int]:
     return counts
 
 
+def _n_pieces(par: Parallelism) -> int:
+    """How many pieces the model is cut into: one per schedule stage (p·v; DualPipeV's 2p),
+    except DualPipe, whose 2p stages are two copies of p pieces."""
+    if par.pp == 1:
+        return 1
+    sched = _schedule(par.schedule, par.pp, par.micro_batches, par.v)
+    return len(sched.pipes[0][0])
+
+
+def stage_piece(par: Parallelism, stage: int) -> int:
+    """The model piece schedule stage `stage` runs (DualPipe's up-pipeline stage p+i is piece
+    i again: its second copy); every other schedule: the stage itself."""
+    return stage % _n_pieces(par)
+
+
 def rank_layers(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0) -> list[int]:
-    """The pipeline stages rank `pp_rank` holds (v per rank: r, r+p, ...)."""
+    """The schedule stages rank `pp_rank` holds, read off the schedule (interleaved: r, r+p,
+    ...; DualPipeV: r and 2p−1−r; DualPipe: r and 2p−1−r, pieces r and p−1−r)."""
     if not 0 <= pp_rank < par.pp:
         raise ValueError(f"pp_rank must be in [0, {par.pp}), not {pp_rank}")
-    return [pp_rank + i * par.pp for i in range(par.v)]
+    if par.pp == 1:
+        return [0]
+    return _schedule(par.schedule, par.pp, par.micro_batches, par.v).stages_of(pp_rank)
+
+
+def _stage_parts(cfg: LlamaConfig, par: Parallelism, pp_rank: int):
+    """[(layers, embedding?, head?)] per stage this rank holds."""
+    n = _n_pieces(par)
+    counts = stage_layers(cfg.n_layers, n)
+    return [(counts[stage_piece(par, s)], stage_piece(par, s) == 0, stage_piece(par, s) == n - 1)
+            for s in rank_layers(cfg, par, pp_rank)]
 
 
 def rank_units(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0,
                moe: MoE | None = None) -> list[int]:
     """ZeRO's units on this rank (`picolib.sharded_optim.split_units`): the root's own
     parameters first — the vocab-split embedding on the first stage, the final norm and the
-    vocab-split head on the last — then one unit per block."""
+    vocab-split head on the last — then one unit per block (DualPipe: both copies)."""
     check(cfg, par, moe)
-    stages = rank_layers(cfg, par, pp_rank)
-    n_stages, counts = par.pp * par.v, stage_layers(cfg.n_layers, par.pp * par.v)
     h, v = cfg.hidden, cfg.vocab_size
-    root = (v * h // par.tp if 0 in stages else 0) + \
-        (h + v * h // par.tp if n_stages - 1 in stages else 0)
+    parts = _stage_parts(cfg, par, pp_rank)
+    root = sum((v * h // par.tp if emb else 0) + (h + v * h // par.tp if head else 0)
+               for _, emb, head in parts)
     block = layer_numel(cfg, par.tp, moe, par.ep)
-    return ([root] if root else []) + [block] * sum(counts[s] for s in stages)
+    return ([root] if root else []) + [block] * sum(n for n, _, _ in parts)
+
+
+def expert_numel(cfg: LlamaConfig, par: Parallelism, moe: MoE | None = None) -> int:
+    """Parameters of one block held by fewer ranks than the rest: the block's E/ep routed
+    experts when ep > 1 (their replicas are the dp/ep·cp ranks of their edp group); 0 when
+    there are none (ep = 1: every dp rank holds every expert)."""
+    if moe is None or par.ep == 1:
+        return 0
+    return (moe.n_experts // par.ep) * 3 * cfg.hidden * moe.expert_ffn
+
+
+def dp_groups(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0,
+              moe: MoE | None = None) -> list[tuple[list[int], int]]:
+    """The rank's parameters by the group that shares them, as ZeRO and DDP split them:
+    [(unit numels, group size)] — everything over the dp·cp replicas, except the routed
+    experts under ep > 1, which only their (dp/ep)·cp copies share (picolib.zero's
+    `groups`, the trainer's edp groups): one unit of experts per block, sharded, reduced and
+    all-reduced over that smaller group."""
+    units, n = rank_units(cfg, par, pp_rank, moe), par.dp * par.cp
+    x = expert_numel(cfg, par, moe)
+    if not x:
+        return [(units, n)]
+    blocks = _n_blocks(cfg, par, pp_rank)
+    root = units[:len(units) - blocks]
+    dense = root + [layer_numel(cfg, par.tp, moe, par.ep) - x] * blocks
+    return [(dense, n), ([x] * blocks, par.dp // par.ep * par.cp)]
+
+
+def _n_blocks(cfg, par, pp_rank):
+    return sum(n for n, _, _ in _stage_parts(cfg, par, pp_rank))
 
 
 # --------------------------------------------------------------------------- activations
@@ -227,19 +288,26 @@ def _end_bytes(cfg: LlamaConfig, par: Parallelism) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=512)
+def _schedule(name: str, p: int, m: int, v: int):
+    """picolib's schedule (cached); the planner reads stages, ops and pipes off it."""
+    return make_schedule(name, p, m, v)
+
+
+@lru_cache(maxsize=512)
 def _ops(name: str, p: int, m: int, v: int):
-    """Each rank's ops of picolib's schedule as (kind, stage) pairs (cached)."""
-    sched = make_schedule(name, p, m, v)
-    return tuple(tuple((op.kind, op.stage) for op in ops) for ops in sched.ops)
+    """Each rank's ops of picolib's schedule as (kind, stage) pairs."""
+    return tuple(tuple((op.kind, op.stage) for op in ops) for ops in _schedule(name, p, m, v).ops)
 
 
 @lru_cache(maxsize=4096)
 def _pp_messages(name: str, p: int, m: int, v: int, rank: int) -> int:
-    """Messages rank `rank` sends: one per forward of a stage that is not last, one per
-    backward (BW, or B of a split backward) of a stage that is not first."""
-    last = p * v - 1
-    return sum(1 for kind, stage in _ops(name, p, m, v)[rank]
-               if (kind == "F" and stage != last) or (kind in ("BW", "B") and stage != 0))
+    """Messages rank `rank` sends: one per forward of a stage that is not the last of its
+    pipeline, one per backward (BW, or B of a split backward) of a stage that is not the
+    first (DualPipe: each of its two pipelines)."""
+    sched = _schedule(name, p, m, v)
+    return sum(1 for op in sched.ops[rank]
+               if (op.kind == "F" and not sched.is_last(op.stage))
+               or (op.kind in ("BW", "B") and not sched.is_first(op.stage)))
 
 
 def in_flight(schedule: str, p: int, m: int, v: int = 1, stage_bytes=None) -> list:
@@ -247,6 +315,11 @@ def in_flight(schedule: str, p: int, m: int, v: int = 1, stage_bytes=None) -> li
     a forward (F) saves its stage's activations, the backward (BW, or B of a split
     backward) frees them. `stage_bytes[s]`: bytes per micro-batch of stage s (default 1:
     a count of micro-batch-stages)."""
+    return list(_in_flight(schedule, p, m, v, None if stage_bytes is None else tuple(stage_bytes)))
+
+
+@lru_cache(maxsize=1024)
+def _in_flight(schedule: str, p: int, m: int, v: int = 1, stage_bytes=None) -> tuple:
     out = []
     for ops in _ops(schedule, p, m, v):
         held = peak = 0
@@ -258,60 +331,100 @@ def in_flight(schedule: str, p: int, m: int, v: int = 1, stage_bytes=None) -> li
             elif kind in ("BW", "B"):
                 held -= w
         out.append(peak)
-    return out
+    return tuple(out)
+
+
+def _stage_bytes(cfg, par) -> tuple:
+    """Saved bytes per micro-batch of each schedule stage (its piece's layers, plus the
+    embedding's or the head's)."""
+    n = _n_pieces(par)
+    counts = stage_layers(cfg.n_layers, n)
+    layer = layer_activation_bytes(cfg, par)
+    first, last = _end_bytes(cfg, par)
+    n_stages = 1 if par.pp == 1 else len(_schedule(par.schedule, par.pp, par.micro_batches, par.v).stage_ranks)
+    return tuple(counts[k] * layer + (first if k == 0 else 0) + (last if k == n - 1 else 0)
+                 for k in (stage_piece(par, s) for s in range(n_stages)))
 
 
 def _activations(cfg, par, pp_rank):
-    n_stages = par.pp * par.v
-    counts = stage_layers(cfg.n_layers, n_stages)
-    layer = layer_activation_bytes(cfg, par)
-    first, last = _end_bytes(cfg, par)
-    stage_bytes = [counts[s] * layer + (first if s == 0 else 0) + (last if s == n_stages - 1 else 0)
-                   for s in range(n_stages)]
+    stage_bytes = _stage_bytes(cfg, par)
     if par.recompute == "full":   # backward recomputes one block at a time: its full bytes
         working = layer_activation_bytes(cfg, par.replace(recompute="none"))
     else:
         working = 0
     if par.pp == 1:
         return stage_bytes[0] + working
-    return in_flight(par.schedule, par.pp, par.micro_batches, par.v, tuple(stage_bytes))[pp_rank] + working
+    return in_flight(par.schedule, par.pp, par.micro_batches, par.v, stage_bytes)[pp_rank] + working
 
 
 # --------------------------------------------------------------------------- memory
 
+# What a GPU holds besides the tensors (off unless asked for): the CUDA context and the
+# kernels PyTorch loads, each NCCL communicator's buffers, and the caching allocator's
+# reserve (blocks it keeps but does not use). Sources in `runtime_overhead`'s docstring.
+RUNTIME_OVERHEAD = {"context": 0.5e9, "per_communicator": 0.2e9, "reserve": 0.05}
+
+
+def runtime_overhead(par: Parallelism, tensor_bytes: float, context: float | None = None,
+                     per_communicator: float | None = None, reserve: float | None = None) -> float:
+    """Bytes a GPU shows (nvidia-smi) beyond the tensors the planner counts: `context` (the
+    CUDA context and PyTorch's kernels, about 0.5 GB on an H100 with CUDA 12; NVIDIA's and
+    PyTorch's notes put it at a few hundred MB to ~1 GB), `per_communicator` for each NCCL
+    communicator this rank is in (one per parallel dimension > 1; NCCL's default
+    NCCL_BUFFSIZE of 4 MiB per channel and peer, times its 16-32 channels and two
+    directions, ≈ 0.2 GB), and `reserve` × the tensors (the caching allocator's
+    fragmentation; 5 %, an assumption — measure torch.cuda.memory_reserved against
+    memory_allocated for a real run). Defaults: RUNTIME_OVERHEAD."""
+    d = RUNTIME_OVERHEAD
+    context = d["context"] if context is None else context
+    per_communicator = d["per_communicator"] if per_communicator is None else per_communicator
+    reserve = d["reserve"] if reserve is None else reserve
+    groups = sum(1 for x in (par.dp * par.cp, par.tp, par.pp, par.cp, par.ep) if x > 1)
+    return context + groups * per_communicator + reserve * tensor_bytes
+
+
 def memory(cfg: LlamaConfig, par: Parallelism, pp_rank: int | None = None,
-           moe: MoE | None = None) -> dict:
+           moe: MoE | None = None, overhead: bool = False) -> dict:
     """Bytes one rank holds at its peak: {"params", "grads", "optimizer", "activations",
     "total"}. Adam; fp32: 4 + 4 + 8 bytes per parameter, bf16/fp8: 2 + 2 + (4 master + 8)
-    (`picolib.memory.bytes_per_param`); ZeRO shards over the dp·cp ranks
+    (`picolib.memory.bytes_per_param`); ZeRO shards over the ranks that hold the same
+    parameters (`dp_groups`: the dp·cp replicas; an expert's (dp/ep)·cp copies)
     (`zero_memory_bytes`, padded per unit as picolib pads; stage 0 = DDP, unpadded). With
     m > 1 micro-batches, ZeRO-2/3 hold the whole gradient too while they accumulate (as
     picolib/zero.py does: one reduce-scatter per step, not one per micro-batch).
-    pp_rank None: the larger of the first and the last pipeline rank."""
+    pp_rank None: the pipeline rank with the largest total. `overhead=True` adds
+    "overhead" (`runtime_overhead`: context, NCCL buffers, allocator reserve) to the total;
+    off, the figures are the tensors alone, what picolib's runs count byte for byte."""
     check(cfg, par, moe)
-    if pp_rank is None:   # the first rank holds the most in flight, the last the head
-        return max((memory(cfg, par, r, moe) for r in {0, par.pp - 1}), key=lambda d: d["total"])
-    units = rank_units(cfg, par, pp_rank, moe)
+    if pp_rank is None:
+        return max((memory(cfg, par, r, moe, overhead) for r in range(par.pp)),
+                   key=lambda d: d["total"])
     parts = bytes_per_param("fp32" if par.precision == "fp32" else "bf16", par.fp32_grad_accum)
     p, g = parts["params"], parts["grads"] + parts.get("fp32_grads", 0)
     k = optimizer_state_factor("adam", master=par.precision != "fp32")
-    n = par.dp * par.cp
-    if par.zero == 0:
-        psi = sum(units)
-        out = {"params": p * psi, "grads": g * psi, "optimizer": k * psi}
-    else:
-        out = zero_memory_bytes(par.zero, units, n, k, param_bytes=p, grad_bytes=g)
-        if par.zero >= 2 and par.micro_batches > 1:   # picolib accumulates whole gradients
-            out["grads"] += g * sum(units)             # until the step's last backward
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for units, n in dp_groups(cfg, par, pp_rank, moe):
+        if par.zero == 0:
+            part = {"params": p * sum(units), "grads": g * sum(units), "optimizer": k * sum(units)}
+        else:
+            part = zero_memory_bytes(par.zero, units, n, k, param_bytes=p, grad_bytes=g)
+            if par.zero >= 2 and par.micro_batches > 1:   # picolib accumulates whole gradients
+                part["grads"] += g * sum(units)            # until the step's last backward
+        for key in out:
+            out[key] += part[key]
     out["activations"] = _activations(cfg, par, pp_rank)
+    if overhead:
+        out["overhead"] = int(runtime_overhead(par, sum(out.values())))
     out["total"] = sum(out.values())
     return out
 
 
 # --------------------------------------------------------------------------- traffic
 
-def _tp_bytes(cfg, par, first, last, layers):
-    """Bytes a TP rank sends per micro-batch (forward + backward), lesson 04/05's collectives."""
+def _tp_bytes(cfg, par, first, last, layers, moe=None):
+    """Bytes a TP rank sends per micro-batch (forward + backward), lesson 04/05's collectives.
+    A MoE block whose MLP has no tp-split part (routed experts only: each tp rank runs whole
+    experts on its tokens) has the attention's collectives alone."""
     t = par.tp
     if t == 1:
         return 0
@@ -324,10 +437,12 @@ def _tp_bytes(cfg, par, first, last, layers):
     kv_local, replicas = kv_heads_per_rank(cfg.n_heads, cfg.n_kv_heads, t)
     kv = 2 * ring_sent_bytes("all_reduce", (t // replicas) * kv_local * cfg.head_dim * h * pe, t) \
         if replicas > 1 else 0
-    if not par.sp:   # f and g: 4 all-reduces a block; the embedding's g; the head's f
-        return layers * (4 * ar + kv) + (ar if first else 0) + (ar if last else 0) + loss
+    subs = 1 if moe is not None and not moe.shared else 2   # attention (and a tp-split MLP)
+    if not par.sp:   # f and g: 2 all-reduces per sub-block; the embedding's g; the head's f
+        return layers * (2 * subs * ar + kv) + (ar if first else 0) + (ar if last else 0) + loss
     norm = ring_sent_bytes("all_reduce", h * pe, t)
-    block = 2 * ag + 2 * rs + 4 * ag + 2 * rs + 2 * norm + kv     # forward | backward (re-gather)
+    # per sub-block: forward ag + rs | backward rs + ag + the re-gather's ag
+    block = subs * (ag + rs) + subs * (2 * ag + rs) + 2 * norm + kv
     return layers * block + ((rs + ag) if first else 0) + ((2 * ag + rs + norm) if last else 0) + loss
 
 
@@ -337,8 +452,9 @@ def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoE | Non
     {"dp", "tp", "pp", "cp", "ep", "total"}.
     dp: DDP all-reduces each gradient bucket, 2(N−1)/N·B (`bucket_numels`, default one
     bucket of all the rank's parameters); ZeRO-1/2 reduce-scatter + all-gather every unit,
-    ZeRO-3 one more all-gather (`zero_traffic_bytes`); over the dp·cp ranks, in the compute
-    dtype. tp: per micro-batch, TP's 4 all-reduces of (b, s, h) a block or SP's
+    ZeRO-3 one more all-gather (`zero_traffic_bytes`); in the compute dtype, each part over
+    the ranks that share it (`dp_groups`: the dp·cp replicas; the experts' (dp/ep)·cp
+    copies, with DDP's one-float all-finite check over the replicas). tp: per micro-batch, TP's 4 all-reduces of (b, s, h) a block or SP's
     all-gathers and reduce-scatters, plus the embedding, the head and the vocab-parallel
     loss (3 all-reduces of (b, s) fp32). pp: one (b, s/sp, h) activation per forward of a
     stage that is not last and one gradient per backward of a stage that is not first,
@@ -348,27 +464,33 @@ def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoE | Non
     every token goes to every expert, an expectation otherwise), and the tokens-per-expert
     counts exchanged before each dispatch (int64, forward only)."""
     check(cfg, par, moe)
-    units = rank_units(cfg, par, pp_rank, moe)
-    stages = rank_layers(cfg, par, pp_rank)
-    n_stages = par.pp * par.v
-    layers = sum(stage_layers(cfg.n_layers, n_stages)[s] for s in stages)
+    parts = _stage_parts(cfg, par, pp_rank)
+    layers = sum(n for n, _, _ in parts)
     m, e = par.micro_batches, elem_bytes(par.precision)
-    n = par.dp * par.cp
+    if par.pp > 1:   # DualPipe: each of its two pipelines carries half of the micro-batches
+        m //= len(_schedule(par.schedule, par.pp, par.micro_batches, par.v).pipes)
     gdt = 4 if par.precision == "fp32" else 2
-    if par.zero == 0:
-        dp = zero_traffic_bytes(0, bucket_numels or [sum(units)], n, gdt)
-    else:
-        dp = zero_traffic_bytes(par.zero, units, n, gdt)
-    first, last = 0 in stages, n_stages - 1 in stages
-    tp = m * _tp_bytes(cfg, par, first, last, layers)
+    groups = dp_groups(cfg, par, pp_rank, moe)
+    dp = 0
+    for i, (units, n) in enumerate(groups):
+        if par.zero == 0:
+            dp += zero_traffic_bytes(0, (bucket_numels if i == 0 else None) or [sum(units)], n, gdt)
+        else:
+            dp += zero_traffic_bytes(par.zero, units, n, gdt)
+    if par.zero == 0 and len(groups) > 1:   # DDP with expert groups: one float32 max over
+        dp += ring_sent_bytes("all_reduce", 4, par.dp * par.cp)   # the replicas: all finite?
+    first, last = any(emb for _, emb, _ in parts), any(head for _, _, head in parts)
+    tp = m * _tp_bytes(cfg, par, first, last, layers, moe)
     s, b, h = par.seq // par.cp, par.micro_batch_size, cfg.hidden
     act = b * (s // (par.tp if par.sp else 1)) * h * e
-    pp = act * _pp_messages(par.schedule, par.pp, m, par.v, pp_rank) if par.pp > 1 else 0
+    pp = act * _pp_messages(par.schedule, par.pp, par.micro_batches, par.v, pp_rank) if par.pp > 1 else 0
     cp = 0
     if par.cp > 1:
         kv_local, _ = kv_heads_per_rank(cfg.n_heads, cfg.n_kv_heads, par.tp)
         block = b * kv_local * s * cfg.head_dim * e         # one K (or V) block of s/cp tokens
         cp = m * layers * (2 * (par.cp - 1) + 2 * (par.cp - 1) + 2 * par.cp) * block
+        if moe is not None:   # the balancing loss's statistics (2E floats) summed over cp
+            cp += m * layers * ring_sent_bytes("all_reduce", 2 * moe.n_experts * 4, par.cp)
     ep = 0
     if moe is not None and par.ep > 1:
         tokens = b * s // (par.tp if par.sp else 1)

@@ -24,7 +24,9 @@ The lesson's machinery lives here so its cells stay short:
 `zero_step`, `tp_sp_step`, `pipeline_step` are the rank functions of 11b §1 (one training step each,
 their traffic recorded by a `comm.Ledger` — on picolib's rings for ZeRO and TP+SP, so those
 bytes are counted as sent); `fake_pg_traffic` runs DDP and ZeRO as rank 5 of 1,024 on
-PyTorch's fake process group (11b §1); `plot_all_reduce` (11 §2) and `plot_candidates` (11b §2) draw.
+PyTorch's fake process group (11b §1); `trainer_vs_planner` trains layouts with
+`picolib.train` on real ranks and sets the busiest rank's bytes beside the planner's (11b §1);
+`plot_all_reduce` (11 §2) and `plot_candidates` (11b §2) draw.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from ..planner import LLAMA3_70B, LLAMA3_405B, Parallelism, memory
 from . import rank_bars
 
 __all__ = ["MODELS", "HINTS", "ROOFLINE_HINTS", "rooflines", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
-           "pipeline_step", "fake_pg_traffic", "plot_all_reduce", "plot_candidates"]
+           "pipeline_step", "fake_pg_traffic", "plot_all_reduce", "plot_candidates", "trainer_vs_planner"]
 
 MODELS = {"Llama-3-70B": LLAMA3_70B, "Llama-3-405B": LLAMA3_405B}
 
@@ -135,7 +137,7 @@ def plan_calculator(model="Llama-3-70B", n_gpus: int = 640, tp: int = 8, pp: int
     t = out["time"]
     print(f"worst rank {worst / 1e9:.1f} GB of {gpu.memory / 1e9:.0f} GB: "
           f"{'fits' if out['fits'] else 'does NOT fit'}; step {t['seconds']:.2f} s, "
-          f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} (computed, efficiency 0.6 assumed)")
+          f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} (computed, matmuls on the roofline)")
     return out
 
 
@@ -312,9 +314,50 @@ def plot_candidates(cfg, candidates: dict):
         vals = [t[part] for t in times]
         ax_t.bar(names, vals, bottom=bottom, color=c, edgecolor="0.4", lw=0.5, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax_t.set(ylabel="seconds per step", title="step time, 1.3 M tokens (computed, efficiency 0.6)")
+    ax_t.set(ylabel="seconds per step", title="step time, 1.3 M tokens (computed, roofline matmuls)")
     for ax in (ax_m, ax_t):
         ax.tick_params(axis="x", labelrotation=25, labelsize=9)
         ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
+
+
+def _train_all(configs):
+    from ..train import train
+    return [train(cfg)[0] for cfg in configs]
+
+
+def trainer_vs_planner(layouts: list[dict], seq: int = 16, batch: int = 8) -> list[dict]:
+    """Train each layout (keyword arguments of `picolib.train.TrainConfig`, all of one world
+    size) for one step on real ranks, in one launch, and return per layout the busiest
+    rank's state bytes and bytes sent by kind, the trainer's and the planner's (fp32,
+    picolib's counts): [{"layout", "trainer", "planner"}] with each side {"state", "sent"}.
+    The trainer files the experts' gradients over their (dp/ep)·cp copies, which span dp
+    and cp, as "other"; they are DP's, and are added to it here."""
+    from ..launch import run
+    from ..planner import MoE, traffic
+    from ..train import TrainConfig
+    configs = [TrainConfig(steps=1, progress=False, data="random", seq=seq, batch=batch, **kw)
+               for kw in layouts]
+    sizes = {c.world_size for c in configs}
+    if len(sizes) != 1:
+        raise ValueError(f"the layouts must share one world size, not {sorted(sizes)}")
+    records = run(_train_all, sizes.pop(), configs, timeout=300)[0]
+    out = []
+    for kw, cfg, rec in zip(layouts, configs, records):
+        mcfg = cfg.model_config()
+        moe = MoE(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
+        par = Parallelism(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero,
+                          sp=cfg.sp, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
+                          micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches), seq=cfg.seq,
+                          precision="fp32", activations="picolib", flash=False)
+        state = max(sum(memory(mcfg, par, r, moe)[k] for k in ("params", "grads", "optimizer"))
+                    for r in range(par.pp))
+        sent = [traffic(mcfg, par, r, moe) for r in range(par.pp)]
+        kinds = {k.upper(): max(x[k] for x in sent) for k in ("dp", "tp", "pp", "cp", "ep")}
+        measured = dict(rec["sent_bytes_by_kind"])
+        if "other" in measured:
+            measured["DP"] = measured.get("DP", 0) + measured.pop("other")
+        out.append({"layout": kw, "trainer": {"state": rec["state_bytes"], "sent": measured},
+                    "planner": {"state": state, "sent": {k: v for k, v in kinds.items() if v}}})
+    return out
