@@ -116,7 +116,9 @@ class _Rotate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return _rotate(grad.contiguous(), cos, -sin), None, None
+        if grad.stride(-1) != 1:      # e.g. an expanded gradient: a pair must be adjacent
+            grad = grad.contiguous()
+        return _rotate(grad, cos, -sin), None, None
 
 
 def _rotate(x, cos, sin):
