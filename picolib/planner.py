@@ -368,13 +368,14 @@ RUNTIME_OVERHEAD = {"context": 0.5e9, "per_communicator": 0.2e9, "reserve": 0.05
 def runtime_overhead(par: Parallelism, tensor_bytes: float, context: float | None = None,
                      per_communicator: float | None = None, reserve: float | None = None) -> float:
     """Bytes a GPU shows (nvidia-smi) beyond the tensors the planner counts: `context` (the
-    CUDA context and PyTorch's kernels, about 0.5 GB on an H100 with CUDA 12; NVIDIA's and
-    PyTorch's notes put it at a few hundred MB to ~1 GB), `per_communicator` for each NCCL
-    communicator this rank is in (one per parallel dimension > 1; NCCL's default
-    NCCL_BUFFSIZE of 4 MiB per channel and peer, times its 16-32 channels and two
-    directions, ≈ 0.2 GB), and `reserve` × the tensors (the caching allocator's
-    fragmentation; 5 %, an assumption — measure torch.cuda.memory_reserved against
-    memory_allocated for a real run). Defaults: RUNTIME_OVERHEAD."""
+    CUDA context and the kernels PyTorch loads: 0.5 GB, an assumption of the usual size —
+    measure yours as torch.cuda.mem_get_info before and after the first CUDA call),
+    `per_communicator` for each NCCL communicator this rank is in (one per parallel dimension
+    > 1; NCCL's documented default NCCL_BUFFSIZE is 4 MiB per channel and peer, which with
+    16-32 channels and both directions is ≈ 0.2 GB — the channel count is assumed), and
+    `reserve` × the tensors (the caching allocator's fragmentation: 5 %, an assumption —
+    compare torch.cuda.memory_reserved with memory_allocated in a real run). Defaults:
+    RUNTIME_OVERHEAD."""
     d = RUNTIME_OVERHEAD
     context = d["context"] if context is None else context
     per_communicator = d["per_communicator"] if per_communicator is None else per_communicator
@@ -450,6 +451,8 @@ def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoE | Non
             bucket_numels: list | None = None) -> dict:
     """Bytes one rank sends in one step, by the ring formulas `picolib.comm.Ledger` records:
     {"dp", "tp", "pp", "cp", "ep", "total"}.
+    DualPipe adds one all-reduce of the rank's gradients with its mirror rank p−1−r (the two
+    copies of each layer are summed before the optimizer step).
     dp: DDP all-reduces each gradient bucket, 2(N−1)/N·B (`bucket_numels`, default one
     bucket of all the rank's parameters); ZeRO-1/2 reduce-scatter + all-gather every unit,
     ZeRO-3 one more all-gather (`zero_traffic_bytes`); in the compute dtype, each part over
@@ -479,6 +482,8 @@ def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoE | Non
             dp += zero_traffic_bytes(par.zero, units, n, gdt)
     if par.zero == 0 and len(groups) > 1:   # DDP with expert groups: one float32 max over
         dp += ring_sent_bytes("all_reduce", 4, par.dp * par.cp)   # the replicas: all finite?
+    if par.pp > 1 and par.schedule == "dualpipe":   # ranks r and p−1−r hold the same two pieces:
+        dp += ring_sent_bytes("all_reduce", gdt * sum(rank_units(cfg, par, pp_rank, moe)), 2)   # sum the copies
     first, last = any(emb for _, emb, _ in parts), any(head for _, _, head in parts)
     tp = m * _tp_bytes(cfg, par, first, last, layers, moe)
     s, b, h = par.seq // par.cp, par.micro_batch_size, cfg.hidden

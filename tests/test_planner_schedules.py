@@ -150,3 +150,14 @@ def test_runtime_overhead_is_off_unless_asked_and_counts_its_parts():
     assert more["overhead"] == int(0.5e9 + 3 * 0.2e9 + 0.05 * tensors)   # dp, tp, pp groups
     assert more["total"] == tensors + more["overhead"]
     assert runtime_overhead(par, 0, context=0, per_communicator=0, reserve=0) == 0
+
+
+def test_dualpipe_sums_its_two_copies_gradients_over_the_mirror_rank():
+    """Rank r and rank p−1−r hold the same two pieces: one 2-rank all-reduce of the rank's
+    gradients (bf16: 2 bytes each; a 2-rank ring sends each byte once) on top of 1F1B's DP."""
+    one = Parallelism(pp=4, micro_batches=8, seq=SEQ, dp=2)
+    dual = one.replace(schedule="dualpipe", v=2)
+    for r in range(4):
+        psi = sum(rank_units(CFG, dual, r))
+        own = 2 * 2 * (2 - 1) * psi // 2                       # DDP over dp = 2, bf16
+        assert traffic(CFG, dual, r)["dp"] == own + 2 * psi
