@@ -71,9 +71,9 @@ def tiled_attention(q, k, v, block: int):
     for i in range(0, s, block):
         qi = q[i:i + block]
         moved += qi.numel() * qi.element_size()
-        acc = torch.zeros(qi.shape[0], d, dtype=torch.float32)
-        row_max = torch.full((qi.shape[0], 1), -math.inf)
-        row_sum = torch.zeros(qi.shape[0], 1)
+        acc = torch.zeros(qi.shape[0], d, dtype=torch.float32, device=q.device)
+        row_max = torch.full((qi.shape[0], 1), -math.inf, device=q.device)
+        row_sum = torch.zeros(qi.shape[0], 1, device=q.device)
         for j in range(0, s, block):
             kj, vj = k[j:j + block], v[j:j + block]
             moved += 2 * kj.numel() * kj.element_size()
