@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 
 from .hardware import ALPHA, hardware
-from .memory import hardware_flops, model_flops
 from .model import LlamaConfig, param_count
 from .planner import MoE, Parallelism, layer_numel, memory, traffic
 
@@ -50,7 +49,8 @@ def tp_comm_ratio(cfg: LlamaConfig, tp: int, hw="H100-SXM", *, collectives: floa
     for TP+SP with the backward re-gather (six all-gathers, four reduce-scatters; lesson 10
     measures 10.03 with the norms' small all-reduces). `flops` is the rate the matmuls run at
     (the dense bf16 peak unless given; lesson 05 uses 450e12, 45 % MFU). The link is the
-    per-GPU bandwidth of a group of `tp` ranks on `hw` (NVLink inside a node). `overlap` is
+    per-GPU bandwidth of a group of `tp` consecutive ranks on `hw` (`Hardware.link`: NVLink
+    inside a node; over whole nodes, each node's NICs, capped by NVLink). `overlap` is
     the fraction of the collective time hidden behind compute (0: an upper bound).
     The ratio does not depend on the tokens per micro-batch: both sides are linear in them."""
     hw = hardware(hw)
