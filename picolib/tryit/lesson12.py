@@ -17,6 +17,7 @@ its try-it.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,10 @@ class _Traffic(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.bytes, self.ops, self.largest, self.created = 0, [], 0, 0
+        self.live = self.peak = 0          # bytes of the tensors made here and still referenced
+
+    def _freed(self, n):
+        self.live -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -48,6 +53,9 @@ class _Traffic(TorchDispatchMode):
             n = t.numel() * t.element_size()
             self.created += n
             self.largest = max(self.largest, n)
+            self.live += n
+            weakref.finalize(t, self._freed, n)
+        self.peak = max(self.peak, self.live)
         return out
 
 
@@ -61,10 +69,13 @@ def _flat(obj) -> list:
 
 def eager_traffic(fn, *args) -> dict:
     """Run `fn(*args)` eagerly, recording every operation below autograd: {"bytes" read and
-    written, "ops" (names), "created" bytes of new tensors, "largest" new tensor}."""
+    written, "ops" (names), "created" bytes of new tensors, "largest" new tensor, "peak" bytes
+    of new tensors alive at once (each counted until Python drops it; the result included)}."""
     with torch.no_grad(), _Traffic() as t:
-        fn(*args)
-    return {"bytes": t.bytes, "ops": t.ops, "created": t.created, "largest": t.largest}
+        result = fn(*args)
+    peak = t.peak
+    del result
+    return {"bytes": t.bytes, "ops": t.ops, "created": t.created, "largest": t.largest, "peak": peak}
 
 
 def rmsnorm_eager(x, w):
@@ -170,15 +181,16 @@ def plot_fusion(table: dict, ax=None):
 
 
 def attention_cost(seqs=(256, 512, 1024), heads: int = 2, d: int = 64) -> dict:
-    """{impl: {s: (best seconds, bytes of tensors created, largest tensor)}} for eager
-    attention and PyTorch's fused `scaled_dot_product_attention`, b = 1, causal."""
+    """{impl: {s: (best seconds, bytes of tensors created, largest tensor, peak bytes of new
+    tensors alive at once)}} for eager attention and PyTorch's fused
+    `scaled_dot_product_attention`, b = 1, causal."""
     out = {"eager": {}, "sdpa": {}}
     g = torch.Generator().manual_seed(0)
     for s in seqs:
         q, k, v = (torch.randn(1, heads, s, d, generator=g) for _ in range(3))
         for impl in out:
             t = eager_traffic(attention_core, q, k, v, impl)
-            out[impl][s] = (best_time(attention_core, q, k, v, impl, reps=3), t["created"], t["largest"])
+            out[impl][s] = (best_time(attention_core, q, k, v, impl, reps=3), t["created"], t["largest"], t["peak"])
     return out
 
 
