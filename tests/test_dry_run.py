@@ -1,0 +1,74 @@
+"""The dry run (picolib/dry_run.py): meta tensors over the fake process group give the same
+bytes as the trainer's real run, refuse what a real run refuses, and size Llama-3-70B on
+640 ranks without allocating it."""
+import pytest
+
+from picolib.compose import TrainConfig
+from picolib.dry_run import dry_run, main, representatives
+
+KINDS = ("dp", "tp", "pp", "cp", "ep")
+
+
+def _busiest(reports):
+    """What the trainer logs: each figure's maximum over the ranks."""
+    return {"state_bytes": max(r["params"] + r["grads"] + r["optimizer"] for r in reports),
+            "activation_bytes": max(r["activations"] for r in reports),
+            "sent_bytes_by_kind": {k.upper(): b for k in KINDS
+                                   if (b := max(r["sent"][k] for r in reports))}}
+
+
+@pytest.mark.parametrize("layout", [
+    dict(dp=2, pp=2, zero=1, micro_batches=4, batch=8, seq=16),            # 1F1B, ZeRO-1
+    dict(dp=2, tp=2, sp=True, zero=2, batch=4, seq=16),                    # TP+SP, ZeRO-2
+    dict(cp=2, dp=2, zero=1, batch=4, seq=16),                             # ring attention
+    dict(dp=2, pp=2, schedule="interleaved", micro_batches=4, batch=8, seq=16),  # DDP
+])
+def test_dry_run_equals_the_real_run(layout):
+    """Same layout, the trainer on gloo ranks with real tensors: the busiest rank's state,
+    activations and bytes by kind are the dry run's, to the byte."""
+    from picolib import train
+    from picolib.launch import run
+    cfg = TrainConfig(**layout, steps=1, progress=False)
+    reports = dry_run(cfg, cfg.world_size)
+    assert [r["rank"] for r in reports] == representatives(cfg)
+    real = run(train.train, cfg.world_size, cfg)[0][0]
+    dry = _busiest(reports)
+    assert dry == {k: real[k] for k in dry}
+    assert all(r["activations"] > 0 and r["params"] > 0 for r in reports)
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="world has 640"):      # dp·tp·pp = 320
+        dry_run(TrainConfig(preset="llama3-70b", dp=10, tp=8, pp=4, batch=160,
+                            micro_batches=16, seq=8192), 640)
+    with pytest.raises(ValueError, match="tp"):                  # 8 KV heads... 3 does not divide
+        dry_run(TrainConfig(preset="llama3-8b", tp=3, seq=8192, batch=8), 3)
+    with pytest.raises(NotImplementedError, match="meta tensors"):
+        dry_run(TrainConfig(dp=2, experts=4, top_k=2, batch=4, seq=16), 2)
+    with pytest.raises(SystemExit) as e:                         # the command line: argparse's exit 2
+        main(["--preset", "llama3-70b", "--dp", "10", "--tp", "8", "--pp", "4", "--world", "640"])
+    assert e.value.code == 2
+
+
+def test_llama3_70b_on_640_ranks(tmp_path):
+    """dp 20 × tp 8 × pp 4, SP, ZeRO-1, 16 micro-batches of one 8k sequence, bf16: every
+    parameter is meta (the model is 70.6 B parameters, 141 GB in bf16; this process and its
+    ranks never hold more than a fraction of one GB), and the four pipeline positions hold
+    the whole model once per tp × dp replica."""
+    import json
+    out = tmp_path / "plan.json"
+    reports = main(["--preset", "llama3-70b", "--dp", "20", "--tp", "8", "--pp", "4", "--sp",
+                    "--zero", "1", "--micro-batches", "16", "--batch", "320", "--seq", "8192",
+                    "--precision", "bf16", "--world", "640", "--gpu", "H100-SXM", "--json", str(out)])
+    assert json.loads(out.read_text()) == reports
+    assert [r["pp_rank"] for r in reports] == [0, 1, 2, 3]
+    from picolib.dry_run import LARGE_PRESETS
+    from picolib.model import LlamaConfig, param_count
+    n = param_count(LlamaConfig(**LARGE_PRESETS["llama3-70b"]))
+    # bf16 parameters: 2 bytes each; the tp ranks of a stage hold 1/8 each, plus the norms
+    # every tp rank holds whole (2 per block, one final) — so a little more than n·2/8 in all
+    held = sum(r["params"] for r in reports)
+    assert n * 2 / 8 < held < n * 2 / 8 * 1.001
+    assert all(r["sent"]["tp"] > r["sent"]["dp"] > 0 and r["sent"]["pp"] > 0 for r in reports)
+    assert all(isinstance(r["fits"], bool) for r in reports)
+    assert max(r["max_rss"] for r in reports) < 2e9 < reports[0]["params"]   # never held
