@@ -1,16 +1,16 @@
 """The dry run (lesson 11): what each rank of a cluster this machine cannot run would hold
 and send, answered by the trainer's own code rather than by formulas.
 
-    python -m picolib.dry_run --preset llama3-70b --dp 10 --tp 8 --pp 4 --sp --zero 1 \\
-        --micro-batches 16 --batch 160 --seq 8192 --precision bf16 --world 640 --gpu H100-SXM
+    python -m picolib.dry_run --preset llama3-70b --dp 20 --tp 8 --pp 4 --sp --zero 1 \\
+        --micro-batches 16 --batch 320 --seq 8192 --precision bf16 --world 640 --gpu H100-SXM
 
 For each pipeline position one representative rank — the one at dp = cp = tp = 0 — runs in a
 process of its own as that rank of a `world`-rank group on PyTorch's `fake` process-group
 backend (every collective returns at once and moves nothing). It builds the model on the
 `meta` device (shapes and dtypes, no data) and applies `compose.build` — the transforms,
 DDP or ZeRO and the schedule the real run builds — then runs one step (forward, backward,
-optimizer) with the comm Ledger and `memory.SavedActivations` open, exactly as
-`train.train` does. Bytes come from the same counters a real run reads: the wrappers'
+optimizer) with the comm Ledger and `memory.SavedActivations` open, as `train.train` does
+(its `_step`; without a pipeline, the same loop without the loss's `.item()`). Bytes come from the same counters a real run reads: the wrappers'
 `memory()` (ZeRO) or the stages' parameters, gradients and AdamW state (DDP), the peak of
 saved activations, and the ledger's bytes sent, classified by `train._sent_by_kind`.
 
@@ -31,9 +31,9 @@ context, communication buffers, transient workspace or allocator reserve.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import torch
 
@@ -173,9 +173,9 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
     with meta:
         stages, wrappers, optimizers, sched, replicas = compose.build(cfg, mesh)
     for m in stages.values():
-        for name, p in m.named_parameters():
-            if not p.is_meta:
-                raise RuntimeError(f"{name} was allocated on {p.device}: the dry run allocates nothing")
+        for name, t in [*m.named_parameters(), *m.named_buffers()]:
+            if not t.is_meta:
+                raise RuntimeError(f"{name} was allocated on {t.device}: the dry run allocates nothing")
     tokens, targets = [], []
     for out in (tokens, targets):
         t = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device=meta)
@@ -190,7 +190,7 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
             model, wrapper = stages[0], wrappers[0]
             for i, (x, y) in enumerate(zip(tokens, targets)):
                 last = i == len(tokens) - 1
-                with (wrapper.no_sync() if not last else _null()):
+                with contextlib.nullcontext() if last else wrapper.no_sync():
                     (model.loss(x, y) / len(tokens)).backward()
         for opt in optimizers:
             opt.step()
@@ -207,14 +207,6 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
             "by_op": {op: s["sent_bytes"] for op, s in led.summary().items()},
             "stages": sorted(stages), "loss": None,
             "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # --------------------------------------------------------------------------- command line
