@@ -37,7 +37,7 @@ from dataclasses import asdict
 
 import torch
 
-from .compose import PRESETS, TrainConfig, check_config
+from .compose import TrainConfig, check_config
 
 __all__ = ["LARGE_PRESETS", "representatives", "dry_run", "refuse", "rank_report", "main"]
 
@@ -58,10 +58,18 @@ LARGE_PRESETS = {
 KINDS = ("dp", "tp", "pp", "cp", "ep")
 
 
+@contextlib.contextmanager
 def _with_presets():
-    """compose.PRESETS with the large ones added (inside the dry run's processes)."""
-    for name, shape in LARGE_PRESETS.items():
-        PRESETS.setdefault(name, shape)
+    """compose.PRESETS with the large ones added while it is open (the real trainer never
+    sees them: it refuses them as unknown presets)."""
+    from . import compose
+    added = [n for n in LARGE_PRESETS if n not in compose.PRESETS]
+    compose.PRESETS.update({n: LARGE_PRESETS[n] for n in added})
+    try:
+        yield
+    finally:
+        for n in added:
+            compose.PRESETS.pop(n, None)
 
 
 def representatives(cfg: TrainConfig) -> list[int]:
@@ -78,12 +86,13 @@ def dry_run(cfg: TrainConfig, world: int, gpu: str | None = None,
     computed in its own process on the fake backend: {rank, pp_rank, params, grads,
     optimizer, activations (bytes), sent {dp, tp, pp, cp, ep: bytes this step}, other,
     by_op, fits (None without `gpu`), gpu_bytes}."""
-    _with_presets()
-    check_config(cfg, world)
-    refuse(cfg)
-    ranks = representatives(cfg) if ranks is None else ranks
+    with _with_presets():
+        check_config(cfg, world)
+        refuse(cfg)
+        ranks = representatives(cfg) if ranks is None else ranks
+    from . import dry_run as this   # by reference (under `python -m` this file is __main__)
     from .launch import run
-    reports = run(_worker, len(ranks), asdict(cfg), world, ranks, backend="gloo", timeout=timeout)
+    reports = run(this._worker, len(ranks), asdict(cfg), world, ranks, backend="gloo", timeout=timeout)
     if gpu is not None:
         from .hardware import hardware
         capacity = int(hardware(gpu).memory)
@@ -160,7 +169,7 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
     from .context_parallel import shard_sequence
     from .memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
     from .mesh import Mesh
-    _with_presets()
+    compose.PRESETS.update(LARGE_PRESETS)   # this process is the dry run's own rank
     cfg = cfg if isinstance(cfg, TrainConfig) else TrainConfig(**cfg)
     check_config(cfg, world)
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@ bytes as the trainer's real run, refuse what a real run refuses, and size Llama-
 import pytest
 
 from picolib.compose import TrainConfig
-from picolib.dry_run import dry_run, main, representatives
+from picolib.dry_run import _with_presets, dry_run, main, representatives
 
 KINDS = ("dp", "tp", "pp", "cp", "ep")
 
@@ -51,6 +51,10 @@ def test_refusals():
     with pytest.raises(SystemExit) as e:                         # the command line: argparse's exit 2
         main(["--preset", "llama3-70b", "--dp", "10", "--tp", "8", "--pp", "4", "--world", "640"])
     assert e.value.code == 2
+    from picolib.compose import check_config               # the trainer itself still refuses
+    with pytest.raises(ValueError, match="unknown preset 'llama3-70b'"):   # the large presets
+        check_config(TrainConfig(preset="llama3-70b", dp=20, tp=8, pp=4, batch=320,
+                                 micro_batches=16, seq=8192), 640)
 
 
 def test_llama3_70b_on_640_ranks(tmp_path):
@@ -84,7 +88,8 @@ def _planner(cfg, pp_rank):
         v=cfg.chunks if cfg.schedule == "interleaved" else 1, micro_batches=cfg.micro_batches,
         micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches), seq=cfg.seq,
         recompute=cfg.recompute, precision=cfg.precision, activations="picolib")
-    mcfg = cfg.model_config()
+    with _with_presets():
+        mcfg = cfg.model_config()
     return planner.memory(mcfg, par, pp_rank), planner.traffic(mcfg, par, pp_rank)
 
 
