@@ -84,8 +84,10 @@ def dry_run(cfg: TrainConfig, world: int, gpu: str | None = None,
             ranks: list[int] | None = None, timeout: float = 300.0) -> list[dict]:
     """One report per pipeline position (its rank at dp = cp = tp = 0, or `ranks`), each
     computed in its own process on the fake backend: {rank, pp_rank, params, grads,
-    optimizer, activations (bytes), sent {dp, tp, pp, cp, ep: bytes this step}, other,
-    by_op, fits (None without `gpu`), gpu_bytes}."""
+    optimizer (held after the step, as the trainer logs them), grads_peak (the most held
+    before a backward: ZeRO-2/3 keep whole gradients while micro-batches accumulate),
+    activations (peak saved), sent {dp, tp, pp, cp, ep: bytes this step}, other, by_op,
+    fits (params + grads_peak + optimizer + activations within `gpu`; None without), gpu_bytes}."""
     with _with_presets():
         check_config(cfg, world)
         refuse(cfg)
@@ -98,7 +100,7 @@ def dry_run(cfg: TrainConfig, world: int, gpu: str | None = None,
         capacity = int(hardware(gpu).memory)
         for rep in reports:
             rep["gpu_bytes"] = capacity
-            rep["fits"] = rep["params"] + rep["grads"] + rep["optimizer"] + rep["activations"] <= capacity
+            rep["fits"] = rep["params"] + rep["grads_peak"] + rep["optimizer"] + rep["activations"] <= capacity
     else:
         for rep in reports:
             rep["gpu_bytes"], rep["fits"] = None, None
@@ -192,6 +194,14 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
         if cfg.cp > 1:
             t = shard_sequence(t, cfg.cp_layout, mesh.coordinate("cp"), cfg.cp)
         out.extend(t.chunk(cfg.micro_batches))
+    held = lambda: sum(w.memory()["grads"] if cfg.zero else grad_bytes(stages[s])  # noqa: E731
+                       for s, w in wrappers.items())
+    grads_peak = [0]                 # gradients held before each backward (accumulated ones)
+    for w in wrappers.values():      # the pipeline executor sets it before each backward
+        def sampled(on, sync=w.set_requires_gradient_sync):
+            grads_peak.append(held())
+            return sync(on)
+        w.set_requires_gradient_sync = sampled
     with Ledger() as led, SavedActivations() as act:
         if sched is not None:
             train._step(cfg, stages, wrappers, sched, mesh, tokens, targets, None)
@@ -199,6 +209,7 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
             model, wrapper = stages[0], wrappers[0]
             for i, (x, y) in enumerate(zip(tokens, targets)):
                 last = i == len(tokens) - 1
+                grads_peak.append(held())
                 with contextlib.nullcontext() if last else wrapper.no_sync():
                     (model.loss(x, y) / len(tokens)).backward()
         for opt in optimizers:
@@ -212,7 +223,7 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
     by_kind = train._sent_by_kind(led, mesh, replicas, {})
     sent = {k: by_kind.get(k.upper(), 0) for k in KINDS}
     return {"rank": rank, "pp_rank": mesh.coordinate("pp"), **state,
-            "activations": act.peak, "sent": sent, "other": by_kind.get("other", 0),
+            "grads_peak": max(grads_peak + [state["grads"]]), "activations": act.peak, "sent": sent, "other": by_kind.get("other", 0),
             "by_op": {op: s["sent_bytes"] for op, s in led.summary().items()},
             "stages": sorted(stages), "loss": None,
             "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
