@@ -1,0 +1,274 @@
+"""The dry run (lesson 11): what each rank of a cluster this machine cannot run would hold
+and send, answered by the trainer's own code rather than by formulas.
+
+    python -m picolib.dry_run --preset llama3-70b --dp 20 --tp 8 --pp 4 --sp --zero 1 \\
+        --micro-batches 16 --batch 320 --seq 8192 --precision bf16 --world 640 --gpu H100-SXM
+
+For each pipeline position one representative rank — the one at dp = cp = tp = 0 — runs in a
+process of its own as that rank of a `world`-rank group on PyTorch's `fake` process-group
+backend (every collective returns at once and moves nothing). It builds the model on the
+`meta` device (shapes and dtypes, no data) and applies `compose.build` — the transforms,
+DDP or ZeRO and the schedule the real run builds — then runs one step (forward, backward,
+optimizer) with the comm Ledger and `memory.SavedActivations` open, as `train.train` does
+(its `_step`; without a pipeline, the same loop without the loss's `.item()`). Bytes come from the same counters a real run reads: the wrappers'
+`memory()` (ZeRO) or the stages' parameters, gradients and AdamW state (DDP), the peak of
+saved activations, and the ledger's bytes sent, classified by `train._sent_by_kind`.
+
+What meta tensors cannot do, the dry run does not do, and says so:
+- no values: the wrappers' NaN/inf check after the gradient sync is skipped (it reads a
+  value), and so is the loss (`None` in the report);
+- storage identity: picolib counts each storage once by its address; a meta storage has
+  none (address 0), so inside the dry run a meta tensor's storage is told apart by the
+  storage object itself — what a real run's address stands for;
+- kernels: on meta, PyTorch's fused attention takes its math path (which saves the s×s
+  probabilities); the dry run calls the flash kernel that a CPU or GPU run takes. Meta
+  add/sub/mul get a shape rule in place of PyTorch's Python one (same shapes, 5× faster);
+- routing: a mixture of experts sends each expert the tokens the router chose, a number
+  meta tensors do not have — refused (`NotImplementedError`), never guessed.
+`fits` compares tensors only (state and saved activations) with the GPU's memory: no CUDA
+context, communication buffers, transient workspace or allocator reserve.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from dataclasses import asdict
+
+import torch
+
+from .compose import TrainConfig, check_config
+
+__all__ = ["LARGE_PRESETS", "representatives", "dry_run", "refuse", "rank_report", "main"]
+
+# Model shapes of published models, for the dry run (and later the trainer on GPUs). They
+# take fused attention (`sdpa`): nobody trains at 8k tokens with s×s score matrices saved.
+LARGE_PRESETS = {
+    "llama3-8b": dict(vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_hidden=14336, rope_theta=500000.0, attn_impl="sdpa"),
+    "llama3-70b": dict(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                       ffn_hidden=28672, rope_theta=500000.0, attn_impl="sdpa"),
+    "llama3-405b": dict(vocab_size=128256, hidden=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                        ffn_hidden=53248, rope_theta=500000.0, attn_impl="sdpa"),
+    # DeepSeek-V3's sizes on picolib's blocks (GQA instead of MLA; every layer a mixture of
+    # --experts of this ffn size; no shared expert): use with --experts 256 --top-k 8
+    "deepseek-v3-like": dict(vocab_size=129280, hidden=7168, n_layers=61, n_heads=128,
+                             n_kv_heads=128, ffn_hidden=2048, attn_impl="sdpa"),
+}
+KINDS = ("dp", "tp", "pp", "cp", "ep")
+
+
+@contextlib.contextmanager
+def _with_presets():
+    """compose.PRESETS with the large ones added while it is open (the real trainer never
+    sees them: it refuses them as unknown presets)."""
+    from . import compose
+    added = [n for n in LARGE_PRESETS if n not in compose.PRESETS]
+    compose.PRESETS.update({n: LARGE_PRESETS[n] for n in added})
+    try:
+        yield
+    finally:
+        for n in added:
+            compose.PRESETS.pop(n, None)
+
+
+def representatives(cfg: TrainConfig) -> list[int]:
+    """The rank at dp = cp = tp = 0 of each pipeline position (refusing, as the trainer's
+    ranks would, a model whose layers do not split into the schedule's stages)."""
+    from .layout import rank_at, stage_layers
+    stage_layers(cfg, 0)
+    return [rank_at(cfg, pp=p, dp=0, cp=0, tp=0) for p in range(cfg.pp)]
+
+
+def dry_run(cfg: TrainConfig, world: int, gpu: str | None = None,
+            ranks: list[int] | None = None, timeout: float = 300.0) -> list[dict]:
+    """One report per pipeline position (its rank at dp = cp = tp = 0, or `ranks`), each
+    computed in its own process on the fake backend: {rank, pp_rank, params, grads,
+    optimizer (held after the step, as the trainer logs them), grads_peak (the most held
+    before a backward: ZeRO-2/3 keep whole gradients while micro-batches accumulate),
+    activations (peak saved), sent {dp, tp, pp, cp, ep: bytes this step}, other, by_op,
+    fits (params + grads_peak + optimizer + activations within `gpu`; None without), gpu_bytes}."""
+    with _with_presets():
+        check_config(cfg, world)
+        refuse(cfg)
+        ranks = representatives(cfg) if ranks is None else ranks
+    from . import dry_run as this   # by reference (under `python -m` this file is __main__)
+    from .launch import run
+    reports = run(this._worker, len(ranks), asdict(cfg), world, ranks, backend="gloo", timeout=timeout)
+    if gpu is not None:
+        from .hardware import hardware
+        capacity = int(hardware(gpu).memory)
+        for rep in reports:
+            rep["gpu_bytes"] = capacity
+            rep["fits"] = rep["params"] + rep["grads_peak"] + rep["optimizer"] + rep["activations"] <= capacity
+    else:
+        for rep in reports:
+            rep["gpu_bytes"], rep["fits"] = None, None
+    return reports
+
+
+def _worker(cfg: dict, world: int, ranks: list[int]) -> dict:
+    """A launch.run rank (a fresh fork): leave its gloo group, become ranks[i] of `world`."""
+    import torch.distributed as dist
+    i = dist.get_rank()
+    dist.barrier()      # every rank connected before any leaves (gloo's mesh setup)
+    dist.destroy_process_group()
+    return rank_report(cfg, world, ranks[i])
+
+
+def refuse(cfg: TrainConfig) -> None:
+    """What the dry run cannot compute (module docstring), refused before anything starts."""
+    if cfg.experts:
+        raise NotImplementedError(
+            "the dry run cannot run a mixture of experts: which tokens go to which expert "
+            "(moe: torch.nonzero over the router's choices, and with --ep the all-to-all's "
+            "sizes) are values, and meta tensors have none")
+
+
+# --------------------------------------------------------------------------- one rank
+
+def _meta_storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return ("meta", s._cdata) if t.is_meta else s.data_ptr() or ("empty", id(t))
+
+
+def _patch_for_meta():
+    """Where picolib reads what a meta tensor lacks, and what meta runs differently
+    (module docstring); only ever called in a dry run's own rank process."""
+    from . import data_parallel, flat, memory, sharded_optim, zero
+    flat.storage_key = sharded_optim.storage_key = _meta_storage_key
+    memory._key = lambda t: (t.device, _meta_storage_key(t))
+    skip = lambda *a, **k: None          # noqa: E731 — no values: nothing to check
+    zero.check_finite = data_parallel.check_finite = skip
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        if q.is_meta and attn_mask is None and not kw:    # meta has no kernel choice: the
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(  # flash one
+                q, k, v, dropout_p, is_causal)[0]
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+    torch.nn.functional.scaled_dot_product_attention = fused
+    global _LIB      # PyTorch's meta add/sub/mul are Python (~0.5 ms a call): a shape rule
+    _LIB = torch.library.Library("aten", "IMPL")
+    for op in ("add.Tensor", "sub.Tensor", "mul.Tensor"):
+        _LIB.impl(op, _broadcast, "Meta")
+
+
+def _broadcast(a, b, *_, **__):
+    shape = torch.broadcast_shapes(tuple(a.shape), tuple(getattr(b, "shape", ())))
+    return torch.empty(shape, dtype=torch.result_type(a, b), device="meta")
+
+
+def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
+    """Run in a fresh process: be `rank` of `world` on the fake backend and dry-run one step."""
+    import resource
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from . import compose, train
+    from .comm import Ledger
+    from .context_parallel import shard_sequence
+    from .memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
+    from .mesh import Mesh
+    compose.PRESETS.update(LARGE_PRESETS)   # this process is the dry run's own rank
+    cfg = cfg if isinstance(cfg, TrainConfig) else TrainConfig(**cfg)
+    check_config(cfg, world)
+    torch.set_num_threads(1)
+    dist.init_process_group("cpu:fake,meta:fake", rank=rank, world_size=world, store=FakeStore())
+    refuse(cfg)
+    _patch_for_meta()
+    meta = torch.device("meta")
+    compose.device = lambda: meta             # build() moves the model to the rank's device
+    mesh = Mesh("cpu", **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
+    with meta:
+        stages, wrappers, optimizers, sched, replicas = compose.build(cfg, mesh)
+    for m in stages.values():
+        for name, t in [*m.named_parameters(), *m.named_buffers()]:
+            if not t.is_meta:
+                raise RuntimeError(f"{name} was allocated on {t.device}: the dry run allocates nothing")
+    tokens, targets = [], []
+    for out in (tokens, targets):
+        t = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device=meta)
+        t = t.chunk(cfg.dp)[mesh.coordinate("dp")]
+        if cfg.cp > 1:
+            t = shard_sequence(t, cfg.cp_layout, mesh.coordinate("cp"), cfg.cp)
+        out.extend(t.chunk(cfg.micro_batches))
+    held = lambda: sum(w.memory()["grads"] if cfg.zero else grad_bytes(stages[s])  # noqa: E731
+                       for s, w in wrappers.items())
+    grads_peak = [0]                 # gradients held before each backward (accumulated ones)
+    for w in wrappers.values():      # the pipeline executor sets it before each backward
+        def sampled(on, sync=w.set_requires_gradient_sync):
+            grads_peak.append(held())
+            return sync(on)
+        w.set_requires_gradient_sync = sampled
+    with Ledger() as led, SavedActivations() as act:
+        if sched is not None:
+            train._step(cfg, stages, wrappers, sched, mesh, tokens, targets, None)
+        else:                        # train._step without its loss.item()
+            model, wrapper = stages[0], wrappers[0]
+            for i, (x, y) in enumerate(zip(tokens, targets)):
+                last = i == len(tokens) - 1
+                grads_peak.append(held())
+                with contextlib.nullcontext() if last else wrapper.no_sync():
+                    (model.loss(x, y) / len(tokens)).backward()
+        for opt in optimizers:
+            opt.step()
+    if cfg.zero:
+        state = {k: sum(w.memory()[k] for w in wrappers.values()) for k in ("params", "grads", "optimizer")}
+    else:
+        state = {"params": sum(param_bytes(m) for m in stages.values()),
+                 "grads": sum(grad_bytes(m) for m in stages.values()),
+                 "optimizer": sum(optimizer_state_bytes(o) for o in optimizers)}
+    by_kind = train._sent_by_kind(led, mesh, replicas, {})
+    sent = {k: by_kind.get(k.upper(), 0) for k in KINDS}
+    return {"rank": rank, "pp_rank": mesh.coordinate("pp"), **state,
+            "grads_peak": max(grads_peak + [state["grads"]]), "activations": act.peak, "sent": sent, "other": by_kind.get("other", 0),
+            "by_op": {op: s["sent_bytes"] for op, s in led.summary().items()},
+            "stages": sorted(stages), "loss": None,
+            "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+# --------------------------------------------------------------------------- command line
+
+def build_parser() -> argparse.ArgumentParser:
+    """The trainer's options (`picolib.train`) plus --world, --gpu and --json."""
+    from .train import build_parser as trainer
+    p = trainer()
+    p.prog = "python -m picolib.dry_run"
+    p.description = ("Dry-run one training step of any layout on meta tensors over a fake process "
+                     "group of --world ranks: per pipeline position, the bytes a rank holds and "
+                     "sends. Presets also " + ", ".join(LARGE_PRESETS) + ".")
+    p.add_argument("--world", type=int, default=None, help="world size (default: the product of the degrees)")
+    p.add_argument("--gpu", default=None, help="check the fit against this GPU (picolib.hardware: H100-SXM, ...)")
+    p.add_argument("--json", default=None, help="write the reports to this file (a list, one object per rank)")
+    return p
+
+
+def main(argv=None) -> list[dict]:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    world, gpu, out = args.pop("world"), args.pop("gpu"), args.pop("json")
+    args.pop("nproc"), args.pop("backend"), args.pop("dry_run", None)
+    cfg = TrainConfig(**{**args, "progress": False})
+    try:
+        if gpu is not None:
+            from .hardware import hardware
+            hardware(gpu)
+        reports = dry_run(cfg, cfg.world_size if world is None else world, gpu)
+    except (ValueError, KeyError, NotImplementedError) as e:   # bad input: one line, exit 2
+        parser.error(str(e).strip("'\""))
+    if out:
+        with open(out, "w") as f:
+            json.dump(reports, f, indent=1)
+    gb = lambda b: f"{b / 1e9:9.2f}"  # noqa: E731
+    print(f"{'rank':>6} {'pp':>3} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} "
+          + " ".join(f"{'sent ' + k:>9}" for k in KINDS) + "  GB" + ("  fits " + gpu if gpu else ""))
+    for r in reports:
+        print(f"{r['rank']:>6} {r['pp_rank']:>3} " + " ".join(gb(r[k]) for k in ("params", "grads", "optimizer", "activations"))
+              + " " + " ".join(gb(r["sent"][k]) for k in KINDS) + ("  " + str(r["fits"]) if gpu else ""))
+    return reports
+
+
+if __name__ == "__main__":
+    main()
