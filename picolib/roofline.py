@@ -21,7 +21,11 @@ What this file gives:
   stated convention), bytes from the tensors each operation reads and writes (views move
   nothing), and time from `torch.profiler` (each operation runs inside a labelled
   `record_function`), grouped into the kinds of work a transformer step does;
-- `draw_roofline` — the picture.
+- `draw_roofline` — the picture;
+- `CHIPS`, `tensor_peak` — what is inside NVIDIA's data-centre GPUs, V100 to B200: the
+  architecture (SMs, Tensor Core FLOPs per cycle per SM, the clock NVIDIA's peak figures
+  assume) kept apart from the datasheet's peak, HBM and NVLink figures, so a lesson can
+  compute one from the other instead of restating it.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
 __all__ = ["attainable", "op_time", "ridge", "measure_peak", "measure_bandwidth", "GROUPS",
-           "StepProfile", "profile_step", "draw_roofline"]
+           "StepProfile", "profile_step", "draw_roofline", "CHIPS", "tensor_peak"]
 
 # the kinds of work one step of the tiny Llama does, in the order the lesson shows them
 GROUPS = ("matmuls", "norms", "SwiGLU elementwise", "softmax and mask", "RoPE and reshapes",
@@ -259,3 +263,35 @@ def draw_roofline(ax, peak: float, bandwidth: float, points: dict | None = None,
     if title:
         ax.set_title(title, fontsize=10)
     return ax
+
+
+# ----------------------------------------------------------------- inside one GPU (lesson 12)
+# Two sources per chip, kept apart. Architecture (NVIDIA's Volta, Ampere and Hopper
+# whitepapers): SMs, dense 16-bit Tensor Core FLOPs per cycle per SM (an FMA counts 2: V100
+# 8 Tensor Cores x 64 FMAs, A100 4 x 256, H100 4 x 512), and the clock NVIDIA's peak tensor
+# figures assume (V100 SXM2 and A100 SXM4: their boost clocks; H100 SXM5: 1.83 GHz for the
+# Tensor Cores, 1.98 GHz for the fp32 lanes). Datasheet (NVIDIA's product pages): dense peak
+# in 16 bits (bf16; fp16 for the V100, which has no bf16), HBM bandwidth, NVLink bandwidth as
+# NVIDIA quotes it (both directions added). B200: NVIDIA publishes no SM count or clock, so
+# its architecture fields are None and its peak is a reported figure only.
+CHIPS = {
+    "V100": dict(sms=80, tc_flops_per_cycle_sm=1024, tensor_clock=1.53e9, peak16=125e12,
+                 hbm=0.9e12, nvlink_both_ways=300e9, note="fp16 (no bf16 on Volta)"),
+    "A100": dict(sms=108, tc_flops_per_cycle_sm=2048, tensor_clock=1.41e9, peak16=312e12,
+                 hbm=2.039e12, nvlink_both_ways=600e9, note="80 GB SXM4"),
+    "H100": dict(sms=132, tc_flops_per_cycle_sm=4096, tensor_clock=1.83e9, peak16=989.4e12,
+                 hbm=3.35e12, nvlink_both_ways=900e9, note="SXM5"),
+    "H200": dict(sms=132, tc_flops_per_cycle_sm=4096, tensor_clock=1.83e9, peak16=989.4e12,
+                 hbm=4.8e12, nvlink_both_ways=900e9, note="the H100's chip, HBM3e"),
+    "B200": dict(sms=None, tc_flops_per_cycle_sm=None, tensor_clock=None, peak16=2.25e15,
+                 hbm=8e12, nvlink_both_ways=1.8e12, note="reported: dense bf16, HGX B200"),
+}
+
+
+def tensor_peak(chip: str) -> float | None:
+    """Dense 16-bit Tensor Core FLOP/s from the architecture: SMs x FLOPs per cycle per SM x
+    clock (None where the architecture is not published)."""
+    c = CHIPS[chip]
+    if c["sms"] is None:
+        return None
+    return c["sms"] * c["tc_flops_per_cycle_sm"] * c["tensor_clock"]

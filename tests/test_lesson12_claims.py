@@ -81,3 +81,22 @@ def test_the_planner_prices_a_matmul_with_the_same_roofline():
     for m, k, n in ((512, 64, 176), (4096, 4096, 14336), (128, 8192, 8192)):
         ours = op_time(2 * m * k * n, 2 * (m * k + k * n + m * n), 0.75 * h100.bf16, h100.hbm_bandwidth)
         assert abs(matmul_seconds(m, k, n, "H100-SXM", "bf16", ceiling=0.75) - ours) <= 1e-12 * ours
+
+
+def test_chip_peaks_from_the_architecture_match_the_datasheets_and_presets():
+    from picolib.roofline import CHIPS, tensor_peak
+    for name, chip in CHIPS.items():
+        derived = tensor_peak(name)
+        assert derived is None or abs(derived / chip["peak16"] - 1) < 0.005, name
+    assert tensor_peak("B200") is None                     # reported only: no published SMs or clock
+    for chip, preset in (("H100", "H100-SXM"), ("H200", "H200-SXM")):
+        hw = PRESETS[preset]
+        assert abs(tensor_peak(chip) / hw.bf16 - 1) < 0.001 and CHIPS[chip]["hbm"] == hw.hbm_bandwidth
+    # NVIDIA quotes NVLink both ways; the presets are per direction
+    assert CHIPS["H100"]["nvlink_both_ways"] / 2 == PRESETS["H100-SXM"].levels[0].per_gpu
+    assert CHIPS["B200"]["nvlink_both_ways"] / 2 == PRESETS["GB200-NVL72"].levels[0].per_gpu
+    # the lecture notes' clock: 989e12 / 132 / 1.76e9 / 4 is not a whole 1,024 FLOPs per Tensor Core cycle
+    assert round(PRESETS["H100-SXM"].bf16 / 132 / 1.76e9 / 4) == 1064
+    # the fp32 lanes, an FMA as 2 FLOPs, at 1.98 GHz: the datasheet's 67 TFLOP/s; Tensor Cores 15x
+    fp32 = 132 * 4 * 32 * 2 * 1.98e9
+    assert abs(fp32 / 67e12 - 1) < 0.005 and 14 < tensor_peak("H100") / fp32 < 16

@@ -26,7 +26,7 @@ def _helpers_that_take_an_ax():
     import importlib
     import inspect
     found = []
-    for n in range(12):
+    for n in range(13):
         module = importlib.import_module(f"picolib.tryit.lesson{n:02d}")
         for name, fn in inspect.getmembers(module, inspect.isfunction):
             if fn.__module__ == module.__name__ and "ax" in inspect.signature(fn).parameters:
@@ -52,7 +52,9 @@ def test_a_helper_handed_an_ax_draws_into_it_and_never_shows_it(helper, monkeypa
              if k != "ax" and p.default is p.empty]
     given = {"groups": {"N = 2": {"DP": {"params": 4.0, "grads": 4.0, "optimizer": 8.0},
                                   "ZeRO-1": {"params": 4.0, "grads": 4.0, "optimizer": 4.0}}},
-             "runs": {"fp32": {"losses": [5.6, 5.5, 5.4]}, "bf16": {"losses": [5.6, 5.6, 5.6]}}}
+             "runs": {"fp32": {"losses": [5.6, 5.5, 5.4]}, "bf16": {"losses": [5.6, 5.6, 5.6]}},
+             "table": {"RMSNorm": {"eager_bytes": 6.0, "fused_bytes": 2.0, "eager_s": 3.0, "compiled_s": 1.0}},
+             "outliers": [1, 10, 100], "errors": {"tensor": [0.02, 0.05, 0.2], "tile": [0.02, 0.02, 0.02]}}
     args = {k: given[k] for k in needs if k in given}
     assert set(needs) <= set(args), f"give the test arguments for {helper.__name__}: {needs}"
     helper(ax=ax, **args)
