@@ -141,3 +141,59 @@ def test_fp8_quantize_not_written_and_wrong_type():
         check_fp8_quantize(_not_written)
     with fails("expected a tensor"):
         check_fp8_quantize(lambda x, g: x.tolist())
+
+
+# ------------------------------------------------------------------ inside one GPU (problems 1-4)
+from picolib.grading import (check_critical_rows, check_cuda_cores, check_on_chip_bytes,  # noqa: E402
+                             check_vector_flops)
+
+
+def test_chip_anatomy_right_answers_pass():
+    check_cuda_cores(lambda sm, sub, ln: sm * sub * ln)
+    check_cuda_cores(lambda sm, sub, ln: sum(ln for _ in range(sm * sub)))          # counted
+    check_vector_flops(lambda sm, sub, ln, f: sm * sub * ln * 2 * f)
+    check_vector_flops(lambda sm, sub, ln, f: (sm * sub * ln) * f * 2.0)
+    check_critical_rows(lambda c, w, e: e * c / (2 * w))
+    check_critical_rows(lambda c, w, e: (c / w) / (2 / e))                         # ridge / (FLOPs per byte per row)
+    check_on_chip_bytes(lambda sm, s, r, sub: (sm * s, sm * sub * r * 4))
+    check_on_chip_bytes(lambda sm, s, r, sub: [s * sm, r * 32 // 8 * sub * sm])
+
+
+def test_chip_anatomy_blanks_fail():
+    for check in (check_cuda_cores, check_vector_flops, check_critical_rows, check_on_chip_bytes):
+        with fails("not written yet"):
+            check(_not_written)
+
+
+@pytest.mark.parametrize("check, fn, pattern", [
+    (check_cuda_cores, lambda sm, sub, ln: sub * ln, "per GPU, not per SM"),
+    (check_cuda_cores, lambda sm, sub, ln: sm * ln, "multiply by the subpartitions"),
+    (check_cuda_cores, lambda sm, sub, ln: sm * sub, "subpartitions × lanes"),
+    (check_vector_flops, lambda sm, sub, ln, f: sm * sub * ln * f, "an FMA .* counts 2 FLOPs"),
+    (check_vector_flops, lambda sm, sub, ln, f: sub * ln * 2 * f, "per GPU, not per SM"),
+    (check_vector_flops, lambda sm, sub, ln, f: sm * ln * 2 * f, "multiply by the subpartitions"),
+    (check_vector_flops, lambda sm, sub, ln, f: sm * sub * ln * 2 * f / 1e9, "already: no conversion"),
+    (check_vector_flops, lambda sm, sub, ln, f: sm * sub * ln * 2, "multiply by the clock"),
+    (check_critical_rows, lambda c, w, e: e * c / w, "a multiply-add is 2 FLOPs"),
+    (check_critical_rows, lambda c, w, e: c / w, "that is the ridge in FLOPs per byte"),
+    (check_critical_rows, lambda c, w, e: 2 * c / w, "fixed at 4 \\(fp32\\)"),
+    (check_critical_rows, lambda c, w, e: e * w / (2 * c), "bandwidth over peak"),
+    (check_on_chip_bytes, lambda sm, s, r, sub: (s, sm * sub * r * 4), "SMEM: that is one SM's"),
+    (check_on_chip_bytes, lambda sm, s, r, sub: (sm * s * sub, sm * sub * r * 4), "SMEM is per SM, not per subpartition"),
+    (check_on_chip_bytes, lambda sm, s, r, sub: (sm * s, sm * sub * r), "multiply the count by 4 bytes"),
+    (check_on_chip_bytes, lambda sm, s, r, sub: (sm * s, sub * r * 4), "registers: that is one SM's"),
+    (check_on_chip_bytes, lambda sm, s, r, sub: (sm * s, sm * r * 4), "its own register file"),
+    (check_on_chip_bytes, lambda sm, s, r, sub: (sm * s, sm * sub * r * 32), "4 bytes, not 32"),
+], ids=["cores per SM", "cores no subpartitions", "cores no lanes", "no FMA", "flops per SM",
+        "flops no subpartitions", "clock as GHz", "no clock", "rows no FMA", "rows = ridge", "rows fp32",
+        "rows swapped", "smem per SM", "smem per subpartition", "register words", "registers per SM",
+        "registers no subpartitions", "register bits"])
+def test_chip_anatomy_names_each_mistake(check, fn, pattern):
+    with fails(pattern) as info:
+        check(fn)
+    assert len(info.value.problems) == 1
+
+
+def test_on_chip_bytes_wants_a_pair():
+    with fails("expected a pair"):
+        check_on_chip_bytes(lambda sm, s, r, sub: sm * s)

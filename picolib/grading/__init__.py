@@ -27,7 +27,8 @@ from .lesson09 import (check_moe_critical_batch, check_sort_by_expert, check_spl
 from .lesson11 import (check_all_reduce_time, check_critical_tokens, check_fits,
                        check_sharded_all_reduce, check_spine_batch)
 from .lesson07 import check_bubble, check_broken_schedules, check_one_f_one_b
-from .lesson12 import check_attention_bytes, check_fp8_quantize, check_roofline_time
+from .lesson12 import (check_attention_bytes, check_critical_rows, check_cuda_cores, check_fp8_quantize,
+                       check_on_chip_bytes, check_roofline_time, check_vector_flops)
 
 __all__ = [
     "ExerciseFailed", "call_student", "compare", "report", "run_student",
@@ -50,5 +51,6 @@ __all__ = [
     "check_spine_batch",
     "check_mesh_coordinates", "check_mesh_groups", "check_state_bytes",
     "check_moe_critical_batch", "check_sort_by_expert", "check_split_sizes", "check_top_k_capacity",
-    "check_attention_bytes", "check_fp8_quantize", "check_roofline_time",
+    "check_attention_bytes", "check_fp8_quantize", "check_roofline_time", "check_cuda_cores",
+    "check_vector_flops", "check_critical_rows", "check_on_chip_bytes",
 ]

@@ -1,5 +1,7 @@
 """Checks for lesson 12 (inside one accelerator): the roofline's time bound, the bytes
-attention moves naively and in tiles, FP8 quantization with a scale per tensor, row or tile."""
+attention moves naively and in tiles, FP8 quantization with a scale per tensor, row or tile;
+and the chip's anatomy (the GPU chapter's practice problems 1-4): CUDA cores, vector FLOP/s,
+the rows a matmul needs to be compute-bound, registers and SMEM per GPU."""
 from __future__ import annotations
 
 import math
@@ -12,7 +14,8 @@ from ..low_precision import fake_quantize
 from ..roofline import op_time
 from ._core import call_student, compare, report
 
-__all__ = ["check_roofline_time", "check_attention_bytes", "check_fp8_quantize"]
+__all__ = ["check_roofline_time", "check_attention_bytes", "check_fp8_quantize", "check_cuda_cores",
+           "check_vector_flops", "check_critical_rows", "check_on_chip_bytes"]
 
 
 def _close(got, expected, rel: float = 1e-9) -> bool:
@@ -180,3 +183,115 @@ def _quantize_with(x, group, fmax, signed_max=False, rescale=True):
     codes = (g / scale).to(torch.float8_e4m3fn).float()
     return (codes * scale if rescale else codes).reshape(x.shape)
 
+
+
+# ------------------------------------------------------------------ inside one GPU
+# (SMs, subpartitions per SM, fp32 lanes per subpartition, fp32 clock in Hz): an H100 SXM, an
+# A100 (108 SMs, 1.41 GHz), a V100 (80 SMs, 4 subpartitions of 16 fp32 lanes, 1.53 GHz) and a
+# made-up chip, so that no single product of the inputs fits a wrong rule by accident
+_CHIPS = [(132, 4, 32, 1.98e9), (108, 4, 16, 1.41e9), (80, 4, 16, 1.53e9), (7, 3, 8, 1.0e9)]
+
+
+def _diagnose(answers, expected_rule, rules, fmt):
+    """One line naming the mistake that fits every answer, else the first differing case."""
+    problems = [f"{args}: got {got!r}, expected {fmt(expected_rule(*args))}"
+                for args, got in answers if not _close(got, expected_rule(*args), 1e-6)]
+    if not problems:
+        return []
+    hint = next((k for k, rule in rules.items() if _fits(rule, answers)), None)
+    return [f"{hint} — {problems[0]}"] if hint else problems
+
+
+def check_cuda_cores(fn) -> None:
+    """`fn(sms, subpartitions, lanes) -> int`: the fp32 lanes ("CUDA cores") of a whole GPU."""
+    answers = [(a[:3], call_student(fn, *a[:3])) for a in _CHIPS]
+    rules = {
+        "that is one SM's lanes: multiply by the SMs too (per GPU, not per SM)":
+            lambda sm, sub, ln: sub * ln,
+        "each SM has `subpartitions` SIMD units of `lanes` lanes: multiply by the subpartitions":
+            lambda sm, sub, ln: sm * ln,
+        "lanes counted once per SM, not per subpartition: the SM's count is subpartitions × lanes":
+            lambda sm, sub, ln: sm * sub,
+    }
+    problems = _diagnose(answers, lambda sm, sub, ln: sm * sub * ln, rules, lambda v: f"{v:,}")
+    report("CUDA cores", problems, passed=len(answers))
+
+
+def check_vector_flops(fn) -> None:
+    """`fn(sms, subpartitions, lanes, clock) -> FLOP/s`: the fp32 lanes' peak, counting a
+    fused multiply-add as 2 FLOPs (as the datasheet does)."""
+    answers = [(a, call_student(fn, *a)) for a in _CHIPS]
+    rules = {
+        "an FMA (multiply and add in one instruction) counts 2 FLOPs: ×2 — the datasheet's 67 "
+        "TFLOP/s for an H100 counts it so": lambda sm, sub, ln, f: sm * sub * ln * f,
+        "that is one SM's rate: multiply by the SMs (per GPU, not per SM)":
+            lambda sm, sub, ln, f: sub * ln * 2 * f,
+        "each SM has `subpartitions` SIMD units: multiply by the subpartitions":
+            lambda sm, sub, ln, f: sm * ln * 2 * f,
+        "the clock is in Hz (cycles per second), already: no conversion":
+            lambda sm, sub, ln, f: sm * sub * ln * 2 * f / 1e9,
+        "FLOPs per cycle, not per second: multiply by the clock":
+            lambda sm, sub, ln, f: sm * sub * ln * 2,
+    }
+    problems = _diagnose(answers, lambda sm, sub, ln, f: sm * sub * ln * 2 * f, rules,
+                         lambda v: f"{v:.4g}")
+    report("vector FLOP/s", problems, passed=len(answers))
+
+
+# (peak FLOP/s, HBM bytes/s, bytes per element): H100 bf16, B200 bf16, H100 FP8, H100 fp32
+# (the fp32 lanes), V100 fp16
+_MATMULS = [(989e12, 3.35e12, 2), (2.25e15, 8e12, 2), (1979e12, 3.35e12, 1), (67e12, 3.35e12, 4),
+            (125e12, 0.9e12, 2)]
+
+
+def check_critical_rows(fn) -> None:
+    """`fn(peak, bandwidth, elem) -> rows`: the fewest rows B of x for x[B, D] @ W[D, F] (D, F
+    large, so the weight's bytes dominate) to reach the ridge: 2BDF FLOPs over elem·DF bytes
+    equals peak / bandwidth, so B = elem · peak / (2 · bandwidth)."""
+    answers = [(a, call_student(fn, *a)) for a in _MATMULS]
+    rules = {
+        "a multiply-add is 2 FLOPs: the matmul does 2BDF, so B = elem·peak / (2·bandwidth), not "
+        "elem·peak / bandwidth": lambda c, w, e: e * c / w,
+        "that is the ridge in FLOPs per byte (peak / bandwidth): rows need the bytes per element, "
+        "B = elem·peak / (2·bandwidth) — the two agree only in 16 bits": lambda c, w, e: c / w,
+        "bytes per element fixed at 4 (fp32): use elem — a bf16 weight is 2 bytes, FP8 1":
+            lambda c, w, e: 2 * c / w,
+        "bandwidth over peak: the ridge is peak / bandwidth (FLOP/s over bytes/s)":
+            lambda c, w, e: e * w / (2 * c),
+    }
+    problems = _diagnose(answers, lambda c, w, e: e * c / (2 * w), rules, lambda v: f"{v:.4g}")
+    report("critical rows", problems, passed=len(answers))
+
+
+# (SMs, SMEM bytes per SM, 32-bit registers per subpartition, subpartitions): H100, A100
+# (192 KiB of L1/SMEM, 16,384 registers a subpartition), a made-up chip
+_MEMORY = [(132, 256 * 2**10, 16384, 4), (108, 192 * 2**10, 16384, 4), (10, 100 * 2**10, 1000, 3)]
+
+
+def check_on_chip_bytes(fn) -> None:
+    """`fn(sms, smem_per_sm, registers_per_subpartition, subpartitions) -> (smem, registers)`:
+    bytes of SMEM and of registers in the whole GPU (a register holds 32 bits)."""
+    answers, problems = [], []
+    for args in _MEMORY:
+        got = call_student(fn, *args)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            problems.append(f"{args}: expected a pair (smem bytes, register bytes), got {got!r}")
+            continue
+        answers.append((args, got))
+    if problems:
+        report("on-chip bytes", problems[:1], passed=len(_MEMORY))
+    smem = [(a, g[0]) for a, g in answers]
+    regs = [(a, g[1]) for a, g in answers]
+    problems += _diagnose(smem, lambda sm, s, r, sub: sm * s, {
+        "SMEM: that is one SM's; multiply by the SMs (per GPU, not per SM)": lambda sm, s, r, sub: s,
+        "SMEM is per SM, not per subpartition: SMs × smem_per_sm": lambda sm, s, r, sub: sm * s * sub,
+    }, lambda v: f"{v:,}")
+    problems += _diagnose(regs, lambda sm, s, r, sub: sm * sub * r * 4, {
+        "registers: 32 bits each — multiply the count by 4 bytes": lambda sm, s, r, sub: sm * sub * r,
+        "registers: that is one SM's; multiply by the SMs (per GPU, not per SM)":
+            lambda sm, s, r, sub: sub * r * 4,
+        "registers: each subpartition has its own register file — multiply by the subpartitions":
+            lambda sm, s, r, sub: sm * r * 4,
+        "registers: 32 bits are 4 bytes, not 32": lambda sm, s, r, sub: sm * sub * r * 32,
+    }, lambda v: f"{v:,}")
+    report("on-chip bytes", problems, passed=len(_MEMORY))
