@@ -83,17 +83,16 @@ def _zero_flat(wrapper, key: str | None) -> dict[str, torch.Tensor]:
 
 
 def _local_state(stage, wrapper, optimizer, zero: bool) -> tuple[dict, dict, int]:
-    """(params, {state key: tensors}, step) of one stage, by its local names, as held here."""
-    if zero:
-        params = _zero_flat(wrapper, None)
-        return params, {k: _zero_flat(wrapper, k) for k in STATE}, wrapper.steps
-    params = dict(stage.named_parameters())
-    state, step = {k: {} for k in STATE}, 0
-    for name, p in params.items():
-        s = optimizer.state.get(p, {})
-        for k in STATE:
-            state[k][name] = s[k] if k in s else torch.zeros_like(p)
-        step = int(s["step"]) if "step" in s else step
+    """(params, {state key: tensors}, step) of one stage, by its local names, as held here:
+    through the data-parallel contract (`wrapper.state_dict()`, whole tensors by name; ZeRO
+    gathers its shards), whichever wrapper it is (`optimizer`, `zero`: unused)."""
+    sd = wrapper.state_dict()
+    names = [n for n, p in stage.named_parameters() if p.requires_grad]
+    params = {n: sd["model"][n] for n in names}
+    optim = sd["optimizer"]["state"]
+    state = {k: {n: optim[n][k] if k in optim.get(n, {}) else torch.zeros_like(params[n])
+                 for n in names} for k in STATE}
+    step = max((int(s["step"]) for s in optim.values() if "step" in s), default=0)
     return params, state, step
 
 

@@ -12,14 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from . import checkpoint
 from .checkpoint import STATE
 from .context_parallel import LAYOUTS, apply_context_parallel, check_context_parallel
 from .data_parallel import DDP
 from .expert_parallel import apply_expert_parallel, expert_gradient_groups
-from .flat import shard_bounds
 from .mesh import Mesh, check_mesh
 from .model import LlamaConfig, TinyLlama
 from .moe import apply_moe, aux_loss_in_backward, check_moe
@@ -55,7 +53,7 @@ class TrainConfig:
     steps: int = 10
     preset: str = "tiny"
     recompute: str = "none"
-    precision: str = "fp32"       # "bf16": ZeRO's bf16 compute with fp32 master weights
+    precision: str = "fp32"       # "bf16": bf16 autocast (+ ZeRO: bf16 copies of fp32 masters)
     experts: int = 0              # > 0: every MLP becomes a mixture of this many experts
     top_k: int = 1
     ep: int = 1                   # expert-parallel ranks, a block of the dp ranks
@@ -97,8 +95,6 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"--data must be 'text' or 'random', not {cfg.data!r}")
     if cfg.precision not in ("fp32", "bf16"):
         raise ValueError(f"--precision must be fp32 or bf16, not {cfg.precision!r}")
-    if cfg.precision == "bf16" and cfg.zero == 0:
-        raise ValueError("--precision bf16 keeps fp32 master weights in ZeRO: add --zero 1, 2 or 3")
     mcfg = cfg.model_config()
     if cfg.tp > 1:
         check_tensor_parallel(mcfg, cfg.tp)
@@ -182,30 +178,33 @@ def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
 
 
 def build(cfg: TrainConfig, mesh: Mesh, resume=None):
-    """This rank's stages {index: module}, their wrappers, the optimizers and the schedule;
-    with `resume` = checkpoint.load(...), the weights and optimizer state it holds."""
+    """This rank's stages {index: module}, their data-parallel wrappers (each owns its
+    stage's AdamW: the one data-parallel contract, picolib/data_parallel.py), the things to
+    step (the wrappers) and the schedule; with `resume` = checkpoint.load(...), the weights
+    and optimizer state it holds. The only place that asks which wrapper: below."""
     model = TinyLlama(cfg.model_config())
     if resume:
         model.load_state_dict(resume[0])
     stages, sched, expert_groups = transform(model.to(device()), cfg, mesh)
     replicas = mesh.group("dp", "cp") if cfg.cp > 1 else mesh.group("dp")
-    if cfg.zero:
+    adamw = dict(optimizer=torch.optim.AdamW, lr=cfg.lr)
+    if cfg.zero:   # bf16: compute copies of the weights; fp32 masters (and autocast, train.py)
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        wrappers = {s: ZeRO(m, cfg.zero, group=replicas, optimizer="adamw", lr=cfg.lr,
-                            param_dtype=dtype, groups=expert_groups) for s, m in stages.items()}
-        optimizers = list(wrappers.values())
-    else:
-        wrappers = {s: DDP(m, group=replicas, groups=expert_groups) for s, m in stages.items()}
-        params = [p for m in stages.values() for p in m.parameters()]
-        optimizers = [torch.optim.AdamW(params, lr=cfg.lr)]
+        wrappers = {s: ZeRO(m, cfg.zero, group=replicas, param_dtype=dtype, groups=expert_groups,
+                            **adamw) for s, m in stages.items()}
+    else:          # bf16: autocast around forward (train.py); weights and gradients fp32
+        wrappers = {s: DDP(m, group=replicas, groups=expert_groups, **adamw)
+                    for s, m in stages.items()}
+    optimizers = list(wrappers.values())
     if resume:
-        _restore_optimizer(cfg, mesh, stages, wrappers, optimizers, resume)
+        _restore_optimizer(cfg, mesh, stages, wrappers, resume)
     return stages, wrappers, optimizers, sched, replicas
 
 
-def _restore_optimizer(cfg, mesh, stages, wrappers, optimizers, resume):
+def _restore_optimizer(cfg, mesh, stages, wrappers, resume):
     """Cut the whole AdamW state like the weights: a model whose weights are the state goes
-    through the same transforms; then hand each rank its part (ZeRO: its flat shard)."""
+    through the same transforms; then each wrapper takes its stage's part by name
+    (`load_state_dict`, the contract: ZeRO keeps its flat shards of it)."""
     _, state, step, _ = resume
     cut = {}
     for k in STATE:
@@ -214,16 +213,7 @@ def _restore_optimizer(cfg, mesh, stages, wrappers, optimizers, resume):
         cut[k] = transform(twin.to(device()), cfg, mesh)[0]
     for s, stage in stages.items():
         local = {k: dict(cut[k][s].named_parameters()) for k in STATE}
-        if cfg.zero:
-            w = wrappers[s]
-            w.steps = step
-            for u in w.units:
-                lo, hi = shard_bounds(u.numel, w.n, dist.get_rank(w.group))
-                for k in STATE:
-                    flat = torch.cat([local[k][n].detach().reshape(-1).float() for n in u.names])
-                    flat = torch.cat([flat, flat.new_zeros(max(hi - u.numel, 0))])
-                    u.state[k].copy_(flat[lo:hi])
-        else:
-            for name, p in stage.named_parameters():
-                optimizers[0].state[p] = {"step": torch.tensor(float(step)),
-                                          **{k: local[k][name].detach().clone() for k in STATE}}
+        names = [n for n, p in stage.named_parameters() if p.requires_grad]
+        wrappers[s].load_state_dict({"optimizer": {"state": {
+            n: {"step": torch.tensor(float(step)), **{k: local[k][n].detach() for k in STATE}}
+            for n in names}}})
