@@ -151,7 +151,8 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
       broadcast from that group's first rank. With `groups`, a step's finite-check adds one
       one-element all-reduce over `group`, so every rank reaches the same verdict.
     - `optimizer`: a torch.optim class (`optimizer(params, **optimizer_kwargs)`), a factory
-      taking the parameters, or None (the default: the caller steps its own optimizer).
+      taking the parameters, or None (the default: the caller steps its own optimizer);
+      `param_groups` (torch's list of dicts) instead of all parameters in one group.
       With one, `ddp.step()` / `ddp.zero_grad()` step it and zero the buckets, and
       `ddp.optimizer` is the torch optimizer (schedulers attach to it).
 
@@ -161,7 +162,7 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
     def __init__(self, module: nn.Module, group=None,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, overlap: bool = True,
                  timeline=None, groups: dict | None = None, optimizer=None,
-                 **optimizer_kwargs):
+                 param_groups=None, **optimizer_kwargs):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, not {type(module).__name__}")
@@ -212,8 +213,9 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         self._link_free = 0.0         # emulated link: when the previous all-reduce ends
         if optimizer is None and optimizer_kwargs:
             raise TypeError(f"{sorted(optimizer_kwargs)} are optimizer settings: pass optimizer=")
-        self.optimizer = (None if optimizer is None else
-                          make_optimizer(optimizer, [p for _, p in named[::-1]], optimizer_kwargs))
+        self.optimizer = (None if optimizer is None else make_optimizer(
+            optimizer, [p for _, p in named[::-1]] if param_groups is None else param_groups,
+            optimizer_kwargs))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

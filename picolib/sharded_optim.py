@@ -127,7 +127,7 @@ def split_units(model, units=None):
 
 
 class ShardedUnit:
-    """ShardedUnit(module, named, stage, group, dtype)
+    """ShardedUnit(module, named, stage, group, dtype, group_index=None)
 
     `full`: the flat buffer in the compute dtype, padded for N; the module's parameters
     become views into it, starting from the group's first rank's values. `shard`: this
@@ -136,9 +136,15 @@ class ShardedUnit:
     of the shard (ZeRO sets `master.grad` from it). `state`: the optimizer's state of the
     master (`optimizer.state[master]`). Stage 1 keeps the whole flat gradient `grad_full`
     (the .grads are views into it, `grad` its slice); stage 3 keeps only the shard and frees
-    `full` between uses."""
+    `full` between uses.
 
-    def __init__(self, module, named, stage: int, group, dtype):
+    `group_index` (one per parameter, ascending: ZeRO sorts them so): the torch param group
+    each parameter belongs to. The flat buffer then holds group 0's parameters, then group
+    1's, ..., and this rank's shard is cut where the groups meet: `pieces` is
+    [(group, start, stop, parameter)], each parameter a view of the master over its part of
+    the shard — what the optimizer steps. Without groups the one piece is the master."""
+
+    def __init__(self, module, named, stage: int, group, dtype, group_index=None):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         self.module, self.names = module, [name for name, _ in named]
         self.params = [p for _, p in named]
@@ -167,14 +173,45 @@ class ShardedUnit:
         else:
             self.grad_full, self.grad = None, torch.zeros(hi - lo, dtype=dtype, device=dev)
         self.optimizer = None   # set by ZeRO once the torch optimizer exists
+        self.group_index = list(group_index or [0] * len(self.params))
+        self.pieces, start = [], 0
+        for g in sorted(set(self.group_index)) if group_index is not None else []:
+            size = sum(p.numel() for p, i in zip(self.params, self.group_index) if i == g)
+            a, b = max(start, lo), min(start + size, hi)
+            if a < b:
+                self.pieces.append((g, a - lo, b - lo, nn.Parameter(self.master.detach()[a - lo:b - lo])))
+            start += size
+        if group_index is None:
+            self.pieces = [(0, 0, hi - lo, self.master)]
         self.starts = torch.arange(n, device=dev) * (hi - lo)   # first element of each shard
         self.ready = 0          # parameters whose gradient this backward has produced
         self.work = None        # (handle, issue time) of an all-gather in flight
 
     @property
     def state(self) -> dict:
-        """The optimizer's state of this unit's master shard ({} before the first step)."""
-        return {} if self.optimizer is None else self.optimizer.state.get(self.master, {})
+        """The optimizer's state of this unit's master shard ({} before the first step).
+        With param groups: the pieces' states put together, shaped like the master (a copy;
+        the padding's elements are 0)."""
+        if self.optimizer is None:
+            return {}
+        if self.pieces[0][3] is self.master:
+            return self.optimizer.state.get(self.master, {})
+        states = [(a, b, self.optimizer.state.get(p, {})) for _, a, b, p in self.pieces]
+        out = {}
+        for key, v in next((s for *_, s in states if s), {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                out[key] = torch.zeros(self.master.shape, dtype=v.dtype, device=v.device)
+                for a, b, s in states:
+                    out[key][a:b] = s[key]
+            else:
+                out[key] = v
+        return out
+
+    def set_piece_grads(self) -> None:
+        """The pieces' .grads: views of the master's (None when it has none)."""
+        for _, a, b, p in self.pieces:
+            if p is not self.master:
+                p.grad = None if self.master.grad is None else self.master.grad[a:b]
 
     def complete(self) -> bool:
         return self.ready == len(self.params)

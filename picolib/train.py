@@ -10,8 +10,9 @@ how lesson 10 checks a configuration. The transforms run in the documented order
 (docs/design.md): tensor (+ sequence) parallel, context parallel, pipeline stages, then DDP
 or ZeRO over the ranks that hold the same weights (dp × cp).
 
-Each step logs the global mean loss, tokens/s, MFU and HFU against a stated peak, the memory
-of the busiest rank and the bytes it sent by collective and by kind (DP, TP, PP, CP, EP);
+Each step logs the global mean loss, the learning rate, tokens/s, MFU and HFU against a stated
+peak, the memory of the busiest rank and the bytes it sent by collective and by kind (DP, TP,
+PP, CP, EP);
 `--log FILE` writes them as one JSON object per line, `--trace FILE` a Perfetto/Chrome trace
 of the last step.
 """
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from . import checkpoint
 from .comm import Ledger
-from .compose import PRESETS, TrainConfig, build, check_config
+from .compose import LR_SCHEDULES, PRESETS, TrainConfig, build, check_config, lr_factor
 from .context_parallel import ALGORITHMS, LAYOUTS, shard_sequence
 from .memory import SavedActivations, hardware_flops, model_flops
 from .mesh import Mesh
@@ -183,6 +184,9 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     resume = checkpoint.load(checkpoint.latest(cfg.resume), cfg.model_config()) if cfg.resume else None
     stages, wrappers, optimizers, sched, replicas = build(cfg, mesh, resume)
     start = resume[3] if resume else 0
+    # the learning rate of each step, on every wrapper's torch optimizer (all its groups)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: lr_factor(cfg, s + start))
+                  for w in wrappers.values()]
     data = TextData() if cfg.data == "text" else None
     peak, peak_text = _peak_flops(cfg)
     n_params, tokens_per_step = param_count(cfg.model_config()), cfg.batch * cfg.seq
@@ -212,8 +216,11 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
                     raise _not_finite(step, _gradient_detail(e), cfg) from None
             seconds = time.perf_counter() - t0
             state = _state_bytes(wrappers)
+            lr = schedulers[0].get_last_lr()[0]      # the rate this step used
             for opt in optimizers:
                 opt.zero_grad()
+            for s in schedulers:
+                s.step()
             total = torch.tensor([0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0],
                                  dtype=torch.float64)
             dist.all_reduce(total)
@@ -223,7 +230,8 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
             by_kind = _sent_by_kind(led, mesh, replicas, kinds)
             busiest = _max_over_ranks([seconds, state, act.peak] + [sent.get(op, 0) for op in OPS]
                                       + [by_kind.get(k, 0) for k in KINDS])
-            rec = {"step": step, "loss": total[0].item() / total[1].item(), "seconds": busiest[0],
+            rec = {"step": step, "loss": total[0].item() / total[1].item(), "lr": lr,
+                   "seconds": busiest[0],
                    "tokens_per_s": tokens_per_step / busiest[0],
                    "mfu": model_flops(n_params, tokens_per_step) / (busiest[0] * cfg.world_size * peak),
                    "hfu": hardware_flops(n_params, tokens_per_step, hw_recompute)
@@ -296,7 +304,13 @@ HELP = {
     "cp_algorithm": "context-parallel attention",
     "cp_layout": "who holds which tokens",
     "data": "text (the shipped text, byte tokens) or random tokens",
-    "lr": "AdamW learning rate", "seed": "seed of the weights and the data",
+    "lr": "AdamW's peak learning rate", "seed": "seed of the weights and the data",
+    "warmup": "steps of linear warmup from lr/warmup to lr",
+    "lr_schedule": "the learning rate after warmup, from lr to --min-lr at the last step "
+                   "(wsd: constant, then linear over the last 20%% of the steps)",
+    "min_lr": "the learning rate the schedule ends at (not with constant)",
+    "weight_decay": "AdamW's weight decay, on parameters of 2 or more dimensions only (none on "
+                    "norm weights and biases)",
     "peak_tflops": "peak per rank for MFU (default: H100 dense BF16 on GPUs, measured on CPUs)",
     "log": "write one JSON object per step to this file (under torchrun: --log-file)",
     "trace": "write a Perfetto/Chrome trace of the last step to this file",
@@ -314,6 +328,7 @@ HELP = {
 CHOICES = {"schedule": list(SCHEDULES), "recompute": ["none", "selective", "full"],
            "precision": ["fp32", "bf16"], "cp_algorithm": list(ALGORITHMS),
            "cp_layout": list(LAYOUTS), "data": ["text", "random"], "preset": list(PRESETS),
+           "lr_schedule": list(LR_SCHEDULES),
            "zero": [0, 1, 2, 3]}
 
 

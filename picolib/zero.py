@@ -22,6 +22,16 @@ with k bytes of state per owned element; one that needs a parameter's shape is r
 a probe (`sharded_optim.check_elementwise`). A torch.optim.lr_scheduler works on
 `zero.optimizer`. `param_dtype=torch.bfloat16` computes in bf16 with an fp32 master (k + 4).
 
+Param groups (`param_groups=[{"params": [...], "weight_decay": 0.1}, {"params": [...],
+"weight_decay": 0.0}]`, torch's shape): a unit's flat buffer mixes 2-D weights and 1-D norm
+weights, and a torch param group needs whole parameters of its own. So each unit's buffer
+is laid out group by group (group 0's parameters first, then group 1's), and a rank's
+master shard is cut where the groups meet into one nn.Parameter per (unit, group) —
+views of the same fp32 shard, `unit.pieces`. The collectives, the padding and the bytes do
+not change (one buffer per unit as before); the optimizer gets the pieces of group g in
+its group g, with that group's options, so weight decay, learning rates and schedulers work
+per group as in one process. Without `param_groups` a unit's one piece is its master.
+
 One order on every rank. Collectives are matched by their order, so every rank issues
 them in a fixed unit order, whatever order its backward finishes the units in: a unit's
 reduce-scatter starts once its gradients are complete *and* the units before it have
@@ -90,7 +100,8 @@ class ZeRO(GradientSyncSwitch):
     def __init__(self, model: nn.Module, stage: int, group=None, optimizer=torch.optim.AdamW,
                  *, param_dtype=torch.float32, units=None,
                  prefetch: bool = True, timeline=None, groups: dict | None = None,
-                 reduce_every_micro_batch: bool = False, **optimizer_kwargs):
+                 reduce_every_micro_batch: bool = False, param_groups=None,
+                 **optimizer_kwargs):
         if isinstance(stage, bool) or stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage!r}")
         if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -100,6 +111,7 @@ class ZeRO(GradientSyncSwitch):
             raise ValueError(f"all parameters must be on one device; found {devices}")
         # before any collective: the optimizer's own checks and the element-wise probe
         check_elementwise(optimizer, optimizer_kwargs, devices[0])
+        group_of, options = _param_groups(model, param_groups)
         if groups and stage == 3:
             raise ValueError("ZeRO-3 gathers every unit over one group: parameters with "
                              "groups of their own (experts) need stage 1 or 2")
@@ -119,15 +131,22 @@ class ZeRO(GradientSyncSwitch):
             self.units, self._groups, self._scales = [], [], []
             for m, named in split_units(model, units):
                 for g, part in _by_group(named, own):
+                    if group_of is not None:   # group 0's parameters first, then group 1's, ...
+                        part = sorted(part, key=lambda np: group_of[id(np[1])])
+                    index = None if group_of is None else [group_of[id(p)] for _, p in part]
                     self.units.append(ShardedUnit(m, part, stage, group if g is None else g,
-                                                  param_dtype))
+                                                  param_dtype, index))
                     self._groups.append(group if g is None else g)
                     self._scales.append(1.0 if g is None else group_size(g) / self.n)
             owned = {id(p) for u in self.units for p in u.params}
             rest = [p for p in model.parameters() if id(p) not in owned] + list(model.buffers())
             if rest:
                 broadcast_from_first_rank(rest, group)
-        self.optimizer = make_optimizer(optimizer, [u.master for u in self.units], optimizer_kwargs)
+        pieces = [[p for u in self.units for g, _, _, p in u.pieces if g == i]
+                  for i in range(len(options))]
+        self.optimizer = make_optimizer(
+            optimizer, pieces[0] if group_of is None else
+            [{**opts, "params": ps} for opts, ps in zip(options, pieces)], optimizer_kwargs)
         for u in self.units:
             u.optimizer = self.optimizer
         # The fixed orders. Reduce-scatters and updates: last unit first (backward finishes
@@ -294,6 +313,7 @@ class ZeRO(GradientSyncSwitch):
                      self.group, "reduce-scatter")
         for u in self.units:      # what the torch optimizer reads: fp32, the master's shape
             u.master.grad = u.grad if u.grad.dtype == torch.float32 else u.grad.float()
+            u.set_piece_grads()
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -309,6 +329,7 @@ class ZeRO(GradientSyncSwitch):
             if u.shard.data_ptr() != u.master.data_ptr():   # bf16 compute: copy the update
                 u.shard.copy_(u.master)
                 u.master.grad = None                         # and drop the fp32 gradient copy
+                u.set_piece_grads()
             if self.stage < 3:
                 gathers.append((comm.all_gather(u.full, u.shard, group=self._groups[i],
                                                 async_op=True), time.perf_counter(), i))
@@ -325,6 +346,7 @@ class ZeRO(GradientSyncSwitch):
         for u in self.units:
             u.zero_grad()
             u.master.grad = None
+            u.set_piece_grads()
         self._rs_next = 0
         self._reduced.clear()
         self._local_bad.zero_()
@@ -372,8 +394,8 @@ class ZeRO(GradientSyncSwitch):
                 for name, t in whole.items():
                     state.setdefault(name, {})[key] = t.clone() if isinstance(t, torch.Tensor) else t
         groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [n for u in self.units if any(u.master is p for p in g["params"])
-                              for n in u.names]} for g in self.optimizer.param_groups]
+                   "params": [n for u in self.units for n, j in zip(u.names, u.group_index) if j == i]}
+                  for i, g in enumerate(self.optimizer.param_groups)]
         return {"model": model, "optimizer": {"state": state, "param_groups": groups}}
 
     @torch.no_grad()
@@ -403,8 +425,12 @@ class ZeRO(GradientSyncSwitch):
                     entry[key] = torch.zeros_like(u.master.detach())
                     u.load_shard([optim["state"][n][key] for n in u.names], entry[key], g)
                 else:
-                    entry[key] = v.clone() if isinstance(v, torch.Tensor) else v
-            own["state"][index[id(u.master)]] = entry
+                    entry[key] = v
+            for _, a, b, p in u.pieces:     # each piece its part of the shard
+                own["state"][index[id(p)]] = {
+                    k: (t[a:b].clone() if isinstance(t, torch.Tensor) and t.dim() > 0
+                        else t.clone() if isinstance(t, torch.Tensor) else t)
+                    for k, t in entry.items()}
         for mine, theirs in zip(own["param_groups"], optim.get("param_groups") or []):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
         self.optimizer.load_state_dict(own)
@@ -435,6 +461,26 @@ class ZeRO(GradientSyncSwitch):
                 end = time.perf_counter()
         lane = {"all_gather": "gather", "reduce_scatter": "reduce"}.get(name, "compute")
         tl.add(name, t0, end, lane=lane, **meta)["emulated"] = cost is not None
+
+
+def _param_groups(model, param_groups):
+    """(None, [{}]) without groups; else ({id(param): group index}, [each group's options]),
+    after checking that every trainable parameter is in exactly one group."""
+    if param_groups is None:
+        return None, [{}]
+    group_of, options = {}, []
+    for i, g in enumerate(param_groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError("param_groups: a list of dicts with 'params', as torch.optim takes")
+        for p in g["params"]:
+            if id(p) in group_of:
+                raise ValueError(f"a parameter is in param groups {group_of[id(p)]} and {i}")
+            group_of[id(p)] = i
+        options.append({k: v for k, v in g.items() if k != "params"})
+    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if left:
+        raise ValueError(f"param_groups must hold every trainable parameter; missing {left[:3]}")
+    return group_of, options
 
 
 def _by_group(named, groups: dict):

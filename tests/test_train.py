@@ -292,3 +292,33 @@ def test_progress_bar_is_drawn_in_place_by_the_caller(capfd):
     assert lines[-1].endswith(f"loss {records[-1]['loss']:.4f}, "
                               f"{records[-1]['tokens_per_s']:,.0f} tokens/s, "
                               f"MFU {records[-1]['mfu']:.3f}, HFU {records[-1]['hfu']:.3f}")
+
+
+def test_lr_schedule_and_decay_groups_equal_one_process():
+    """--warmup 2 --lr-schedule cosine --min-lr 1e-4 --weight-decay 0.1 (none on 1-D
+    parameters): the learning rate of each step, logged, is the schedule's (worked out by
+    hand below), and DDP (dp2×pp2) and ZeRO-2 (dp2) runs give the one-process curve."""
+    options = dict(warmup=2, lr_schedule="cosine", min_lr=1e-4, weight_decay=0.1,
+                   micro_batches=2, steps=6)
+    cfg = TrainConfig(progress=False, **options)
+    want = run(train, 1, cfg, timeout=240)[0]
+    # warmup 1e-3·1/2, 1e-3; cosine over the 3 steps after: 1e-4 + 9e-4·(1 + cos(πt))/2
+    lrs = [5e-4, 1e-3, 1e-3, 7.75e-4, 3.25e-4, 1e-4]
+    assert all(abs(r["lr"] - lr) < 1e-12 for r, lr in zip(want, lrs, strict=True)), want
+    for nproc, layout in [(4, dict(dp=2, pp=2)), (2, dict(dp=2, zero=2))]:
+        got = _losses(nproc, **options, **layout)
+        assert max(abs(g - w["loss"]) for g, w in zip(got, want, strict=True)) <= 2e-5, (layout, got)
+
+
+def test_each_lr_schedule_at_its_ends():
+    from picolib.compose import lr_factor
+    base = dict(steps=11, lr=1e-3, min_lr=1e-4)
+    shapes = {"constant": [1, 1, 1, 1, 1], "linear": [1, 0.91, 0.55, 0.19, 0.1],
+              "cosine": [1, 1 - 0.9 * 0.024471741852423234, 0.55, 0.1 + 0.9 * 0.024471741852423234, 0.1],
+              "wsd": [1, 1, 1, 0.55, 0.1]}   # constant to t = 0.8, then linear
+    for name, values in shapes.items():
+        cfg = TrainConfig(lr_schedule=name, **base)
+        got = [lr_factor(cfg, s) for s in (0, 1, 5, 9, 10)]
+        assert all(abs(g - v) < 1e-12 for g, v in zip(got, values)), (name, got)
+    wsd = TrainConfig(lr_schedule="wsd", warmup=1, **base)   # t = (step - 1)/9 after warmup
+    assert [round(lr_factor(wsd, s), 6) for s in (0, 8, 9, 10)] == [1.0, 1.0, 0.6, 0.1]

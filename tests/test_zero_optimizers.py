@@ -9,7 +9,7 @@ from picolib.data_parallel import DDP
 from picolib.launch import run
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.flat import padded_numel, shard_bounds
-from picolib.zero import ZeRO
+from picolib.zero import ZeRO, unit_numels, zero_memory_bytes
 
 CFG = LlamaConfig(vocab_size=61, hidden=18, n_layers=2, n_heads=3, n_kv_heads=1,
                   ffn_hidden=23, max_seq=16, seed=3)
@@ -143,3 +143,54 @@ def test_state_dict_round_trips_to_another_stage_and_to_one_process():
         for got in (same, stage3, alone):
             for n in ref:
                 torch.testing.assert_close(got[n], ref[n], atol=2e-5, rtol=0, msg=f"rank {rank} {n}")
+
+
+def param_groups_worker(stage):
+    """AdamW with decay on the matrices and none on the 1-D weights, as param groups."""
+    r = dist.get_rank()
+    model = TinyLlama(CFG)
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.5},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0,
+               "lr": 3e-2}]
+    zero = ZeRO(model, stage, optimizer=torch.optim.AdamW, lr=1e-2, param_groups=groups)
+    for step in range(STEPS):
+        x, y = batch(step)
+        model.loss(x[r * MB:(r + 1) * MB], y[r * MB:(r + 1) * MB]).backward()
+        zero.step()
+        zero.zero_grad()
+    pieces = [[g for g, *_ in u.pieces] for u in zero.units]     # each unit's groups here
+    return zero.gather_parameters(), zero.memory(), pieces, zero.state_dict()["optimizer"]["param_groups"]
+
+
+def test_param_groups_equal_one_process_with_the_same_groups():
+    """A unit's shard is cut where its groups meet (one piece per unit and group): weight
+    decay 0.5 on matrices, none and another lr on norm weights, equal to one process; the
+    bytes are those without groups (same buffers); the groups come back by name."""
+    model = TinyLlama(CFG)
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.5},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0,
+               "lr": 3e-2}]
+    optim = torch.optim.AdamW(groups, lr=1e-2)
+    for step in range(STEPS):
+        model.loss(*batch(step)).backward()
+        optim.step()
+        optim.zero_grad()
+    ref = {n: p.detach() for n, p in model.named_parameters()}
+    uniform = TinyLlama(CFG)                         # one group: the norms would decay too
+    optim = torch.optim.AdamW(uniform.parameters(), lr=1e-2, weight_decay=0.5)
+    for step in range(STEPS):
+        uniform.loss(*batch(step)).backward()
+        optim.step()
+        optim.zero_grad()
+    assert (uniform.norm.weight - ref["norm.weight"]).abs().max() > 1e-3
+    one_d = sorted(n for n, p in model.named_parameters() if p.dim() < 2)
+    for stage in (1, 2, 3):
+        ranks = run(param_groups_worker, N, stage)
+        # rank 0's shards hold matrices only; rank 1's are cut between the groups
+        assert [sorted({g for unit in r[2] for g in unit}) for r in ranks] == [[0], [0, 1]]
+        assert all(unit == [0, 1] for unit in ranks[1][2])
+        for rank, (got, memory, pieces, saved) in enumerate(ranks):
+            for n in ref:
+                torch.testing.assert_close(got[n], ref[n], atol=ATOL, rtol=0, msg=f"{stage} {rank} {n}")
+            assert memory == zero_memory_bytes(stage, unit_numels(model), N, 8)   # as without groups
+            assert sorted(saved[1]["params"]) == one_d and saved[1]["lr"] == 3e-2
