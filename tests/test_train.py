@@ -322,3 +322,17 @@ def test_each_lr_schedule_at_its_ends():
         assert all(abs(g - v) < 1e-12 for g, v in zip(got, values)), (name, got)
     wsd = TrainConfig(lr_schedule="wsd", warmup=1, **base)   # t = (step - 1)/9 after warmup
     assert [round(lr_factor(wsd, s), 6) for s in (0, 8, 9, 10)] == [1.0, 1.0, 0.6, 0.1]
+
+
+def test_weight_decay_spares_norm_weights_only():
+    """The decay groups, by the model's own names: every norm weight (the tiny Llama's only
+    1-D parameters) without decay, every matrix and embedding with it."""
+    from picolib.compose import decay_groups
+    from picolib.model import TinyLlama
+    model = TinyLlama(TrainConfig().model_config())
+    decay, spared = decay_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in spared["params"]) == sorted(
+        n for n in names.values() if n.endswith("norm.weight"))
+    assert (decay["weight_decay"], spared["weight_decay"]) == (0.1, 0.0)
+    assert len(decay["params"]) + len(spared["params"]) == len(names) and spared["params"]
