@@ -354,10 +354,19 @@ def build_parser() -> argparse.ArgumentParser:
             kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
             p.add_argument(*flags, type=kind, default=f.default, help=HELP[f.name],
                            choices=CHOICES.get(f.name))
+    p.add_argument("--dry-run", action="store_true",
+                   help="do not train: build this layout on meta tensors over a fake process "
+                        "group of --world ranks and report each pipeline position's bytes "
+                        "(held, saved, sent by kind); with --gpu NAME, whether it fits; "
+                        "--json FILE writes them (python -m picolib.dry_run --help)")
     return p
 
 
 def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dry-run" in argv:           # the same build on meta tensors over a fake group
+        from .dry_run import main as dry_run_main
+        return dry_run_main([a for a in argv if a != "--dry-run"])
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     nproc, backend = args.pop("nproc"), args.pop("backend")

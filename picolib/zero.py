@@ -110,7 +110,8 @@ class ZeRO(GradientSyncSwitch):
         if len(devices) != 1:
             raise ValueError(f"all parameters must be on one device; found {devices}")
         # before any collective: the optimizer's own checks and the element-wise probe
-        check_elementwise(optimizer, optimizer_kwargs, devices[0])
+        check_elementwise(optimizer, optimizer_kwargs,   # on meta (the dry run) it has no values
+                          "cpu" if devices[0] == "meta" else devices[0])
         group_of, options = _param_groups(model, param_groups)
         if groups and stage == 3:
             raise ValueError("ZeRO-3 gathers every unit over one group: parameters with "
