@@ -3,11 +3,13 @@
     .venv/bin/python bench/dp_zero.py            # writes bench/results/dp_zero.json
 
 One run: 4 gloo ranks (picolib.launch.run) on this machine's CPU, each training the tiny
-Llama below with Adam (lr 1e-3) on its own micro-batch of MB × SEQ synthetic tokens.
+Llama below with torch.optim.AdamW (lr 1e-3) on its own micro-batch of MB × SEQ synthetic tokens.
 Rows (picolib ↔ peer):
-- DDP:    picolib.data_parallel.DDP                   ↔ torch.nn.parallel.DistributedDataParallel
-- ZeRO-1: picolib.zero.ZeRO(stage=1)                  ↔ torch DDP + torch.distributed.optim.ZeroRedundancyOptimizer
-- ZeRO-3: picolib.zero.ZeRO(stage=3), blocks + root   ↔ FSDP2 fully_shard on every block and the root
+- DDP:    picolib.data_parallel.DDP (owning AdamW)    ↔ torch.nn.parallel.DistributedDataParallel
+- ZeRO-1: picolib.zero.ZeRO(stage=1, optimizer=AdamW) ↔ torch DDP + torch.distributed.optim.ZeroRedundancyOptimizer(optimizer_class=AdamW)
+- ZeRO-3: picolib.zero.ZeRO(stage=3, optimizer=AdamW), blocks + root ↔ FSDP2 fully_shard on every
+  block and the root, torch.optim.AdamW
+Every side steps the same torch.optim.AdamW (picolib's ZeRO on its flat fp32 shards).
 Both sides of a row run in the same processes, in alternating rounds of ROUND steps
 (picolib, peer, picolib, ...), so a busy neighbour on the shared machine slows both.
 A step is forward + backward + optimizer step; its time is the slowest rank's, and a
@@ -51,20 +53,18 @@ OUT = ROOT / "bench" / "results" / "dp_zero.json"
 # ----------------------------------------------------------------------- the contestants
 
 def picolib_ddp():
-    model = DDP(TinyLlama(CFG), bucket_cap_bytes=BUCKET)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    model = DDP(TinyLlama(CFG), bucket_cap_bytes=BUCKET, optimizer=torch.optim.AdamW, lr=LR)
 
     def step(x, y):
         model.module.loss(x, y).backward()
-        model.finish_gradient_sync()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    return step, [model.module, opt, *(b.buffer for b in model.buckets)]
+        model.step()
+        model.zero_grad()
+    return step, [model.module, model.optimizer, *(b.buffer for b in model.buckets)]
 
 
 def torch_ddp():
     model = torch.nn.parallel.DistributedDataParallel(TinyLlama(CFG))
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(x, y):   # TinyLlama.loss, through the wrapper's forward (DDP's hooks need it)
         logits = model(x)
@@ -77,14 +77,14 @@ def torch_ddp():
 def picolib_zero(stage):
     def make():
         model = TinyLlama(CFG)
-        zero = ZeRO(model, stage, optimizer="adam", lr=LR)
+        zero = ZeRO(model, stage, optimizer=torch.optim.AdamW, lr=LR)
 
         def step(x, y):
             model.loss(x, y).backward()
             zero.step()
             zero.zero_grad()
-        held = [model] + [t for u in zero.units for t in
-                          (u.full, u.master, u.shard, u.grad, *u.state.values())]
+        held = [model, zero.optimizer] + [t for u in zero.units for t in
+                                          (u.full, u.master, u.shard, u.grad)]
         return step, held
     return make
 
@@ -92,14 +92,14 @@ def picolib_zero(stage):
 def torch_zero1():
     from torch.distributed.optim import ZeroRedundancyOptimizer
     model = torch.nn.parallel.DistributedDataParallel(TinyLlama(CFG))
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
 
     def step(x, y):
         logits = model(x)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-    return step, [model.module, opt.optim]   # the shard's state lives in the inner Adam
+    return step, [model.module, opt.optim]   # the shard's state lives in the inner AdamW
 
 
 def torch_fsdp2():
@@ -108,7 +108,7 @@ def torch_fsdp2():
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(x, y):
         model.loss(x, y).backward()
@@ -178,7 +178,7 @@ def main():
                  timed_steps=ROUND * ROUNDS, torch=torch.__version__)
     OUT.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"\n{WORLD} gloo ranks, tiny Llama {param_count(CFG):,} parameters, "
-          f"{MB}×{SEQ} tokens per rank, Adam\n")
+          f"{MB}×{SEQ} tokens per rank, torch.optim.AdamW\n")
     print("| row | picolib s | peer s | ratio | picolib peak bytes | peer peak bytes |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -9,6 +9,7 @@ straight into what `build` made.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,11 @@ from .rank import device
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from .zero import ZeRO
 
-__all__ = ["PRESETS", "TrainConfig", "check_config", "transform", "build"]
+__all__ = ["PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "transform", "build",
+           "decay_groups", "lr_factor"]
+
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
+WSD_DECAY = 0.2   # wsd (warmup-stable-decay): the last 20% of the steps after warmup decay
 
 PRESETS = {  # model shapes: a few hundred thousand to a few million parameters
     "tiny": dict(hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64),
@@ -52,7 +57,7 @@ class TrainConfig:
     steps: int = 10
     preset: str = "tiny"
     recompute: str = "none"
-    precision: str = "fp32"       # "bf16": ZeRO's bf16 compute with fp32 master weights
+    precision: str = "fp32"       # "bf16": bf16 autocast (+ ZeRO: bf16 copies of fp32 masters)
     experts: int = 0              # > 0: every MLP becomes a mixture of this many experts
     top_k: int = 1
     ep: int = 1                   # expert-parallel ranks, a block of the dp ranks
@@ -60,6 +65,10 @@ class TrainConfig:
     cp_layout: str = "zigzag"
     data: str = "text"            # "text": the shipped text; "random": uniform tokens
     lr: float = 1e-3
+    warmup: int = 0               # steps of linear warmup to lr
+    lr_schedule: str = "constant"  # after warmup: constant, cosine, linear or wsd, to min_lr
+    min_lr: float = 0.0
+    weight_decay: float = 0.01    # AdamW's, on parameters of 2 or more dimensions only
     clip_grad: float = 1.0        # clip the global gradient norm to this (0: off)
     seed: int = 0
     peak_tflops: float | None = None
@@ -89,14 +98,20 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     for name in ("batch", "seq", "steps", "micro_batches", "chunks"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(cfg, name)}")
+    if cfg.warmup < 0:
+        raise ValueError(f"--warmup must be ≥ 0, not {cfg.warmup}")
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, not {cfg.lr_schedule!r}")
+    if not 0 <= cfg.min_lr <= cfg.lr:
+        raise ValueError(f"--min-lr must be between 0 and --lr {cfg.lr:g}, not {cfg.min_lr:g}")
+    if cfg.weight_decay < 0:
+        raise ValueError(f"--weight-decay must be ≥ 0, not {cfg.weight_decay:g}")
     if cfg.zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero must be 0 (DDP), 1, 2 or 3, not {cfg.zero}")
     if cfg.data not in ("text", "random"):
         raise ValueError(f"--data must be 'text' or 'random', not {cfg.data!r}")
     if cfg.precision not in ("fp32", "bf16"):
         raise ValueError(f"--precision must be fp32 or bf16, not {cfg.precision!r}")
-    if cfg.precision == "bf16" and cfg.zero == 0:
-        raise ValueError("--precision bf16 keeps fp32 master weights in ZeRO: add --zero 1, 2 or 3")
     mcfg = cfg.model_config()
     if cfg.tp > 1:
         check_tensor_parallel(mcfg, cfg.tp)
@@ -180,17 +195,52 @@ def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
 
 
 def build(cfg: TrainConfig, mesh: Mesh):
-    """This rank's stages {index: module}, their wrappers, the optimizers and the schedule."""
+    """This rank's stages {index: module}, their data-parallel wrappers (each owns its
+    stage's AdamW: the one data-parallel contract, picolib/data_parallel.py), the things to
+    step (the wrappers) and the schedule. The only place that asks which wrapper: below.
+    A resume then reads each rank's part into them (`checkpoint.load_into`)."""
     model = TinyLlama(cfg.model_config())
     stages, sched, expert_groups = transform(model.to(device()), cfg, mesh)
     replicas = mesh.group("dp", "cp") if cfg.cp > 1 else mesh.group("dp")
-    if cfg.zero:
+    adamw = dict(optimizer=torch.optim.AdamW, lr=cfg.lr)
+    if cfg.zero:   # bf16: compute copies of the weights; fp32 masters (and autocast, train.py)
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        wrappers = {s: ZeRO(m, cfg.zero, group=replicas, optimizer="adamw", lr=cfg.lr,
-                            param_dtype=dtype, groups=expert_groups) for s, m in stages.items()}
-        optimizers = list(wrappers.values())
-    else:
-        wrappers = {s: DDP(m, group=replicas, groups=expert_groups) for s, m in stages.items()}
-        params = [p for m in stages.values() for p in m.parameters()]
-        optimizers = [torch.optim.AdamW(params, lr=cfg.lr)]
+        wrappers = {s: ZeRO(m, cfg.zero, group=replicas, param_dtype=dtype, groups=expert_groups,
+                            param_groups=decay_groups(m, cfg.weight_decay), **adamw)
+                    for s, m in stages.items()}
+    else:          # bf16: autocast around forward (train.py); weights and gradients fp32
+        wrappers = {s: DDP(m, group=replicas, groups=expert_groups,
+                           param_groups=decay_groups(m, cfg.weight_decay), **adamw)
+                    for s, m in stages.items()}
+    optimizers = list(wrappers.values())
     return stages, wrappers, optimizers, sched, replicas
+
+
+def decay_groups(module, weight_decay: float) -> list[dict]:
+    """torch.optim param groups: weight decay on the parameters of 2 or more dimensions
+    (matrices, embeddings), none on the 1-D ones (norm weights, biases), as Megatron-LM and
+    nanoGPT do. The rule reads each parameter's own shape, which no transform changes the
+    rank of (a TP slice of a matrix is a matrix)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """The learning rate of step `step` (from 0) as a fraction of cfg.lr: linear warmup over
+    cfg.warmup steps (lr·(step+1)/warmup), then cfg.lr_schedule from lr at the first step
+    after warmup to min_lr at the last: constant (min_lr unused), cosine, linear, or wsd
+    (constant, then linear over the last 20% of the steps after warmup)."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    floor = cfg.min_lr / cfg.lr if cfg.lr else 0.0
+    t = min((step - cfg.warmup) / max(cfg.steps - cfg.warmup - 1, 1), 1.0)
+    if cfg.lr_schedule == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+    if cfg.lr_schedule == "linear":
+        return 1 - (1 - floor) * t
+    if cfg.lr_schedule == "wsd" and t > 1 - WSD_DECAY:
+        return 1 - (1 - floor) * (t - (1 - WSD_DECAY)) / WSD_DECAY
+    return 1.0
+
+

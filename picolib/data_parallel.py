@@ -25,6 +25,15 @@ Two versions, as in the lesson:
   7. `groups={param: group}`: parameters whose replicas are only some of the ranks (the
      experts under expert parallelism, lesson 09) are summed over their own group and
      still divided by the size of the whole group.
+
+The data-parallel contract, shared with ZeRO (picolib/zero.py), so that a training loop,
+the trainer and checkpoints never ask which one they hold: `step()`, `zero_grad()`,
+`no_sync()`, `finish_gradient_sync()`, `memory()` → {"params", "grads", "optimizer"} bytes,
+`state_dict()` / `load_state_dict()` with whole tensors under the model's own names. For
+that, DDP may own its optimizer: `DDP(model, group, optimizer=torch.optim.AdamW, lr=1e-3)`;
+without one, step your own torch optimizer as before. Mixed precision is torch's autocast
+around forward and loss (`torch.autocast("cpu", torch.bfloat16)`): the weights and the
+gradients DDP averages stay fp32.
 """
 from __future__ import annotations
 
@@ -35,7 +44,8 @@ import torch.nn as nn
 
 from . import comm
 from .flat import (GradientSyncSwitch, broadcast_from_first_rank, check_finite, group_size,
-                   is_finite)
+                   is_finite, unique_bytes)
+from .sharded_optim import make_optimizer
 
 __all__ = ["all_reduce_gradients", "assign_buckets", "DistributedDataParallel", "DDP",
            "DEFAULT_BUCKET_CAP_BYTES"]
@@ -112,7 +122,8 @@ class _Bucket:
 class DistributedDataParallel(GradientSyncSwitch, nn.Module):
     """Wrap `module` so that backward averages its gradients over `group` (lesson 02).
 
-    DDP(module, group=None, bucket_cap_bytes=25 MiB, overlap=True, timeline=None)
+    DDP(module, group=None, bucket_cap_bytes=25 MiB, overlap=True, timeline=None,
+        groups=None, optimizer=None, **optimizer_kwargs)
 
     - the first rank of `group` broadcasts its parameters and buffers at construction;
     - gradients go into flat buckets (≤ bucket_cap_bytes, reverse parameter order); with
@@ -139,13 +150,19 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
       (each replica's gradient already sums the tokens of the ranks it served); they are
       broadcast from that group's first rank. With `groups`, a step's finite-check adds one
       one-element all-reduce over `group`, so every rank reaches the same verdict.
+    - `optimizer`: a torch.optim class (`optimizer(params, **optimizer_kwargs)`), a factory
+      taking the parameters, or None (the default: the caller steps its own optimizer);
+      `param_groups` (torch's list of dicts) instead of all parameters in one group.
+      With one, `ddp.step()` / `ddp.zero_grad()` step it and zero the buckets, and
+      `ddp.optimizer` is the torch optimizer (schedulers attach to it).
 
     Call `ddp(x)` or `ddp.module.<method>(...)`: the forward pass itself is not changed.
     """
 
     def __init__(self, module: nn.Module, group=None,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, overlap: bool = True,
-                 timeline=None, groups: dict | None = None):
+                 timeline=None, groups: dict | None = None, optimizer=None,
+                 param_groups=None, **optimizer_kwargs):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, not {type(module).__name__}")
@@ -194,6 +211,11 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         self._in_backward = False     # a synchronised backward is under way
         self._next = 0                # the next bucket to issue (same order on every rank)
         self._link_free = 0.0         # emulated link: when the previous all-reduce ends
+        if optimizer is None and optimizer_kwargs:
+            raise TypeError(f"{sorted(optimizer_kwargs)} are optimizer settings: pass optimizer=")
+        self.optimizer = (None if optimizer is None else make_optimizer(
+            optimizer, [p for _, p in named[::-1]] if param_groups is None else param_groups,
+            optimizer_kwargs))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -274,6 +296,74 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         check_finite([b.buffer for b in self.buckets],
                      torch.stack([b.local_bad for b in self.buckets]).any(), self.syncs,
                      self.group, "all-reduce")
+
+    # ------------------------------------------------------------------ the contract
+
+    def _own_optimizer(self):
+        if self.optimizer is None:
+            raise RuntimeError("this DDP owns no optimizer: step your own, or build it as "
+                               "DDP(model, group, optimizer=torch.optim.AdamW, lr=...)")
+        return self.optimizer
+
+    def step(self) -> None:
+        """Wait for the gradient sync (a no-op after a synchronised backward), then step the
+        owned optimizer: every replica takes the same step."""
+        optimizer = self._own_optimizer()
+        self.finish_gradient_sync()
+        optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradient buckets (the .grads stay views into them, as torch's DDP keeps
+        them); `set_to_none=True` drops the .grads instead (nn.Module's way)."""
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+            return
+        for b in self.buckets:
+            b.buffer.zero_()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds now, measured on the storages (each once): the module's
+        parameters, the gradient buckets, and the owned optimizer's tensors shaped like their
+        parameter (its per-tensor `step` counters, 0-dim, are left out, as ZeRO leaves them)."""
+        state = [] if self.optimizer is None else [
+            t for p, s in self.optimizer.state.items() for t in s.values()
+            if isinstance(t, torch.Tensor) and t.shape == p.shape]
+        return {"params": unique_bytes(self.module.parameters()),
+                "grads": unique_bytes(b.buffer for b in self.buckets),
+                "optimizer": unique_bytes(state)}
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """{"model": the module's state_dict (its own names, no "module." prefix),
+        "optimizer": {"state": {name: {key: tensor}}, "param_groups": [{..., "params":
+        [names]}]}} — the contract's shape, the same as ZeRO's (an empty optimizer part when
+        DDP owns none). Not nn.Module's state_dict: use `ddp.module.state_dict()` for that."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        optim = {"state": {}, "param_groups": []}
+        if self.optimizer is not None:
+            optim["state"] = {names[id(p)]: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                             for k, v in s.items()}
+                              for p, s in self.optimizer.state.items()}
+            optim["param_groups"] = [{**{k: v for k, v in g.items() if k != "params"},
+                                      "params": [names[id(p)] for p in g["params"]]}
+                                     for g in self.optimizer.param_groups]
+        return {"model": dict(self.module.state_dict()), "optimizer": optim}
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """Take `state_dict()`'s shape: "model" (optional) into the module, "optimizer"
+        (optional) into the owned optimizer, by parameter name."""
+        if state_dict.get("model") is not None:
+            self.module.load_state_dict(state_dict["model"], strict=strict)
+        optim = state_dict.get("optimizer")
+        if not optim or not (optim.get("state") or optim.get("param_groups")):
+            return
+        optimizer = self._own_optimizer()
+        own = optimizer.state_dict()
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        own["state"] = {i: optim["state"][n] for i, n in enumerate(order) if n in optim["state"]}
+        for mine, theirs in zip(own["param_groups"], optim.get("param_groups") or []):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+        optimizer.load_state_dict(own)
 
     def bucket_names(self) -> list[list[str]]:
         """Parameter names in each bucket, in the order the buckets are all-reduced."""

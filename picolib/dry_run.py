@@ -132,6 +132,24 @@ def _meta_storage_key(t: torch.Tensor):
     return ("meta", s._cdata) if t.is_meta else s.data_ptr() or ("empty", id(t))
 
 
+class _MetaFlash(torch.autograd.Function):
+    """Flash attention's shapes and saved tensors on meta: the output, and q, k, v (K/V heads
+    not repeated: grouped-query flash kernels read them as they are), the output and one
+    log-sum-exp per row of each head — what a GPU's kernel keeps for backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _patch_for_meta():
     """Where picolib reads what a meta tensor lacks, and what meta runs differently
     (module docstring); only ever called in a dry run's own rank process."""
@@ -143,9 +161,8 @@ def _patch_for_meta():
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
-        if q.is_meta and attn_mask is None and not kw:    # meta has no kernel choice: the
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(  # flash one
-                q, k, v, dropout_p, is_causal)[0]
+        if q.is_meta and attn_mask is None and set(kw) <= {"enable_gqa", "scale"}:
+            return _MetaFlash.apply(q, k, v)   # meta has no kernel choice: the flash one's bytes
         return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
     torch.nn.functional.scaled_dot_product_attention = fused
     global _LIB      # PyTorch's meta add/sub/mul are Python (~0.5 ms a call): a shape rule
@@ -169,7 +186,7 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
     from . import compose, train
     from .comm import Ledger
     from .context_parallel import shard_sequence
-    from .memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
+    from .memory import SavedActivations
     from .mesh import Mesh
     compose.PRESETS.update(LARGE_PRESETS)   # this process is the dry run's own rank
     cfg = cfg if isinstance(cfg, TrainConfig) else TrainConfig(**cfg)
@@ -194,8 +211,7 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
         if cfg.cp > 1:
             t = shard_sequence(t, cfg.cp_layout, mesh.coordinate("cp"), cfg.cp)
         out.extend(t.chunk(cfg.micro_batches))
-    held = lambda: sum(w.memory()["grads"] if cfg.zero else grad_bytes(stages[s])  # noqa: E731
-                       for s, w in wrappers.items())
+    held = lambda: sum(w.memory()["grads"] for w in wrappers.values())  # noqa: E731
     grads_peak = [0]                 # gradients held before each backward (accumulated ones)
     for w in wrappers.values():      # the pipeline executor sets it before each backward
         def sampled(on, sync=w.set_requires_gradient_sync):
@@ -214,12 +230,7 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
                     (model.loss(x, y) / len(tokens)).backward()
         for opt in optimizers:
             opt.step()
-    if cfg.zero:
-        state = {k: sum(w.memory()[k] for w in wrappers.values()) for k in ("params", "grads", "optimizer")}
-    else:
-        state = {"params": sum(param_bytes(m) for m in stages.values()),
-                 "grads": sum(grad_bytes(m) for m in stages.values()),
-                 "optimizer": sum(optimizer_state_bytes(o) for o in optimizers)}
+    state = {k: sum(w.memory()[k] for w in wrappers.values()) for k in ("params", "grads", "optimizer")}
     by_kind = train._sent_by_kind(led, mesh, replicas, {})
     sent = {k: by_kind.get(k.upper(), 0) for k in KINDS}
     return {"rank": rank, "pp_rank": mesh.coordinate("pp"), **state,
@@ -236,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .train import build_parser as trainer
     p = trainer()
     p.prog = "python -m picolib.dry_run"
+    for action in p._actions:          # the trainer's --preset choices, plus the large presets
+        if action.dest == "preset" and action.choices is not None:
+            action.choices = [*action.choices, *LARGE_PRESETS]
     p.description = ("Dry-run one training step of any layout on meta tensors over a fake process "
                      "group of --world ranks: per pipeline position, the bytes a rank holds and "
                      "sends. Presets also " + ", ".join(LARGE_PRESETS) + ".")

@@ -246,36 +246,56 @@ def _own(n: int, r: int, lo: int, hi: int) -> tuple[int, int]:
     return lo + min(a, hi - lo), lo + min(b, hi - lo)
 
 
+def _fresh_state(optimizer, p) -> dict:
+    """`optimizer.state[p]`, created as AdamW's first step would (zeros, step 0) if absent,
+    so a checkpoint can be loaded into it."""
+    st = optimizer.state[p]
+    if "exp_avg" not in st:
+        st.update(step=torch.tensor(0.0), **{k: torch.zeros_like(p) for k in STATE})
+    return st
+
+
 def holdings(wrapper, optimizer=None, create_state: bool = True) -> Holdings:
-    """The one reader of DDP's and ZeRO's internals (see the module docstring). `optimizer`:
-    DDP's torch.optim optimizer (ZeRO is its own). With DDP and `create_state` the
-    optimizer's state is created (zeros, step 0, as its first step would) where it does not
-    exist yet, so a checkpoint can be loaded into it; without, such a `Held` has no state."""
+    """The one reader of DDP's and ZeRO's internals (see the module docstring). The
+    optimizer is the wrapper's own (`wrapper.optimizer`, the data-parallel contract);
+    `optimizer` is only for a DDP that does not own one. With `create_state` the optimizer's
+    state is created (zeros, step 0, as its first step would) where it does not exist yet,
+    so a checkpoint can be loaded into it; without, such a `Held` has no state."""
+    optimizer = getattr(wrapper, "optimizer", None) or optimizer
     if hasattr(wrapper, "units"):                                   # ZeRO
         from .flat import shard_bounds
-        items = []
+        items, pieces = [], []
         for u, group in zip(wrapper.units, wrapper._groups):
             lo, hi = shard_bounds(u.numel, dist.get_world_size(group), dist.get_rank(group))
+            grad = u.master.grad if u.master.grad is not None else u.grad   # what the optimizer reads
+            states = []
+            for _, pa, pb, piece in u.pieces:    # each a view of the master: what the optimizer steps
+                st = _fresh_state(optimizer, piece) if create_state else optimizer.state.get(piece, {})
+                states.append((pa, pb, st))
+                pieces.append(piece)
             at = 0
             for name, p in zip(u.names, u.params):
                 a, b = max(lo, at), min(hi, at + p.numel())
-                if a < b:
-                    sl = slice(a - lo, b - lo)
-                    items.append(Held(name, a - at, b - at, a - at, b - at, u.master[sl],
-                                      u.grad[sl], {k: u.state[k][sl] for k in STATE}))
+                if a < b:                         # a parameter lies inside one piece (one group)
+                    sa, sb = a - lo, b - lo
+                    pa, _, st = next(x for x in states if x[0] <= sa and sb <= x[1])
+                    items.append(Held(name, a - at, b - at, a - at, b - at, u.master.detach()[sa:sb],
+                                      grad[sa:sb], {k: st[k][sa - pa:sb - pa] for k in STATE if k in st}))
                 else:
-                    items.append(Held(name, 0, 0, 0, 0, u.master[:0], u.grad[:0],
-                                      {k: u.state[k][:0] for k in STATE}))
+                    items.append(Held(name, 0, 0, 0, 0, u.master.detach()[:0], grad[:0], {}))
                 at += p.numel()
 
         def set_step(n):
             wrapper.steps = n
+            for piece in pieces:
+                if piece in optimizer.state:
+                    optimizer.state[piece]["step"] = torch.tensor(float(n))
 
         def after_load():
             from . import comm
             with torch.no_grad():
                 for u, group in zip(wrapper.units, wrapper._groups):
-                    if u.shard is not u.master:
+                    if u.shard.data_ptr() != u.master.data_ptr():
                         u.shard.copy_(u.master)
                     if wrapper.stage < 3:
                         comm.all_gather(u.full, u.shard, group=group)
@@ -287,9 +307,7 @@ def holdings(wrapper, optimizer=None, create_state: bool = True) -> Holdings:
         if not p.requires_grad:
             continue
         g = groups.get(id(p)) or wrapper.group
-        st = optimizer.state[p] if create_state else optimizer.state.get(p, {})
-        if "exp_avg" not in st and create_state:
-            st.update(step=torch.tensor(0.0), **{k: torch.zeros_like(p) for k in STATE})
+        st = _fresh_state(optimizer, p) if create_state else optimizer.state.get(p, {})
         own = _own(dist.get_world_size(g), dist.get_rank(g), 0, p.numel())
         items.append(Held(name, 0, p.numel(), *own, p.detach().view(-1),
                           None if p.grad is None else p.grad.view(-1),

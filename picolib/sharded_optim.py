@@ -1,18 +1,18 @@
-"""Sharded units and shard-wise optimizers: what one ZeRO rank holds and steps (lesson 03).
+"""Sharded units and the optimizer that steps them: what one ZeRO rank holds (lesson 03).
 
 What:
 - `ShardedUnit`: one unit's parameters (a block, or the root's leftovers) as one flat
-  buffer padded to a multiple of N, this rank's shard of it, the fp32 master of the shard,
-  the shard's gradient and its optimizer state — the pieces picolib/zero.py moves;
-- `update_shard`: one step of SGD, Adam or AdamW on a flat fp32 shard with its state
-  (momentum, or Adam's two moments), in torch.optim's order of operations;
+  buffer padded to a multiple of N, this rank's shard of it, the fp32 master of the shard
+  (an nn.Parameter: what the torch optimizer steps) and the shard's reduced gradient;
+- `make_optimizer`, `check_elementwise`: the user's torch.optim optimizer over the masters,
+  and the probe that refuses one that could not step on a flat shard;
 - the formulas: bytes per rank of each ZeRO stage (`zero_memory_bytes`) and bytes sent
-  per step (`zero_traffic_bytes`).
-Why: these optimizers work element by element, so updating a slice equals slicing the
-update: a rank can step on its shard alone, with no word from the other ranks, and the
-state it keeps is exactly k bytes per owned element (`optimizer_state_factor`). That is
-what lets ZeRO shard the optimizer state. An optimizer that mixes elements (a norm over
-the whole tensor, as in LAMB) could not step on a shard alone.
+  per step (`zero_traffic_bytes`); `state_bytes_per_element` reads k from a live optimizer.
+Why: SGD, Adam, AdamW, Adagrad, RMSprop... work element by element, so updating a slice
+equals slicing the update: a rank can step on its shard alone, with no word from the other
+ranks, and the state it keeps is k bytes per owned element. That is what lets ZeRO shard
+the optimizer state. An optimizer that mixes elements (a norm over the whole tensor, as in
+LAMB; Adafactor's row and column averages) could not step on a flat shard alone.
 """
 from __future__ import annotations
 
@@ -23,74 +23,87 @@ import torch.nn as nn
 from . import comm
 from .flat import padded_numel, shard_bounds, storage_key, unique_bytes, views
 
-__all__ = ["OPTIMIZERS", "optimizer_state_factor", "optimizer_hyperparameters",
-           "init_state", "update_shard", "split_units", "unit_numels", "ShardedUnit",
+__all__ = ["NAMES", "optimizer_state_factor", "make_optimizer", "check_elementwise",
+           "state_bytes_per_element", "split_units", "unit_numels", "ShardedUnit",
            "held_bytes", "zero_memory_bytes", "zero_traffic_bytes"]
 
-OPTIMIZERS = {"sgd": {"momentum", "weight_decay"},
-              "adam": {"betas", "eps", "weight_decay"}, "adamw": {"betas", "eps", "weight_decay"}}
+# AdamW and Adam keep two fp32 tensors shaped like the parameter, SGD with momentum one
+# (the planner's formula; a live optimizer's own count is `state_bytes_per_element`)
 _STATE = {"sgd": ["momentum"], "adam": ["exp_avg", "exp_avg_sq"], "adamw": ["exp_avg", "exp_avg_sq"]}
+NAMES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 def optimizer_state_factor(optimizer: str, momentum: float = 0.0, master: bool = False) -> int:
-    """k, optimizer bytes per parameter: Adam 8, SGD 0 (4 with momentum); +4 for an fp32 master."""
-    return 4 * len(_state_names(optimizer, momentum)) + (4 if master else 0)
+    """k, optimizer bytes per parameter by formula: Adam 8, SGD 0 (4 with momentum); +4
+    for an fp32 master."""
+    return 4 * len([k for k in _STATE[optimizer] if k != "momentum" or momentum]) + (4 if master else 0)
 
 
-def optimizer_hyperparameters(optimizer: str, lr: float, given: dict) -> dict:
-    """All of `optimizer`'s hyperparameters, torch.optim's defaults where not `given`
-    (AdamW: weight_decay 0.01). Unknown optimizers and hyperparameters raise, and so do
-    values out of range (lr, momentum, weight_decay ≥ 0; 0 ≤ beta < 1; eps > 0)."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r} is not supported; choose one of "
-                         f"{sorted(OPTIMIZERS)} (elementwise, so a shard can step alone)")
-    if set(given) - OPTIMIZERS[optimizer]:
-        raise TypeError(f"{optimizer} takes lr and {sorted(OPTIMIZERS[optimizer])}, "
-                        f"not {sorted(set(given) - OPTIMIZERS[optimizer])}")
-    hp = {"lr": lr, "momentum": 0.0, "betas": (0.9, 0.999), "eps": 1e-8,
-          "weight_decay": 0.01 if optimizer == "adamw" else 0.0, **given}
-    betas = hp["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), not {betas!r}")
-    for name, value, rule, ok in [("lr", hp["lr"], "≥ 0", lambda v: v >= 0),
-                                  ("momentum", hp["momentum"], "≥ 0", lambda v: v >= 0),
-                                  ("weight_decay", hp["weight_decay"], "≥ 0", lambda v: v >= 0),
-                                  ("eps", hp["eps"], "> 0", lambda v: v > 0),
-                                  ("beta1", betas[0], "in [0, 1)", lambda v: 0 <= v < 1),
-                                  ("beta2", betas[1], "in [0, 1)", lambda v: 0 <= v < 1)]:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-            raise ValueError(f"{name} must be a number {rule}, not {value!r}")
-    return hp
+def make_optimizer(optimizer, params, kwargs: dict) -> torch.optim.Optimizer:
+    """`optimizer(params, **kwargs)`: a torch.optim class (or "sgd", "adam", "adamw"), or a
+    factory taking the parameters; it must give a torch.optim.Optimizer."""
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in NAMES:
+            raise ValueError(f"optimizer {optimizer!r} is not supported by name; pass a "
+                             "torch.optim class (or a factory taking the parameters)")
+        optimizer = NAMES[optimizer.lower()]
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a torch.optim class or a factory, not {optimizer!r}")
+    opt = optimizer(params, **kwargs)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer factory returned {type(opt).__name__}, not a "
+                        "torch.optim.Optimizer")
+    return opt
 
 
-def init_state(optimizer: str, shard: torch.Tensor, momentum: float = 0.0) -> dict:
-    """The optimizer state of `shard`: zeros shaped like it (SGD without momentum: none)."""
-    return {k: torch.zeros_like(shard) for k in _state_names(optimizer, momentum)}
+def check_elementwise(optimizer, kwargs: dict, device="cpu") -> str:
+    """Refuse an optimizer that could not step on a flat shard alone; return its name.
+
+    A probe, not a list of names: three steps on a 4×6 tensor, once whole and once as two
+    flat pieces of 10 and 14 elements (a shard boundary inside a row). An element-wise
+    optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, ...) gives the same
+    numbers both ways; one that needs a parameter's shape or a norm over it (Adafactor's
+    factored moments, Muon's orthogonalisation, LAMB's trust ratio) gives other numbers or
+    raises (LBFGS needs a closure, SparseAdam sparse gradients), and is refused. The user's
+    hyperparameters are checked by the optimizer itself on the first construction."""
+    w = torch.linspace(-1.0, 1.0, 24, device=device).reshape(4, 6)
+    whole = nn.Parameter(w.clone())
+    parts = [nn.Parameter(w.reshape(-1)[:10].clone()), nn.Parameter(w.reshape(-1)[10:].clone())]
+    first = make_optimizer(optimizer, [whole], kwargs)        # bad hyperparameters raise here
+    name = type(first).__name__
+    why = "it gives other values on the pieces than on the whole tensor"
+    try:
+        second = make_optimizer(optimizer, parts, kwargs)
+        for t in range(3):
+            g = torch.sin(torch.arange(24.0, device=device) * (t + 1.3)) * torch.arange(1.0, 25.0, device=device)
+            whole.grad, (parts[0].grad, parts[1].grad) = g.reshape(4, 6).clone(), g.split([10, 14])
+            first.step()
+            second.step()
+        same = torch.allclose(whole.detach().reshape(-1), torch.cat([p.detach() for p in parts]),
+                              rtol=1e-5, atol=1e-7)
+    except Exception as e:  # noqa: BLE001 - any failure on flat pieces means the same here
+        same, why = False, f"on flat pieces it raised {type(e).__name__}: {e}"
+    if not same:
+        raise ValueError(f"ZeRO cannot step {name} on a flat shard: {why}. ZeRO needs an "
+                         "element-wise optimizer (each element's update depends on that "
+                         "element alone), e.g. torch.optim.SGD, Adam, AdamW, Adagrad or RMSprop")
+    return name
 
 
-def update_shard(optimizer, p, g, state, step, lr, momentum, weight_decay, betas, eps):
-    """One optimizer step (number `step`, from 1) on the flat fp32 shard `p` with gradient
-    `g`, in place, in torch.optim's order of operations."""
-    if optimizer == "sgd":
-        if weight_decay:
-            g = g.add(p, alpha=weight_decay)
-        if momentum:
-            g = state["momentum"].mul_(momentum).add_(g)   # starts at 0: first step = g
-        p.add_(g, alpha=-lr)
-        return
-    if weight_decay and optimizer == "adamw":
-        p.mul_(1 - lr * weight_decay)
-    elif weight_decay:
-        g = g.add(p, alpha=weight_decay)
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    m.lerp_(g, 1 - betas[0])
-    v.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
-    denom = v.sqrt().div_((1 - betas[1] ** step) ** 0.5).add_(eps)
-    p.addcdiv_(m, denom, value=-lr / (1 - betas[0] ** step))
-
-
-def _state_names(optimizer, momentum):
-    return [k for k in _STATE[optimizer] if k != "momentum" or momentum]
+def state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state per parameter element, read from the optimizer's state: the
+    tensors shaped like their parameter (0 before the first step). The per-tensor `step`
+    counters (0-dim) are not per element and are left out."""
+    state = [(p, s) for g in optimizer.param_groups for p in g["params"]
+             if (s := optimizer.state.get(p))]
+    if not state:
+        return 0
+    total = {sum(t.numel() * t.element_size() for t in s.values()
+                 if isinstance(t, torch.Tensor) and t.shape == p.shape) / p.numel()
+             for p, s in state}
+    if len(total) != 1 or not float(next(iter(total))).is_integer():
+        raise ValueError(f"the optimizer keeps uneven state per element: {sorted(total)} bytes")
+    return int(total.pop())
 
 
 # --------------------------------------------------------------------------- units
@@ -114,16 +127,24 @@ def split_units(model, units=None):
 
 
 class ShardedUnit:
-    """ShardedUnit(module, named, stage, group, dtype, optimizer, hp)
+    """ShardedUnit(module, named, stage, group, dtype, group_index=None)
 
     `full`: the flat buffer in the compute dtype, padded for N; the module's parameters
     become views into it, starting from the group's first rank's values. `shard`: this
-    rank's slice; `master`: its fp32 copy (the shard itself in fp32 stages 1-2); `grad`:
-    the reduced gradient of the shard; `state`: the optimizer's. Stage 1 keeps the whole
-    flat gradient `grad_full` (the .grads are views into it, `grad` its slice); stage 3
-    keeps only the shard and frees `full` between uses."""
+    rank's slice; `master`: its fp32 copy as an nn.Parameter, which the torch optimizer
+    steps (in fp32 stages 1-2 it shares the shard's storage); `grad`: the reduced gradient
+    of the shard (ZeRO sets `master.grad` from it). `state`: the optimizer's state of the
+    master (`optimizer.state[master]`). Stage 1 keeps the whole flat gradient `grad_full`
+    (the .grads are views into it, `grad` its slice); stage 3 keeps only the shard and frees
+    `full` between uses.
 
-    def __init__(self, module, named, stage: int, group, dtype, optimizer: str, hp: dict):
+    `group_index` (one per parameter, ascending: ZeRO sorts them so): the torch param group
+    each parameter belongs to. The flat buffer then holds group 0's parameters, then group
+    1's, ..., and this rank's shard is cut where the groups meet: `pieces` is
+    [(group, start, stop, parameter)], each parameter a view of the master over its part of
+    the shard — what the optimizer steps. Without groups the one piece is the master."""
+
+    def __init__(self, module, named, stage: int, group, dtype, group_index=None):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         self.module, self.names = module, [name for name, _ in named]
         self.params = [p for _, p in named]
@@ -139,10 +160,10 @@ class ShardedUnit:
             p.data = view
         if stage < 3:     # the whole model stays; fp32 updates land in it directly
             self.shard = self.full[lo:hi]
-            self.master = self.shard if fp32 else flat[lo:hi].clone()
+            self.master = nn.Parameter(self.shard if fp32 else flat[lo:hi].clone())
         else:             # only the shard stays
-            self.master = flat[lo:hi].clone()
-            self.shard = self.master if fp32 else self.full[lo:hi].clone()
+            self.master = nn.Parameter(flat[lo:hi].clone())
+            self.shard = self.master.detach() if fp32 else self.full[lo:hi].clone()
             self.free()
         if stage == 1:    # .grad of each parameter: a view into one persistent flat buffer
             self.grad_full = torch.zeros(padded, dtype=dtype, device=dev)
@@ -151,10 +172,46 @@ class ShardedUnit:
             self.grad = self.grad_full[lo:hi]
         else:
             self.grad_full, self.grad = None, torch.zeros(hi - lo, dtype=dtype, device=dev)
-        self.state = init_state(optimizer, self.master, hp["momentum"])
+        self.optimizer = None   # set by ZeRO once the torch optimizer exists
+        self.group_index = list(group_index or [0] * len(self.params))
+        self.pieces, start = [], 0
+        for g in sorted(set(self.group_index)) if group_index is not None else []:
+            size = sum(p.numel() for p, i in zip(self.params, self.group_index) if i == g)
+            a, b = max(start, lo), min(start + size, hi)
+            if a < b:
+                self.pieces.append((g, a - lo, b - lo, nn.Parameter(self.master.detach()[a - lo:b - lo])))
+            start += size
+        if group_index is None:
+            self.pieces = [(0, 0, hi - lo, self.master)]
         self.starts = torch.arange(n, device=dev) * (hi - lo)   # first element of each shard
         self.ready = 0          # parameters whose gradient this backward has produced
         self.work = None        # (handle, issue time) of an all-gather in flight
+
+    @property
+    def state(self) -> dict:
+        """The optimizer's state of this unit's master shard ({} before the first step).
+        With param groups: the pieces' states put together, shaped like the master (a copy;
+        the padding's elements are 0)."""
+        if self.optimizer is None:
+            return {}
+        if self.pieces[0][3] is self.master:
+            return self.optimizer.state.get(self.master, {})
+        states = [(a, b, self.optimizer.state.get(p, {})) for _, a, b, p in self.pieces]
+        out = {}
+        for key, v in next((s for *_, s in states if s), {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                out[key] = torch.zeros(self.master.shape, dtype=v.dtype, device=v.device)
+                for a, b, s in states:
+                    out[key][a:b] = s[key]
+            else:
+                out[key] = v
+        return out
+
+    def set_piece_grads(self) -> None:
+        """The pieces' .grads: views of the master's (None when it has none)."""
+        for _, a, b, p in self.pieces:
+            if p is not self.master:
+                p.grad = None if self.master.grad is None else self.master.grad[a:b]
 
     def complete(self) -> bool:
         return self.ready == len(self.params)
@@ -198,18 +255,28 @@ class ShardedUnit:
         """{name: fp32 tensor}: a flat shard of every rank (the master, or an optimizer
         state), gathered and cut back into the parameters' shapes (a collective)."""
         flat = torch.empty(self.full.numel(), device=shard.device)
-        comm.all_gather(flat, shard.contiguous(), group=group)
+        comm.all_gather(flat, shard.detach().contiguous(), group=group)
         return {name: view.clone() for name, (_, view) in zip(self.names, views(flat, self.params))}
 
     def gather_master(self, group) -> dict[str, torch.Tensor]:
         """{name: fp32 tensor}: the masters of all ranks, gathered (a collective)."""
         return self.gather(self.master, group)
 
-    def update(self, optimizer: str, step: int, hp: dict):
-        """The optimizer step on the master shard, copied into the compute-dtype shard."""
-        update_shard(optimizer, self.master, self.grad.float(), self.state, step, **hp)
-        if self.shard is not self.master:
-            self.shard.copy_(self.master)
+    @torch.no_grad()
+    def load_shard(self, tensors, target: torch.Tensor, group) -> None:
+        """Copy this rank's shard of the whole `tensors` (one per parameter, in order) into
+        `target` (the master, or an optimizer state shaped like it)."""
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        lo, hi = shard_bounds(self.numel, n, rank)
+        flat = torch.zeros(padded_numel(self.numel, n), device=target.device)
+        torch.cat([t.detach().reshape(-1).float().to(target.device) for t in tensors],
+                  out=flat[:self.numel])
+        target.copy_(flat[lo:hi])
+        if target is self.master:      # the compute-dtype copies follow the master
+            if not self.is_free():
+                self.full.copy_(flat)
+            if self.shard.data_ptr() != self.master.data_ptr():
+                self.shard.copy_(self.master)
 
 
 # --------------------------------------------------------------------------- bytes
@@ -217,13 +284,17 @@ class ShardedUnit:
 def held_bytes(module, units) -> dict[str, int]:
     """Bytes a ZeRO rank holds now, measured on the tensors' storages (each once):
     parameters (the module's and the shards), gradients (the .grads and the shards),
-    optimizer state (with an fp32 master when it is not the parameters themselves)."""
+    optimizer state: the fp32 master when it is not the parameters themselves, and the
+    optimizer's tensors shaped like the shard (its per-tensor `step` counters, 0-dim, are
+    not per element and not counted: a few bytes per unit, which the formulas leave out)."""
     params = [*module.parameters(), *(u.shard for u in units)]
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     keys = {storage_key(t) for t in params}
     opt = [u.master for u in units if storage_key(u.master) not in keys]
+    state = [t for u in units for t in u.state.values()
+             if isinstance(t, torch.Tensor) and t.shape == u.master.shape]
     return {"params": unique_bytes(params), "grads": unique_bytes(grads + [u.grad for u in units]),
-            "optimizer": unique_bytes(opt + [t for u in units for t in u.state.values()])}
+            "optimizer": unique_bytes(opt + state)}
 
 
 def zero_memory_bytes(stage: int, numels, n: int, k: int, param_bytes: int = 4,

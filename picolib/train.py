@@ -10,8 +10,9 @@ how lesson 10 checks a configuration. The transforms run in the documented order
 (docs/design.md): tensor (+ sequence) parallel, context parallel, pipeline stages, then DDP
 or ZeRO over the ranks that hold the same weights (dp × cp).
 
-Each step logs the global mean loss, tokens/s, MFU and HFU against a stated peak, the memory
-of the busiest rank and the bytes it sent by collective and by kind (DP, TP, PP, CP, EP);
+Each step logs the global mean loss, the learning rate, tokens/s, MFU and HFU against a stated
+peak, the memory of the busiest rank and the bytes it sent by collective and by kind (DP, TP,
+PP, CP, EP);
 `--log FILE` writes them as one JSON object per line, `--trace FILE` a Perfetto/Chrome trace
 of the last step.
 """
@@ -34,9 +35,9 @@ import torch.distributed as dist
 from . import checkpoint
 from .clipping import clip_grad_norm_
 from .comm import Ledger
-from .compose import PRESETS, TrainConfig, build, check_config
+from .compose import LR_SCHEDULES, PRESETS, TrainConfig, build, check_config, lr_factor
 from .context_parallel import ALGORITHMS, LAYOUTS, shard_sequence
-from .memory import SavedActivations, grad_bytes, hardware_flops, model_flops, optimizer_state_bytes, param_bytes
+from .memory import SavedActivations, hardware_flops, model_flops
 from .mesh import Mesh
 from .model import TextData, param_count, random_tokens
 from .pipeline_parallel import run_schedule
@@ -73,7 +74,15 @@ def _batch(cfg: TrainConfig, data, step: int, mesh: Mesh):
 
 
 def _step(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline):
-    """Forward and backward of one step; returns this rank's loss (None off the last stage)."""
+    """Forward and backward of one step; returns this rank's loss (None off the last stage).
+    `--precision bf16`: forward and loss under torch's bf16 autocast, on every layout (the
+    weights DDP averages gradients for stay fp32; ZeRO computes on bf16 copies of fp32
+    masters); backward follows the dtypes autocast chose."""
+    with torch.autocast(device().type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+        return _forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline)
+
+
+def _forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline):
     if sched is not None:
         return run_schedule(sched, stages, tokens, targets, timeline=timeline,
                             group_ranks=mesh.peers("pp"), data_parallel=wrappers)["loss"]
@@ -89,11 +98,10 @@ def _step(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline):
     return loss
 
 
-def _state_bytes(stages, wrappers, optimizers, cfg) -> int:
-    if cfg.zero:
-        return sum(sum(w.memory().values()) for w in wrappers.values())
-    return sum(param_bytes(m) + grad_bytes(m) for m in stages.values()) + \
-        sum(optimizer_state_bytes(o) for o in optimizers)
+def _state_bytes(wrappers) -> int:
+    """Parameters, gradients and optimizer state this rank holds: the wrappers' `memory()`
+    (DDP or ZeRO alike, the data-parallel contract)."""
+    return sum(sum(w.memory().values()) for w in wrappers.values())
 
 
 def _peak_flops(cfg: TrainConfig) -> tuple[float, str]:
@@ -178,6 +186,9 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     stages, wrappers, optimizers, sched, replicas = build(cfg, mesh)
     start = checkpoint.load_into(checkpoint.latest(cfg.resume), cfg, stages, wrappers,
                                  optimizers) if cfg.resume else 0
+    # the learning rate of each step, on every wrapper's torch optimizer (all its groups)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: lr_factor(cfg, s + start))
+                  for w in wrappers.values()]
     data = TextData() if cfg.data == "text" else None
     peak, peak_text = _peak_flops(cfg)
     n_params, tokens_per_step = param_count(cfg.model_config()), cfg.batch * cfg.seq
@@ -209,9 +220,12 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
                 except FloatingPointError as e:      # raised on every rank alike
                     raise _not_finite(step, _gradient_detail(e), cfg) from None
             seconds = time.perf_counter() - t0
-            state = _state_bytes(stages, wrappers, optimizers, cfg)
+            state = _state_bytes(wrappers)
+            lr = schedulers[0].get_last_lr()[0]      # the rate this step used
             for opt in optimizers:
                 opt.zero_grad()
+            for s in schedulers:
+                s.step()
             total = torch.tensor([0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0],
                                  dtype=torch.float64)
             dist.all_reduce(total)
@@ -221,7 +235,8 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
             by_kind = _sent_by_kind(led, mesh, replicas, kinds)
             busiest = _max_over_ranks([seconds, state, act.peak] + [sent.get(op, 0) for op in OPS]
                                       + [by_kind.get(k, 0) for k in KINDS])
-            rec = {"step": step, "loss": total[0].item() / total[1].item(), "grad_norm": grad_norm,
+            rec = {"step": step, "loss": total[0].item() / total[1].item(), "lr": lr,
+                   "grad_norm": grad_norm,
                    "seconds": busiest[0],
                    "tokens_per_s": tokens_per_step / busiest[0],
                    "mfu": model_flops(n_params, tokens_per_step) / (busiest[0] * cfg.world_size * peak),
@@ -281,21 +296,27 @@ HELP = {
     "cp": "context-parallel ranks (the sequence split; attention by --cp-algorithm)",
     "sp": "sequence parallelism inside tensor parallelism (norms and residuals split too)",
     "zero": "0: DDP; 1, 2, 3: ZeRO stage (optimizer state / + gradients / + parameters sharded)",
-    "schedule": "pipeline schedule: " + ", ".join(s for s in SCHEDULES if s != "dualpipe"),
+    "schedule": "pipeline schedule (dualpipe: lesson 07 only, the trainer refuses it)",
     "chunks": "model chunks per rank for --schedule interleaved",
     "micro_batches": "micro-batches per step (pipelined, or accumulated without a pipeline)",
     "batch": "global batch in sequences per step", "seq": "tokens per sequence",
-    "steps": "optimizer steps", "preset": "model size: " + ", ".join(PRESETS),
-    "recompute": "activation recomputation: none, selective or full",
-    "precision": "fp32, or bf16 compute with fp32 master weights (needs --zero ≥ 1)",
+    "steps": "optimizer steps", "preset": "model size",
+    "recompute": "activation recomputation",
+    "precision": "fp32, or bf16: forward under bf16 autocast with fp32 weights (DDP) or bf16 "
+                 "compute copies of fp32 master weights (ZeRO)",
     "experts": "mixture of experts: this many SwiGLU experts per MLP (0: dense)",
     "top_k": "experts per token", "ep": "expert-parallel ranks (a block of the dp ranks)",
-    "cp_algorithm": "context-parallel attention: " + ", ".join(ALGORITHMS),
-    "cp_layout": "who holds which tokens: " + ", ".join(LAYOUTS),
+    "cp_algorithm": "context-parallel attention",
+    "cp_layout": "who holds which tokens",
     "data": "text (the shipped text, byte tokens) or random tokens",
-    "lr": "AdamW learning rate",
+    "lr": "AdamW's peak learning rate", "seed": "seed of the weights and the data",
+    "warmup": "steps of linear warmup from lr/warmup to lr",
+    "lr_schedule": "the learning rate after warmup, from lr to --min-lr at the last step "
+                   "(wsd: constant, then linear over the last 20%% of the steps)",
+    "min_lr": "the learning rate the schedule ends at (not with constant)",
+    "weight_decay": "AdamW's weight decay, on parameters of 2 or more dimensions only (none on "
+                    "norm weights and biases)",
     "clip_grad": "clip the gradient's global L2 norm (every element counted once) to this; 0: off",
-    "seed": "seed of the weights and the data",
     "peak_tflops": "peak per rank for MFU (default: H100 dense BF16 on GPUs, measured on CPUs)",
     "log": "write one JSON object per step to this file (under torchrun: --log-file)",
     "trace": "write a Perfetto/Chrome trace of the last step to this file",
@@ -309,11 +330,20 @@ HELP = {
 }
 
 
+# the enumerated options: argparse refuses anything else and --help lists them
+CHOICES = {"schedule": list(SCHEDULES), "recompute": ["none", "selective", "full"],
+           "precision": ["fp32", "bf16"], "cp_algorithm": list(ALGORITHMS),
+           "cp_layout": list(LAYOUTS), "data": ["text", "random"], "preset": list(PRESETS),
+           "lr_schedule": list(LR_SCHEDULES),
+           "zero": [0, 1, 2, 3]}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m picolib.train", description=DESCRIPTION)
     p.add_argument("--nproc", type=int, default=None,
                    help="local ranks to start (default: the product of the degrees); ignored under torchrun")
-    p.add_argument("--backend", default="auto", help="auto, gloo or nccl")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="collectives' backend (auto: NCCL with a GPU per rank, else gloo)")
     for f in fields(TrainConfig):
         flags = ["--" + f.name.replace("_", "-")]
         if f.name == "log":   # torchrun reads "--log" as an abbreviation of its own --log-dir
@@ -322,20 +352,32 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=HELP[f.name])
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-            p.add_argument(*flags, type=kind, default=f.default, help=HELP[f.name])
+            p.add_argument(*flags, type=kind, default=f.default, help=HELP[f.name],
+                           choices=CHOICES.get(f.name))
+    p.add_argument("--dry-run", action="store_true",
+                   help="do not train: build this layout on meta tensors over a fake process "
+                        "group of --world ranks and report each pipeline position's bytes "
+                        "(held, saved, sent by kind); with --gpu NAME, whether it fits; "
+                        "--json FILE writes them (python -m picolib.dry_run --help)")
     return p
 
 
 def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dry-run" in argv:           # the same build on meta tensors over a fake group
+        from .dry_run import main as dry_run_main
+        return dry_run_main([a for a in argv if a != "--dry-run"])
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     nproc, backend = args.pop("nproc"), args.pop("backend")
+    if nproc is not None and nproc < 1:
+        parser.error(f"--nproc must be at least 1, not {nproc}")
     cfg = TrainConfig(**args)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.world_size if nproc is None else nproc
     try:
         check_config(cfg, nproc)
-    except ValueError as e:            # bad input: one line and exit 2, as argparse does
+    except (ValueError, TypeError) as e:   # bad input: one line and exit 2, as argparse does
         parser.error(str(e))
     if under_torchrun:
         from .launch import init_from_env

@@ -15,8 +15,22 @@ Layout (picolib/sharded_optim.py). A unit's parameters are views into one flat b
 padded to a multiple of N; rank r owns elements [r·S, (r+1)·S), S = ⌈numel/N⌉. Stage 3
 frees a unit by resizing the buffer's storage to 0 bytes and gathers it back into the
 same storage, so the views (and the tensors autograd saved) see the gathered values.
-Each rank steps SGD, Adam or AdamW on its fp32 shard alone (k bytes of state per owned
-element); `param_dtype=torch.bfloat16` computes in bf16 with an fp32 master (k + 4).
+The optimizer is the user's: a torch.optim class (or a factory) steps each rank's fp32
+master shards — one nn.Parameter per unit — as ZeroRedundancyOptimizer and FSDP2 do. An
+element-wise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...) then equals one process,
+with k bytes of state per owned element; one that needs a parameter's shape is refused by
+a probe (`sharded_optim.check_elementwise`). A torch.optim.lr_scheduler works on
+`zero.optimizer`. `param_dtype=torch.bfloat16` computes in bf16 with an fp32 master (k + 4).
+
+Param groups (`param_groups=[{"params": [...], "weight_decay": 0.1}, {"params": [...],
+"weight_decay": 0.0}]`, torch's shape): a unit's flat buffer mixes 2-D weights and 1-D norm
+weights, and a torch param group needs whole parameters of its own. So each unit's buffer
+is laid out group by group (group 0's parameters first, then group 1's), and a rank's
+master shard is cut where the groups meet into one nn.Parameter per (unit, group) —
+views of the same fp32 shard, `unit.pieces`. The collectives, the padding and the bytes do
+not change (one buffer per unit as before); the optimizer gets the pieces of group g in
+its group g, with that group's options, so weight decay, learning rates and schedulers work
+per group as in one process. Without `param_groups` a unit's one piece is its master.
 
 One order on every rank. Collectives are matched by their order, so every rank issues
 them in a fixed unit order, whatever order its backward finishes the units in: a unit's
@@ -52,22 +66,28 @@ import torch.nn as nn
 from . import comm
 from .flat import (GradientSyncSwitch, broadcast_from_first_rank, check_finite, group_size,
                    is_finite, padded_numel, shard_bounds)
-from .sharded_optim import (OPTIMIZERS, ShardedUnit, held_bytes, optimizer_hyperparameters,
-                            optimizer_state_factor, split_units, unit_numels,
-                            zero_memory_bytes, zero_traffic_bytes)
+from .sharded_optim import (ShardedUnit, check_elementwise, held_bytes, make_optimizer,
+                            optimizer_state_factor, split_units, state_bytes_per_element,
+                            unit_numels, zero_memory_bytes, zero_traffic_bytes)
 
 __all__ = ["ZeRO", "shard_bounds", "padded_numel", "unit_numels", "zero_memory_bytes",
-           "zero_traffic_bytes", "optimizer_state_factor", "OPTIMIZERS"]
+           "zero_traffic_bytes", "optimizer_state_factor", "state_bytes_per_element"]
 
 
 class ZeRO(GradientSyncSwitch):
-    """ZeRO(model, stage, group=None, optimizer="adam", lr=1e-3, *, param_dtype=torch.float32,
+    """ZeRO(model, stage, group=None, optimizer=torch.optim.AdamW, *, param_dtype=torch.float32,
     units=None, prefetch=True, timeline=None, groups=None, reduce_every_micro_batch=False,
-    **hyperparameters)
+    **optimizer_kwargs)
 
-    Wraps `model` — call it as usual — and is its optimizer: `loss.backward();
+    Wraps `model` — call it as usual — and owns its optimizer: `loss.backward();
     zero.step(); zero.zero_grad()`; gradients are averaged over `group` (None: the default
-    group). `units`: modules whose parameters make one flat buffer each — one gradient
+    group). `optimizer`: a torch.optim class built as `optimizer(masters, **optimizer_kwargs)`
+    (e.g. `lr=1e-3`), a factory taking the list of master shards, or "sgd", "adam", "adamw";
+    `zero.optimizer` is the torch optimizer (schedulers attach to it), and a unit's state is
+    `zero.optimizer.state[zero.units[i].master]`; after `finish_gradient_sync()` (or
+    inside `step()`) `zero.units[i].master.grad` is the unit's reduced gradient shard, fp32.
+    The data-parallel contract (shared with DDP): step, zero_grad, no_sync,
+    finish_gradient_sync, memory, state_dict/load_state_dict. `units`: modules whose parameters make one flat buffer each — one gradient
     bucket, and in stage 3 what is gathered at once (default: `model.blocks`; the
     leftover parameters form the root unit). Frozen parameters and buffers are copied
     from the group's first rank. `timeline`: a picolib Timeline that gets F, B (stage 3),
@@ -77,18 +97,22 @@ class ZeRO(GradientSyncSwitch):
     backward reduce-scatters, even inside `no_sync()`, and accumulates into the shards.
     """
 
-    def __init__(self, model: nn.Module, stage: int, group=None, optimizer: str = "adam",
-                 lr: float = 1e-3, *, param_dtype=torch.float32, units=None,
+    def __init__(self, model: nn.Module, stage: int, group=None, optimizer=torch.optim.AdamW,
+                 *, param_dtype=torch.float32, units=None,
                  prefetch: bool = True, timeline=None, groups: dict | None = None,
-                 reduce_every_micro_batch: bool = False, **hyperparameters):
+                 reduce_every_micro_batch: bool = False, param_groups=None,
+                 **optimizer_kwargs):
         if isinstance(stage, bool) or stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage!r}")
-        hp = optimizer_hyperparameters(optimizer, lr, hyperparameters)
         if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be float32, bfloat16 or float16, not {param_dtype}")
         devices = sorted({str(p.device) for p in model.parameters() if p.requires_grad})
         if len(devices) != 1:
             raise ValueError(f"all parameters must be on one device; found {devices}")
+        # before any collective: the optimizer's own checks and the element-wise probe
+        check_elementwise(optimizer, optimizer_kwargs,   # on meta (the dry run) it has no values
+                          "cpu" if devices[0] == "meta" else devices[0])
+        group_of, options = _param_groups(model, param_groups)
         if groups and stage == 3:
             raise ValueError("ZeRO-3 gathers every unit over one group: parameters with "
                              "groups of their own (experts) need stage 1 or 2")
@@ -100,22 +124,32 @@ class ZeRO(GradientSyncSwitch):
         self.n = group_size(group)   # before any collective
         self.reduce_every_micro_batch = bool(reduce_every_micro_batch)
         self._reduced = set()        # units reduce-scattered at least once this step
-        self.stage, self.group, self.module, self.opt = stage, group, model, optimizer
-        self.prefetch, self.timeline, self.hp = prefetch, timeline, hp
+        self.stage, self.group, self.module = stage, group, model
+        self.prefetch, self.timeline = prefetch, timeline
         self.steps, self._sync, self._pending, self._t = 0, True, [], 0.0
         with torch.no_grad():
             own = {id(p): g for p, g in (groups or {}).items()}
             self.units, self._groups, self._scales = [], [], []
             for m, named in split_units(model, units):
                 for g, part in _by_group(named, own):
+                    if group_of is not None:   # group 0's parameters first, then group 1's, ...
+                        part = sorted(part, key=lambda np: group_of[id(np[1])])
+                    index = None if group_of is None else [group_of[id(p)] for _, p in part]
                     self.units.append(ShardedUnit(m, part, stage, group if g is None else g,
-                                                  param_dtype, optimizer, hp))
+                                                  param_dtype, index))
                     self._groups.append(group if g is None else g)
                     self._scales.append(1.0 if g is None else group_size(g) / self.n)
             owned = {id(p) for u in self.units for p in u.params}
             rest = [p for p in model.parameters() if id(p) not in owned] + list(model.buffers())
             if rest:
                 broadcast_from_first_rank(rest, group)
+        pieces = [[p for u in self.units for g, _, _, p in u.pieces if g == i]
+                  for i in range(len(options))]
+        self.optimizer = make_optimizer(
+            optimizer, pieces[0] if group_of is None else
+            [{**opts, "params": ps} for opts, ps in zip(options, pieces)], optimizer_kwargs)
+        for u in self.units:
+            u.optimizer = self.optimizer
         # The fixed orders. Reduce-scatters and updates: last unit first (backward finishes
         # the root last). Stage 3's all-gathers: the root, then the blocks (reversed in backward).
         k = len(self.units)
@@ -278,27 +312,33 @@ class ZeRO(GradientSyncSwitch):
         self._drain(keep=0)
         check_finite([u.grad for u in self.units], self._local_bad, self.steps + 1,
                      self.group, "reduce-scatter")
+        for u in self.units:      # what the torch optimizer reads: fp32, the master's shape
+            u.master.grad = u.grad if u.grad.dtype == torch.float32 else u.grad.float()
+            u.set_piece_grads()
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self):
-        """Finish the gradient sync; update this rank's shard of each unit and (stages 1-2)
-        start that unit's all-gather while the next unit updates."""
+        """Finish the gradient sync; the torch optimizer steps this rank's master shards;
+        the compute-dtype shards follow and (stages 1-2) every unit is all-gathered."""
         self.finish_gradient_sync()
         self.steps += 1
-        gathers = [self._update_unit(i) for i in self._rs_order]
-        for handle, t0, i in filter(None, gathers):
+        self.optimizer.step()
+        gathers = []
+        for i in self._rs_order:
+            u = self.units[i]
+            if u.shard.data_ptr() != u.master.data_ptr():   # bf16 compute: copy the update
+                u.shard.copy_(u.master)
+                u.master.grad = None                         # and drop the fp32 gradient copy
+                u.set_piece_grads()
+            if self.stage < 3:
+                gathers.append((comm.all_gather(u.full, u.shard, group=self._groups[i],
+                                                async_op=True), time.perf_counter(), i))
+        for handle, t0, i in gathers:
             self._wait(handle, "all_gather", t0, i)
         self._rs_next = 0
         self._reduced.clear()
         self._local_bad.zero_()
-
-    def _update_unit(self, i):
-        u = self.units[i]
-        u.update(self.opt, self.steps, self.hp)
-        if self.stage < 3:
-            return (comm.all_gather(u.full, u.shard, group=self._groups[i], async_op=True),
-                    time.perf_counter(), i)
 
     def zero_grad(self):
         """Drop this step's gradients: stage 1 zeroes its flat gradient buffers, stages 2-3
@@ -306,14 +346,26 @@ class ZeRO(GradientSyncSwitch):
         self._drain(keep=0)
         for u in self.units:
             u.zero_grad()
+            u.master.grad = None
+            u.set_piece_grads()
         self._rs_next = 0
         self._reduced.clear()
         self._local_bad.zero_()
 
     # ------------------------------------------------------------------ inspection
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds now, measured (`held_bytes`, picolib/sharded_optim.py)."""
+        """Bytes this rank holds now, measured (`held_bytes`, picolib/sharded_optim.py):
+        {"params", "grads", "optimizer"}; "optimizer" is the fp32 master (when it is not the
+        parameters) and the optimizer's tensors shaped like the shard; the per-tensor `step`
+        counters (0-dim, one per unit, not per element) are left out, so the bytes equal the
+        formulas (`zero_memory_bytes`) exactly. The state appears at the first step."""
         return held_bytes(self.module, self.units)
+
+    def state_factor(self) -> int:
+        """k: optimizer bytes per parameter element, read from the torch optimizer's state
+        (Adam 8, SGD with momentum 4, ...), + 4 when an fp32 master is kept beside bf16."""
+        master = self.units[0].shard.data_ptr() != self.units[0].master.data_ptr()
+        return state_bytes_per_element(self.optimizer) + (4 if master else 0)
 
     def unit_numels(self) -> list[int]:
         return [u.numel for u in self.units]
@@ -324,6 +376,68 @@ class ZeRO(GradientSyncSwitch):
         rank of the group calls it."""
         return {name: t for u, g in zip(self.units, self._groups)
                 for name, t in u.gather_master(g).items()}
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """{"model": {name: tensor}, "optimizer": {"state": {name: {key: tensor}},
+        "param_groups": [{..., "params": [names]}]}}: whole tensors under the model's own
+        parameter names — the shape torch.distributed.checkpoint.state_dict's
+        get_state_dict(full_state_dict=True) gives, and DDP's `state_dict()` — gathered from
+        the shards (a collective: every rank of the group calls it)."""
+        model = {n: t.detach().clone() for n, t in self.module.state_dict().items()
+                 if n not in {m for u in self.units for m in u.names}}   # frozen, buffers
+        state = {}
+        for u, g in zip(self.units, self._groups):
+            model.update(u.gather_master(g))
+            for key, v in u.state.items():     # the same keys, in order, on every rank
+                whole = (u.gather(v, g) if isinstance(v, torch.Tensor) and v.shape == u.master.shape
+                         else dict.fromkeys(u.names, v))
+                for name, t in whole.items():
+                    state.setdefault(name, {})[key] = t.clone() if isinstance(t, torch.Tensor) else t
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [n for u in self.units for n, j in zip(u.names, u.group_index) if j == i]}
+                  for i, g in enumerate(self.optimizer.param_groups)]
+        return {"model": model, "optimizer": {"state": state, "param_groups": groups}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take `state_dict()`'s shape — whole tensors by name, written on any mesh — and
+        keep this rank's shards. "model" (optional) replaces the weights; "optimizer"
+        (optional) the optimizer's state and (if given) its param groups' hyperparameters."""
+        model, optim = state_dict.get("model"), state_dict.get("optimizer")
+        if model is not None:
+            for u, g in zip(self.units, self._groups):
+                u.load_shard([model[n] for n in u.names], u.master, g)
+            rest = {n: t for n, t in model.items() if n not in {m for u in self.units for m in u.names}}
+            if rest:
+                self.module.load_state_dict(rest, strict=False)
+        if optim is None:
+            return
+        own = self.optimizer.state_dict()      # torch's shape: parameters by index
+        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups
+                                                 for p in g["params"])}
+        for u, g in zip(self.units, self._groups):
+            given = optim["state"].get(u.names[0])
+            if not given:
+                continue
+            entry = {}
+            for key, v in given.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:   # shaped like the parameter
+                    entry[key] = torch.zeros_like(u.master.detach())
+                    u.load_shard([optim["state"][n][key] for n in u.names], entry[key], g)
+                else:
+                    entry[key] = v
+            for _, a, b, p in u.pieces:     # each piece its part of the shard
+                own["state"][index[id(p)]] = {
+                    k: (t[a:b].clone() if isinstance(t, torch.Tensor) and t.dim() > 0
+                        else t.clone() if isinstance(t, torch.Tensor) else t)
+                    for k, t in entry.items()}
+        for mine, theirs in zip(own["param_groups"], optim.get("param_groups") or []):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+        self.optimizer.load_state_dict(own)
+        steps = [int(s["step"]) for s in own["state"].values() if "step" in s]
+        if steps:
+            self.steps = max(steps)
 
     # ------------------------------------------------------------------ timeline
     def _wait(self, handle, name, t0, i):
@@ -348,6 +462,26 @@ class ZeRO(GradientSyncSwitch):
                 end = time.perf_counter()
         lane = {"all_gather": "gather", "reduce_scatter": "reduce"}.get(name, "compute")
         tl.add(name, t0, end, lane=lane, **meta)["emulated"] = cost is not None
+
+
+def _param_groups(model, param_groups):
+    """(None, [{}]) without groups; else ({id(param): group index}, [each group's options]),
+    after checking that every trainable parameter is in exactly one group."""
+    if param_groups is None:
+        return None, [{}]
+    group_of, options = {}, []
+    for i, g in enumerate(param_groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError("param_groups: a list of dicts with 'params', as torch.optim takes")
+        for p in g["params"]:
+            if id(p) in group_of:
+                raise ValueError(f"a parameter is in param groups {group_of[id(p)]} and {i}")
+            group_of[id(p)] = i
+        options.append({k: v for k, v in g.items() if k != "params"})
+    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if left:
+        raise ValueError(f"param_groups must hold every trainable parameter; missing {left[:3]}")
+    return group_of, options
 
 
 def _by_group(named, groups: dict):

@@ -6,7 +6,7 @@ and the one-process loss curve (2e-5, the trainer tests' tolerance)."""
 import pytest
 import torch
 
-from picolib.compose import TrainConfig, check_config
+from picolib.compose import TrainConfig, check_config, decay_groups
 from picolib.launch import run
 from picolib.model import TextData, TinyLlama
 from picolib.train import train
@@ -25,7 +25,7 @@ def test_one_process_is_torch_clip_grad_norm_in_a_plain_loop():
     cfg = TrainConfig(steps=STEPS, clip_grad=MAX, micro_batches=2)
     torch.manual_seed(0)
     model = TinyLlama(cfg.model_config())
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr)   # as the trainer
     data, want = TextData(), []
     for step in range(STEPS):
         tokens, targets = data.batch(cfg.batch, cfg.seq, step, cfg.seed)

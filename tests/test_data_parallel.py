@@ -299,3 +299,71 @@ def test_requires_gradient_sync_must_be_a_bool():
         except TypeError as e:
             return str(e), ddp._sync
     assert run(worker, 1)[0] == ("requires_gradient_sync must be a bool, not 0", True)
+
+
+# --------------------------------------------------------------------------- the contract
+
+def owned_optimizer_worker():
+    """DDP owning its AdamW: step()/zero_grad() on the wrapper, memory(), and step() on a
+    DDP that owns none."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = TinyLlama(CFG)
+    ddp = DDP(model, optimizer=torch.optim.AdamW, lr=1e-3)
+    for step in range(STEPS):
+        model.loss(*my_rows(*batch(step), n, r)).backward()
+        ddp.step()
+        ddp.zero_grad()
+    zeroed = all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    bare = DDP(TinyLlama(CFG))
+    try:
+        bare.step()
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    return [p.detach().clone() for p in model.parameters()], ddp.memory(), zeroed, refused
+
+
+def test_ddp_owning_its_optimizer_follows_the_contract():
+    model = TinyLlama(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(STEPS):
+        model.loss(*batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    psi = sum(p.numel() for p in model.parameters())
+    for weights, memory, zeroed, refused in run(owned_optimizer_worker, 2):
+        for w, ref in zip(weights, model.parameters(), strict=True):
+            torch.testing.assert_close(w, ref.detach(), atol=1e-5, rtol=0)   # Adam: rounding, seen ≤ 3e-6
+        assert memory == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+        assert zeroed and "owns no optimizer" in refused
+
+
+def autocast_worker():
+    """One backward under bf16 autocast on this rank's half of the batch; DDP averages the
+    fp32 gradients."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = TinyLlama(CFG)
+    DDP(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.loss(*my_rows(*batch(0), n, r))
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_ddp_under_bf16_autocast_equals_one_process_under_the_same_autocast():
+    """The one process runs each rank's half under the same autocast and averages: the same
+    bf16 matmuls, so only the fp32 sum order differs (atol 1e-6). Without autocast the
+    gradients differ by far more (> 1e-4): the autocast is really on."""
+    model = TinyLlama(CFG)
+    for piece in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(*my_rows(*batch(0), 2, piece)) / 2
+        loss.backward()
+    want = [p.grad for p in model.parameters()]
+    fp32 = TinyLlama(CFG)
+    fp32.loss(*batch(0)).backward()
+    assert max((p.grad - w).abs().max().item() for p, w in zip(fp32.parameters(), want)) > 1e-4
+    for grads in run(autocast_worker, 2):
+        for g, w in zip(grads, want, strict=True):
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=0)

@@ -19,6 +19,7 @@ CFG = LlamaConfig(vocab_size=61, hidden=18, n_layers=2, n_heads=3, n_kv_heads=1,
                   ffn_hidden=23, max_seq=16, seed=3)
 MB, SEQ, STEPS = 2, 8, 3
 OPTS = {"sgd": dict(lr=0.1, momentum=0.9, weight_decay=0.01), "adam": dict(lr=1e-2)}
+CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 # fp32 tolerances. SGD: only the order of the gradient averaging differs (≈1e-8 seen).
 # Adam divides by √v, so those last-bit gradient differences move a weight by up to a few
 # 1e-6 in three steps (3e-6 seen): atol 2e-5.
@@ -32,8 +33,7 @@ def batch(step, n):
 def reference(opt: str, n: int):
     model = TinyLlama(CFG)
     hp = OPTS[opt]
-    optim = (torch.optim.SGD(model.parameters(), **hp) if opt == "sgd"
-             else torch.optim.Adam(model.parameters(), **hp))
+    optim = CLASSES[opt](model.parameters(), **hp)
     for step in range(STEPS):
         model.loss(*batch(step, n)).backward()
         optim.step()
@@ -49,7 +49,7 @@ def train_all_stages(param_dtype=torch.float32):
     for opt, hp in OPTS.items():
         for stage in (1, 2, 3):
             model = TinyLlama(CFG)
-            zero = ZeRO(model, stage, optimizer=opt, param_dtype=param_dtype, **hp)
+            zero = ZeRO(model, stage, optimizer=CLASSES[opt], param_dtype=param_dtype, **hp)
             for step in range(STEPS):
                 x, y = batch(step, n)
                 with Ledger() as ledger, SavedActivations() as acts:
@@ -58,7 +58,7 @@ def train_all_stages(param_dtype=torch.float32):
                     zero.zero_grad()
             out[opt, stage] = dict(weights=zero.gather_parameters(), memory=zero.memory(),
                                    ledger=ledger.summary(), units=zero.unit_numels(),
-                                   activations=acts.bytes)
+                                   activations=acts.bytes, k=zero.state_factor())
     return out
 
 
@@ -91,6 +91,7 @@ def test_memory_bytes_match_the_formula_exactly(trained):
     n, ranks = trained
     for (opt, stage), res in ranks[0].items():
         k = optimizer_state_factor(opt, OPTS[opt].get("momentum", 0.0))
+        assert res["k"] == k      # read from torch's optimizer state = the formula's k
         expected = zero_memory_bytes(stage, res["units"], n, k)
         assert res["memory"] == expected, (opt, stage)
     # fp32 Adam, the numbers spelled out: Ψ = 6498, padded for N
@@ -139,13 +140,14 @@ def test_bf16_compute_with_fp32_master():
                 model.loss(x[r * MB:(r + 1) * MB], y[r * MB:(r + 1) * MB]).backward()
                 zero.step()
                 zero.zero_grad()
-            out[stage] = (zero.gather_parameters(), zero.memory(), zero.unit_numels())
+            out[stage] = (zero.gather_parameters(), zero.memory(), zero.unit_numels(),
+                          zero.state_factor())
         return out
 
     res = run(worker, n, timeout=240)[0]
     units = res[1][2]
     k = optimizer_state_factor("adam", master=True)
-    assert k == 12
+    assert k == 12 == res[1][3]     # the formula, and read from the optimizer's state
     assert res[1][1] == zero_memory_bytes(1, units, n, k, param_bytes=2)
     psi = sum(padded_numel(s, n) for s in units)
     assert res[1][1] == {"params": 2 * psi, "grads": 2 * psi, "optimizer": 12 * psi // n}
@@ -174,7 +176,7 @@ def seed_example(stage, opt):
 
     x = torch.full((1, 4), float(r + 1))
     m = make()
-    zero = ZeRO(m, stage, optimizer=opt, lr=0.1)
+    zero = ZeRO(m, stage, optimizer=CLASSES[opt], lr=0.1)
     (0.5 * m(x) ** 2).sum().backward()
     zero.finish_gradient_sync()                 # the reduce-scatter; step() would call it
     grad_shard = zero.units[0].grad.clone()
@@ -185,7 +187,7 @@ def seed_example(stage, opt):
     (0.5 * dp(x) ** 2).sum().backward()
     dist.all_reduce(dp.weight.grad)
     dp.weight.grad /= dist.get_world_size()
-    optim = (torch.optim.SGD if opt == "sgd" else torch.optim.Adam)(dp.parameters(), lr=0.1)
+    optim = CLASSES[opt](dp.parameters(), lr=0.1)
     optim.step()
     return zero.gather_parameters()["weight"], dp.weight.detach().clone(), grad_shard, state
 
@@ -276,27 +278,44 @@ def test_group_of_size_zero_raises():
                                        "it has size 0 here"]
 
 
-def test_hyperparameters_out_of_range_raise_naming_the_value():
-    """Checked before any collective: here there is no process group at all."""
+class TrustRatio(torch.optim.Optimizer):
+    """LAMB's idea in six lines: SGD scaled by ‖w‖/‖g‖ of the whole tensor — not element-wise."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.param_groups[0]["params"]:
+            p.add_(p.grad, alpha=-self.param_groups[0]["lr"] * float(p.norm() / p.grad.norm()))
+
+
+def test_optimizer_errors_come_before_any_collective():
+    """torch's own checks of the hyperparameters, then the element-wise probe: here there
+    is no process group at all, so any collective would raise RuntimeError instead."""
     model = TinyLlama(CFG)
-    bad = [("adam", dict(lr=-0.1), r"lr must be a number ≥ 0, not -0\.1"),
-           ("adam", dict(lr=float("nan")), r"lr must be .*, not nan"),
-           ("adam", dict(betas=(1.0, 0.999)), r"beta1 must be a number in \[0, 1\), not 1\.0"),
-           ("adam", dict(betas=(-0.5, 0.999)), r"beta1 .*not -0\.5"),
-           ("adamw", dict(betas=(0.9, 1.5)), r"beta2 must be a number in \[0, 1\), not 1\.5"),
-           ("adam", dict(betas=(0.9,)), r"betas must be a pair .*\(0\.9,\)"),
-           ("adam", dict(eps=0.0), r"eps must be a number > 0, not 0\.0"),
-           ("adam", dict(weight_decay=-1e-4), r"weight_decay must be a number ≥ 0, not -0\.0001"),
-           ("sgd", dict(momentum=-0.9), r"momentum must be a number ≥ 0, not -0\.9"),
-           ("sgd", dict(lr="0.1"), r"lr must be a number ≥ 0, not '0\.1'")]
-    for opt, kw, message in bad:
-        kw = {"lr": 1e-3, **kw}
+    for opt, kw, message in [(torch.optim.Adam, dict(lr=-0.1), r"Invalid learning rate: -0\.1"),
+                             (torch.optim.AdamW, dict(betas=(1.0, 0.999)), r"Invalid beta parameter at index 0: 1\.0"),
+                             (torch.optim.Adam, dict(eps=-1.0), r"Invalid epsilon value: -1\.0"),
+                             (torch.optim.SGD, dict(lr=0.1, momentum=-0.9), r"Invalid momentum value: -0\.9")]:
         with pytest.raises(ValueError, match=message):
             ZeRO(model, 1, optimizer=opt, **kw)
+    refused = [(torch.optim.Adafactor, "other values on the pieces"),
+               (torch.optim.Muon, "Muon only supports 2D parameters"),
+               (torch.optim.LBFGS, "closure"), (torch.optim.SparseAdam, "dense gradients"),
+               (TrustRatio, "other values on the pieces")]
+    for opt, why in refused:
+        with pytest.raises(ValueError, match=rf"ZeRO cannot step {opt.__name__} on a flat shard: .*{why}"
+                                             r".*element-wise optimizer"):
+            ZeRO(model, 2, optimizer=opt)
     with pytest.raises(ValueError, match="'lion' is not supported"):
         ZeRO(model, 2, optimizer="lion")
+    with pytest.raises(TypeError, match="returned list, not a torch.optim.Optimizer"):
+        ZeRO(model, 2, optimizer=lambda params: list(params))
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3, not 5"):
-        ZeRO(model, 5, optimizer="adam", lr=-1.0)     # the stage is checked first
+        ZeRO(model, 5, optimizer=torch.optim.Adam, lr=-1.0)     # the stage is checked first
+    with pytest.raises(RuntimeError, match="process group"):   # an element-wise one passes
+        ZeRO(model, 1, optimizer=lambda params: torch.optim.RMSprop(params, lr=0.01, momentum=0.5))
     assert all(p.grad is None for p in model.parameters())   # nothing was attached
 
 

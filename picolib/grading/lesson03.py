@@ -303,7 +303,7 @@ def _rs_worker(fn, split):
         answers.append((got.detach().clone() if isinstance(got, torch.Tensor) else got,
                         led.summary(), sum(g.numel() for g in grads), others))
     model = TinyLlama(_CFG)
-    zero = ZeRO(model, 2, group=group, optimizer="sgd", lr=0.1)
+    zero = ZeRO(model, 2, group=group, optimizer=torch.optim.SGD, lr=0.1)
     model.loss(x, y).backward()
     zero.finish_gradient_sync()                  # picolib's reduce-scatter, unit by unit
     return answers, [u.grad.clone() for u in zero.units]
@@ -350,7 +350,7 @@ def _gather_worker(fn, split):
     group = my_group(split)
     rank = dist.get_rank()
     model = TinyLlama(_CFG)
-    zero = ZeRO(model, 3, group=group, optimizer="adam", lr=0.01)
+    zero = ZeRO(model, 3, group=group, optimizer=torch.optim.Adam, lr=0.01)
     x, y = random_tokens(2, 8, _CFG.vocab_size, seed=rank)
     model.loss(x, y).backward()
     zero.step()                                   # the shards now differ from the start

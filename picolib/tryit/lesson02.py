@@ -99,6 +99,7 @@ def torch_ddp_grads(cap_bytes: int, gradient_as_bucket_view: bool, n_layers: int
 def _one_step_calls(configs):
     """On a rank: one step of DP (picolib's DDP) and of ZeRO-1/2/3 on the tiny Llama; the
     (op, buffer bytes) of every collective each made, from the Ledger."""
+    import torch
     import torch.distributed as dist
     from ..comm import Ledger
     from ..data_parallel import DDP
@@ -109,7 +110,7 @@ def _one_step_calls(configs):
     out = {}
     for name in configs:
         model = TinyLlama(cfg)
-        wrapper = DDP(model) if name == "DP" else ZeRO(model, int(name[-1]), optimizer="sgd", lr=0.1)
+        wrapper = DDP(model) if name == "DP" else ZeRO(model, int(name[-1]), optimizer=torch.optim.SGD, lr=0.1)
         with Ledger() as led:
             model.loss(x, y).backward()
             if name != "DP":

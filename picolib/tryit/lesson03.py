@@ -103,20 +103,22 @@ CONFIGS = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-1 bf16"]
 
 
 def one_step(cfg, mb: int, seq: int) -> dict:
-    """On every rank: one Adam step of DP (picolib's DDP + torch.optim.Adam) and of each
-    ZeRO configuration of CONFIGS, each on a fresh TinyLlama(cfg) and this rank's micro-batch
-    of `mb` sequences of `seq` tokens. Per configuration: the bytes held after the step
-    ("memory": params, grads, optimizer — `picolib.memory.measure` for DP, `ZeRO.memory()`
-    otherwise), the ledger's summary and calls (op, buffer bytes, ring-formula bytes), the
-    saved activations' bytes, ZeRO's (padded buffer, shard) sizes, and the buffers DP's
-    buckets or ZeRO's units hold."""
+    """On every rank: one torch.optim.Adam step of DP (picolib's DDP owning the optimizer)
+    and of each ZeRO configuration of CONFIGS, each on a fresh TinyLlama(cfg) and this rank's
+    micro-batch of `mb` sequences of `seq` tokens. Per configuration: the bytes held after
+    the step ("memory": params, grads, optimizer — the wrapper's `memory()`, which DDP and
+    ZeRO share), k read from the torch optimizer's state ("k": bytes per element of its
+    tensors shaped like the parameter, + 4 for ZeRO's fp32 master beside bf16), the ledger's
+    summary and calls (op, buffer bytes, ring-formula bytes), the saved activations' bytes,
+    ZeRO's (padded buffer, shard) sizes, and the buffers DP's buckets or ZeRO's units hold."""
     import torch
     import torch.distributed as dist
 
     from ..comm import Ledger
     from ..data_parallel import DDP
-    from ..memory import SavedActivations, measure
+    from ..memory import SavedActivations
     from ..model import TinyLlama, random_tokens
+    from ..sharded_optim import state_bytes_per_element
     from ..zero import ZeRO
 
     x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())
@@ -124,20 +126,17 @@ def one_step(cfg, mb: int, seq: int) -> dict:
     for name in CONFIGS:
         model = TinyLlama(cfg)
         if name == "DP":
-            ddp = DDP(model)
-            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            ddp = wrapper = DDP(model, optimizer=torch.optim.Adam, lr=1e-3)
         else:
             dtype = torch.bfloat16 if "bf16" in name else torch.float32
-            zero = ZeRO(model, int(name[5]), optimizer="adam", lr=1e-3, param_dtype=dtype)
+            zero = wrapper = ZeRO(model, int(name[5]), optimizer=torch.optim.Adam, lr=1e-3,
+                                  param_dtype=dtype)
         with Ledger() as led, SavedActivations() as acts:
             model.loss(x, y).backward()
-            opt.step() if name == "DP" else zero.step()
-        if name == "DP":
-            b = measure(model, opt)
-            mem = {"params": b.params, "grads": b.grads, "optimizer": b.optimizer}
-        else:
-            mem = zero.memory()
-        out[name] = dict(memory=mem, traffic=led.summary(), activations=acts.bytes,
+            wrapper.step()
+        mem = wrapper.memory()
+        k = state_bytes_per_element(ddp.optimizer) if name == "DP" else zero.state_factor()
+        out[name] = dict(memory=mem, k=k, traffic=led.summary(), activations=acts.bytes,
                          calls=[(r.op, r.nbytes, r.sent_bytes) for r in led.records],
                          layout=None if name == "DP" else [(u.full.numel(), u.shard.numel())
                                                            for u in zero.units],
@@ -179,6 +178,7 @@ def accumulate(cfg, stage: int, m: int, mb: int, seq: int) -> dict:
     ("calls") and the bytes those calls send on picolib's rings ("wire", via `replay`)."""
     from contextlib import nullcontext
 
+    import torch
     import torch.distributed as dist
 
     from ..comm import Ledger
@@ -186,7 +186,7 @@ def accumulate(cfg, stage: int, m: int, mb: int, seq: int) -> dict:
     from ..zero import ZeRO
 
     model = TinyLlama(cfg)
-    zero = ZeRO(model, stage, optimizer="adam", lr=1e-3)
+    zero = ZeRO(model, stage, optimizer=torch.optim.Adam, lr=1e-3)
     x, y = random_tokens(mb * m, seq, cfg.vocab_size, seed=dist.get_rank())
     held = []
     with Ledger() as led:
@@ -202,6 +202,7 @@ def accumulate(cfg, stage: int, m: int, mb: int, seq: int) -> dict:
 def zero3_timeline(cfg, costs: dict, prefetch: bool, mb: int, seq: int) -> list:
     """One ZeRO-3 step with emulated costs (`Timeline(emulate=costs)`), with or without
     prefetch; returns this rank's timeline events."""
+    import torch
     import torch.distributed as dist
 
     from ..model import TinyLlama, random_tokens
@@ -210,7 +211,7 @@ def zero3_timeline(cfg, costs: dict, prefetch: bool, mb: int, seq: int) -> list:
 
     tl = Timeline(emulate=costs)
     model = TinyLlama(cfg)
-    zero = ZeRO(model, 3, optimizer="adam", lr=1e-3, prefetch=prefetch, timeline=tl)
+    zero = ZeRO(model, 3, optimizer=torch.optim.Adam, lr=1e-3, prefetch=prefetch, timeline=tl)
     x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())
     model.loss(x, y).backward()
     zero.step()
@@ -278,7 +279,7 @@ def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
             "grads": _local_bytes(p.grad for p in model.parameters()),
             "optimizer": _local_bytes(v for s in opt.state.values() for k, v in s.items() if k != "step")}
     ours = TinyLlama(cfg)
-    zero = ZeRO(ours, 3 if reshard_after_forward else 2, optimizer="adam", lr=1e-3)
+    zero = ZeRO(ours, 3 if reshard_after_forward else 2, optimizer=torch.optim.Adam, lr=1e-3)
     with Ledger() as led:
         ours.loss(x, y).backward()
         zero.step()
