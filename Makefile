@@ -43,6 +43,7 @@ exercises: $(STAMP)
 # `make bench`: every benchmark (bench/*.py; bench/_report.py is their shared writer), then the
 # README's tables from bench/results/*.json (`$(PY) tools/bench_tables.py` redoes only the tables).
 bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"   # transformers, for bench/model.py only
 	for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
 	$(PY) tools/bench_tables.py
 

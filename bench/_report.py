@@ -169,6 +169,25 @@ def _train_5d(data):
                  f"(asserted ≤ {s['loss_tolerance']:g}).")
 
 
-RENDERERS = {"launch": _launch, "dp_zero": _dp_zero, "tp_sp": _tp_sp, "pipeline": _pipeline,
+def _model(data):
+    c, z = data["sizes"]["cfg"], data["sizes"]
+    rows = [[label, f"{1e3 * r['step_s']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.3f}",
+             f"{r['peak_bytes'] / MiB:,.1f}"]
+            for label, r in (("picolib `TinyLlama`", data["picolib"]),
+                             ("transformers `LlamaForCausalLM`", data["transformers"]))]
+    rows.append(["**ratio** picolib / transformers", f"**{data['ratio']:.2f}**", "", "",
+                 f"{data['memory_ratio']:.2f}"])
+    where = data["device"] if data["cuda"] else "CPU, one thread"
+    head = (f"{where}: h = {c['hidden']}, {c['n_layers']} layers, {c['n_heads']} heads / "
+            f"{c['n_kv_heads']} KV heads, FFN {c['ffn_hidden']}, vocabulary {c['vocab_size']:,}, "
+            f"batch {z['batch']} × {z['seq']}, {z['dtype'].replace('torch.', '')}, SDPA, AdamW, "
+            f"{z['params']:,} parameters.")
+    return (head + "\n\n" + _table(["one training step", "median ms", "tokens/s", "MFU", "peak MiB"], rows)
+            + f"\n\nLogits equal within {data['logits_max_gap_fp32']:.1e} and losses within "
+              f"{data['loss_gap_fp32']:.1e} in fp32 (asserted before timing); MFU against the "
+              f"{data['peak_source']} peak ({data['peak_flops'] / 1e12:,.2f} TFLOP/s).")
+
+
+RENDERERS = {"model": _model, "launch": _launch, "dp_zero": _dp_zero, "tp_sp": _tp_sp, "pipeline": _pipeline,
              "context_parallel": _context_parallel, "terapipe": _terapipe, "moe": _moe,
              "train_5d": _train_5d}
