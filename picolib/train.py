@@ -370,6 +370,8 @@ def main(argv=None) -> list[dict]:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     nproc, backend = args.pop("nproc"), args.pop("backend")
+    if args.pop("dry_run"):           # an abbreviation of --dry-run (the full form is handed over above)
+        parser.error("write --dry-run in full")
     if nproc is not None and nproc < 1:
         parser.error(f"--nproc must be at least 1, not {nproc}")
     cfg = TrainConfig(**args)

@@ -115,3 +115,17 @@ def test_planner_state_and_traffic_equal_the_dry_run(layout):
             (mem["params"], mem["grads"], mem["optimizer"])
         assert {k: r["sent"][k] for k in ("dp", "tp", "pp", "cp")} == \
             {k: sent[k] for k in ("dp", "tp", "pp", "cp")}
+
+
+def test_the_trainer_command_hands_dry_run_over_and_still_trains(tmp_path, capsys):
+    """`python -m picolib.train --dry-run ...` is the dry run (nothing trained, a report per
+    pipeline position); without it the same command trains; `--dry` alone is refused."""
+    from picolib import train
+    reports = train.main(["--dry-run", "--pp", "2", "--dp", "2", "--micro-batches", "2",
+                          "--batch", "4", "--world", "4", "--json", str(tmp_path / "r.json")])
+    assert [r["pp_rank"] for r in reports] == [0, 1] and all(r["params"] > 0 for r in reports)
+    records = train.main(["--nproc", "1", "--steps", "2", "--no-progress"])
+    assert [r["step"] for r in records] == [0, 1]
+    with pytest.raises(SystemExit) as e:
+        train.main(["--dry", "--steps", "1"])
+    assert e.value.code == 2 and "write --dry-run in full" in capsys.readouterr().err
