@@ -8,8 +8,9 @@ Each world size is one launch that trains every layout of that size for one step
 import pytest
 
 from picolib.launch import run
-from picolib.planner import MoE, Parallelism, memory, traffic
+from picolib.planner import memory, traffic
 from picolib.train import TrainConfig, train
+from picolib.tryit.lesson11 import plan_of
 
 SEQ, BATCH = 16, 8
 LAYOUTS = {
@@ -33,17 +34,6 @@ def _configs(size):
 
 def _train_all(configs):
     return [train(cfg)[0] for cfg in configs]
-
-
-def plan_of(cfg: TrainConfig):
-    """The planner's Parallelism and MoE for a trainer configuration (fp32, picolib's counts)."""
-    mcfg = cfg.model_config()
-    moe = MoE(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
-    par = Parallelism(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero,
-                      sp=cfg.sp, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
-                      micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches), seq=cfg.seq,
-                      precision="fp32", activations="picolib", flash=False)
-    return mcfg, par, moe
 
 
 def busiest(cfg: TrainConfig):

@@ -35,7 +35,7 @@ from ..plan_search import step_time
 from ..planner import LLAMA3_70B, LLAMA3_405B, Parallelism, memory
 from . import rank_bars
 
-__all__ = ["MODELS", "HINTS", "ROOFLINE_HINTS", "rooflines", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
+__all__ = ["plan_of", "MODELS", "HINTS", "ROOFLINE_HINTS", "rooflines", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
            "pipeline_step", "fake_pg_traffic", "plot_all_reduce", "plot_candidates", "trainer_vs_planner"]
 
 MODELS = {"Llama-3-70B": LLAMA3_70B, "Llama-3-405B": LLAMA3_405B}
@@ -322,6 +322,19 @@ def plot_candidates(cfg, candidates: dict):
     return fig
 
 
+def plan_of(cfg):
+    """The planner's (model config, Parallelism, MoE) for a trainer configuration, counted as
+    picolib's runs are (fp32, picolib's activations, no flash attention)."""
+    from ..planner import MoE
+    mcfg = cfg.model_config()
+    moe = MoE(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
+    par = Parallelism(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero,
+                      sp=cfg.sp, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
+                      micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches), seq=cfg.seq,
+                      precision="fp32", activations="picolib", flash=False)
+    return mcfg, par, moe
+
+
 def _train_all(configs):
     from ..train import train
     return [train(cfg)[0] for cfg in configs]
@@ -335,7 +348,7 @@ def trainer_vs_planner(layouts: list[dict], seq: int = 16, batch: int = 8) -> li
     The trainer files the experts' gradients over their (dp/ep)·cp copies, which span dp
     and cp, as "other"; they are DP's, and are added to it here."""
     from ..launch import run
-    from ..planner import MoE, traffic
+    from ..planner import traffic
     from ..train import TrainConfig
     configs = [TrainConfig(steps=1, progress=False, data="random", seq=seq, batch=batch, **kw)
                for kw in layouts]
@@ -345,12 +358,7 @@ def trainer_vs_planner(layouts: list[dict], seq: int = 16, batch: int = 8) -> li
     records = run(_train_all, sizes.pop(), configs, timeout=300)[0]
     out = []
     for kw, cfg, rec in zip(layouts, configs, records):
-        mcfg = cfg.model_config()
-        moe = MoE(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
-        par = Parallelism(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero,
-                          sp=cfg.sp, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
-                          micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches), seq=cfg.seq,
-                          precision="fp32", activations="picolib", flash=False)
+        mcfg, par, moe = plan_of(cfg)
         state = max(sum(memory(mcfg, par, r, moe)[k] for k in ("params", "grads", "optimizer"))
                     for r in range(par.pp))
         sent = [traffic(mcfg, par, r, moe) for r in range(par.pp)]
