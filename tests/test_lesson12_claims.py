@@ -71,12 +71,7 @@ def test_a_short_fp8_run_tracks_bf16():
 def test_the_planner_prices_a_matmul_with_the_same_roofline():
     """The planner's per-matmul time (issue 25) and lesson 12's bound agree in method: the
     larger of FLOPs over (a fraction of) the peak and bytes over the HBM bandwidth."""
-    import pytest
-
-    from picolib import plan_search
-    matmul_seconds = getattr(plan_search, "matmul_seconds", None)
-    if matmul_seconds is None:
-        pytest.skip("the planner has no per-matmul roofline yet")
+    from picolib.plan_search import matmul_seconds
     h100 = PRESETS["H100-SXM"]
     for m, k, n in ((512, 64, 176), (4096, 4096, 14336), (128, 8192, 8192)):
         ours = op_time(2 * m * k * n, 2 * (m * k + k * n + m * n), 0.75 * h100.bf16, h100.hbm_bandwidth)
