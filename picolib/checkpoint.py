@@ -109,7 +109,7 @@ def _state_dict(cfg, stages: dict, wrappers: dict, optimizers: list, own: bool):
     place = {(p.stage, p.local): p for p in placements(cfg, dist.get_rank())}
     sd, held = {}, {}
     for s in stages:
-        held[s] = h = holdings(wrappers[s], optimizers[0])
+        held[s] = h = holdings(wrappers[s])
         for item in h.items:
             p = place[(s, item.name)]
             lo, hi = (item.own_lo, item.own_hi) if own else (item.lo, item.hi)

@@ -31,7 +31,7 @@ def clip_grad_norm_(cfg, wrappers: dict, optimizer=None, max_norm: float = 1.0) 
     """The L2 norm of the whole model's gradient (a 0-d float64 tensor, equal on every rank),
     after scaling every rank's gradients by min(1, max_norm / (norm + 1e-6)); `max_norm` 0:
     measure only. `cfg`: the TrainConfig; `wrappers`: {stage: DDP or ZeRO} of this rank;
-    `optimizer`: DDP's torch.optim optimizer (ZeRO, its own optimizer, ignores it).
+    `optimizer`: only for a DDP that does not own one (the wrappers' own are used).
     A collective: every rank calls it."""
     place = {(p.stage, p.local): p for p in placements(cfg, dist.get_rank())}
     grads, squares = [], []

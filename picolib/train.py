@@ -214,7 +214,7 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
                     loss = _step(cfg, stages, wrappers, sched, mesh, tokens, targets, tl)
                     for w in wrappers.values():      # reduced gradients, then the global norm
                         w.finish_gradient_sync()
-                    grad_norm = clip_grad_norm_(cfg, wrappers, optimizers[0], cfg.clip_grad).item()
+                    grad_norm = clip_grad_norm_(cfg, wrappers, max_norm=cfg.clip_grad).item()
                     for opt in optimizers:
                         opt.step()
                 except FloatingPointError as e:      # raised on every rank alike
