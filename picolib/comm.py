@@ -158,14 +158,16 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 class _Timed:
-    """Wraps an async Work so that wait() completes the ledger record's time."""
+    """Wraps an async Work so that wait() completes the ledger record's time (and keeps a
+    CPU copy staged for gloo alive until then)."""
 
-    def __init__(self, work, record: Record, t0: float):
-        self._work, self._record, self._t0 = work, record, t0
+    def __init__(self, work, record: Record, t0: float, staged=None):
+        self._work, self._record, self._t0, self._staged = work, record, t0, staged
 
     def wait(self):
         self._work.wait()
         self._record.seconds = time.perf_counter() - self._t0
+        self._staged = None
         return True
 
     def is_completed(self):
@@ -246,9 +248,28 @@ def all_to_all(output, input, group=None, output_split_sizes=None, input_split_s
     rec.seconds = time.perf_counter() - t0
 
 
+def _through_cpu(tensor, group) -> bool:
+    """gloo reduces, gathers and scatters CUDA tensors but cannot send or receive them: a
+    point-to-point message of a CUDA tensor over gloo travels through a CPU copy."""
+    return tensor.is_cuda and "nccl" not in str(dist.get_backend(group)).lower()
+
+
+def _outgoing(tensor, group):
+    return tensor.cpu() if _through_cpu(tensor, group) else tensor
+
+
+def _incoming(tensor, group):
+    """(buffer to receive into, (destination, buffer) to copy back after the wait, or None)."""
+    if not _through_cpu(tensor, group):
+        return tensor, None
+    buf = torch.empty(tensor.shape, dtype=tensor.dtype)
+    return buf, (tensor, buf)
+
+
 def send(tensor, dst: int, group=None):
     """Blocking point-to-point send to global rank `dst`."""
-    return _native("send", lambda a: dist.send(tensor, dst, group), _bytes(tensor), group, False,
+    out = _outgoing(tensor, group)
+    return _native("send", lambda a: dist.send(out, dst, group), _bytes(tensor), group, False,
                    peer=dst)
 
 
@@ -259,25 +280,31 @@ def isend(tensor, dst: int, group=None):
     rec = Record("send", dist.get_world_size(group), _bytes(tensor), _bytes(tensor), None,
                  meta={"peer": dst}, ranks=_members(group, dst))
     Ledger._add(rec)
-    return _Timed(dist.isend(tensor, dst, group), rec, time.perf_counter())
+    out = _outgoing(tensor, group)
+    return _Timed(dist.isend(out, dst, group), rec, time.perf_counter(), staged=out)
 
 
 def recv(tensor, src: int, group=None):
     """Blocking point-to-point receive from global rank `src`, into `tensor`."""
-    return _native("recv", lambda a: dist.recv(tensor, src, group), _bytes(tensor), group, False,
-                   peer=src)
+    buf, back = _incoming(tensor, group)
+    _native("recv", lambda a: dist.recv(buf, src, group), _bytes(tensor), group, False, peer=src)
+    if back:
+        tensor.copy_(buf)
 
 
 class _Exchange:
     """The handle of an async `exchange`: `wait()` waits for every send and receive, then
     completes their ledger records."""
 
-    def __init__(self, works, records, t0):
-        self._works, self._records, self._t0 = works, records, t0
+    def __init__(self, works, records, t0, copy_back=()):
+        self._works, self._records, self._t0, self._copy_back = works, records, t0, copy_back
 
     def wait(self):
         for w in self._works:
             w.wait()
+        for dst, buf in self._copy_back:
+            dst.copy_(buf)
+        self._copy_back = ()
         dt = time.perf_counter() - self._t0
         for r in self._records:
             r.seconds = dt
@@ -290,8 +317,9 @@ def exchange(sends=(), recvs=(), group=None, async_op: bool = False):
     Batching lets two neighbours send to each other without deadlock (ranks are global).
     With `async_op` it returns at once with a handle: compute, then `.wait()` (ring
     attention overlaps its K/V hops with the block computation this way, lesson 06)."""
-    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    ops = [dist.P2POp(dist.isend, _outgoing(t, group), peer, group) for t, peer in sends]
+    incoming = [_incoming(t, group) for t, _ in recvs]
+    ops += [dist.P2POp(dist.irecv, buf, peer, group) for (buf, _), (_, peer) in zip(incoming, recvs)]
     n = dist.get_world_size(group)
     recs = [Record("send", n, _bytes(t), _bytes(t), None, meta={"peer": p},
                    ranks=_members(group, p)) for t, p in sends]
@@ -300,7 +328,8 @@ def exchange(sends=(), recvs=(), group=None, async_op: bool = False):
     for r in recs:
         Ledger._add(r)
     t0 = time.perf_counter()
-    handle = _Exchange(dist.batch_isend_irecv(ops) if ops else [], recs, t0)
+    handle = _Exchange(dist.batch_isend_irecv(ops) if ops else [], recs, t0,
+                       [back for _, back in incoming if back])
     if async_op:
         return handle
     handle.wait()
@@ -322,10 +351,13 @@ def ring_neighbours(group):
 def _ring_step(send_buf, recv_buf, right, left, group):
     """Send one chunk right, receive one from the left. Uneven chunks (routed collectives)
     may be empty: both ends know the sizes, so an empty one is skipped on both."""
-    ops = [dist.P2POp(dist.isend, send_buf, right, group)] if send_buf.numel() else []
-    ops += [dist.P2POp(dist.irecv, recv_buf, left, group)] if recv_buf.numel() else []
+    buf, back = _incoming(recv_buf, group)
+    ops = [dist.P2POp(dist.isend, _outgoing(send_buf, group), right, group)] if send_buf.numel() else []
+    ops += [dist.P2POp(dist.irecv, buf, left, group)] if recv_buf.numel() else []
     for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
+    if back and recv_buf.numel():
+        recv_buf.copy_(buf)
     return _bytes(send_buf)
 
 

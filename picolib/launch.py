@@ -227,17 +227,27 @@ def _dumps_or_explain(fn, args, kwargs) -> bytes:
 
 
 def run(fn: Callable, world_size: int, *args, backend: str = "auto",
-        timeout: float = 120.0, **kwargs) -> list[Any]:
+        timeout: float = 120.0, device: str | None = None, **kwargs) -> list[Any]:
     """Call `fn(*args, **kwargs)` on ranks 0..world_size-1 and return their results in rank order.
 
     Inside `fn` the default process group is ready (`dist.get_rank()`, collectives) and
     `device()` is the rank's device. Raises WorkerError if a rank fails, WorkerTimeout
     after `timeout` seconds. backend: "auto" (NCCL with one GPU per rank if there are
     enough, else gloo with the GPUs hidden from the ranks), "nccl", or "gloo" (the ranks
-    still see the GPUs: gloo can move CUDA tensors too).
+    still see the GPUs: gloo can move CUDA tensors too). device="cuda" with gloo: the
+    ranks compute on the GPUs, several ranks sharing one (rank r on GPU r mod count), so
+    one GPU can test multi-rank code with CUDA tensors (point-to-point messages then travel
+    through CPU copies, which gloo needs).
     """
     _check_arguments(fn, world_size, timeout)
     resolved = resolve_backend(backend, world_size)
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device must be None, 'cpu' or 'cuda', not {device!r}")
+    if device == "cuda" and resolved != "gloo":
+        raise ValueError("device='cuda' is for gloo ranks sharing GPUs (backend='gloo'); "
+                         "under NCCL each rank has its own GPU already")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' needs a CUDA GPU, and none is visible here")
     _SERVER.start()  # a no-op unless it is not running (first call, or it was killed)
     body = _restarting(_serialise, fn, args, kwargs)
     sys.stdout.flush(), sys.stderr.flush()
@@ -246,7 +256,8 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto",
         settings = pickle.dumps({"world_size": world_size, "backend": resolved,
                                  "timeout": float(timeout), "sys_path": list(sys.path),
                                  "cwd": os.getcwd(), "store": os.path.join(workdir, "store"),
-                                 "hide_gpu": backend == "auto" and resolved == "gloo"})
+                                 "hide_gpu": backend == "auto" and resolved == "gloo",
+                                 "device": device})
         try:
             with tempfile.TemporaryFile(dir=workdir) as payload:
                 payload.write(len(settings).to_bytes(8, "big") + settings + body)

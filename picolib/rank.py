@@ -65,13 +65,16 @@ def _listen_on_loopback() -> None:
     os.environ["NCCL_SOCKET_IFNAME"] = lo
 
 
-def join_group(backend: str, **init_kwargs) -> None:
+def join_group(backend: str, device: str | None = None, **init_kwargs) -> None:
     """Under NCCL, CUDA tensors go over NCCL and CPU tensors over gloo (one group, two
-    backends), so code that all-reduces a CPU scalar works on GPUs too."""
+    backends), so code that all-reduces a CPU scalar works on GPUs too. A gloo rank computes
+    on the CPU, or with device="cuda" on the GPU it was given (torch.cuda.set_device)."""
     global _DEVICE
     if backend == "nccl":
         _DEVICE = torch.device("cuda", torch.cuda.current_device())
         backend = "cpu:gloo,cuda:nccl"
+    elif device == "cuda":
+        _DEVICE = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend, **init_kwargs)
 
 
@@ -149,6 +152,8 @@ def rank_main(rank: int, conn_fd: int, stack_fd: int, payload_fd: int) -> int:
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        elif settings.get("device") == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         try:
             fn, args, kwargs = cloudpickle.loads(body)
         except Exception as e:
@@ -163,7 +168,8 @@ def rank_main(rank: int, conn_fd: int, stack_fd: int, payload_fd: int) -> int:
         store = dist.FileStore(settings["store"], world_size)
         store.set_timeout(grace)
         _listen_on_loopback()
-        join_group(backend, store=store, rank=rank, world_size=world_size, timeout=grace)
+        join_group(backend, settings.get("device"), store=store, rank=rank,
+                   world_size=world_size, timeout=grace)
         result = _to_cpu(fn(*args, **kwargs))
         try:
             payload = cloudpickle.dumps(result)
