@@ -172,7 +172,11 @@ def _split_dp(device_mesh: DeviceMesh, ep: int) -> DeviceMesh:
     dp = device_mesh.size(DIMS.index("dp"))
     names = ("pp", "ep_block", "ep", "cp", "tp")
     if hasattr(device_mesh, "_unflatten"):
-        return device_mesh._unflatten("dp", (dp // ep, ep), names[1:3])
+        for dim in ("dp", DIMS.index("dp")):      # torch 2.11 takes the index, 2.13 the name
+            try:
+                return device_mesh._unflatten(dim, (dp // ep, ep), names[1:3])
+            except (ValueError, TypeError):       # refused before any group is made
+                pass
     grid = device_mesh.mesh
     shape = (grid.shape[0], dp // ep, ep, *grid.shape[2:])
     return DeviceMesh(device_mesh.device_type, grid.reshape(shape), mesh_dim_names=names)

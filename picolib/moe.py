@@ -330,7 +330,8 @@ def install(model: TinyLlama, layers, aux_weight: float) -> TinyLlama:
     if moe_layers(model):
         raise ValueError("this model has MoE layers already")
     for block, layer in zip(model.blocks, layers, strict=True):
-        block.mlp = layer
+        dense = next(block.mlp.parameters(), None)   # the experts live where the MLP did
+        block.mlp = layer if dense is None else layer.to(dense.device)
     if model.loss_fn is not None:
         model.loss_fn = MoELoss(model.loss_fn, layers, aux_weight)
     return model
