@@ -33,10 +33,13 @@ __all__ = ["PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "transform"
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 WSD_DECAY = 0.2   # wsd (warmup-stable-decay): the last 20% of the steps after warmup decay
 
-PRESETS = {  # model shapes: a few hundred thousand to a few million parameters
+PRESETS = {  # model shapes: a few hundred thousand to a few million parameters (150m: for a GPU)
     "tiny": dict(hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64),
     "small": dict(hidden=64, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=192),
     "base": dict(hidden=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=768),
+    # for a GPU: 145 M parameters, SDPA attention (the flash kernel under bf16)
+    "150m": dict(hidden=1024, n_layers=12, n_heads=16, n_kv_heads=4, ffn_hidden=3072,
+                 attn_impl="sdpa"),
 }
 
 
