@@ -245,7 +245,8 @@ def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
     the same micro-batch. Returns (FSDP2's bytes held — the local shards of its DTensors —,
     FSDP2's calls {op: sorted full-buffer sizes}, ZeRO's `memory()`, ZeRO's ledger summary,
     ZeRO's unit sizes). FSDP2's calls are counted by wrapping `dist.all_gather_single` and
-    `dist.reduce_scatter_single` for the duration of its step."""
+    `dist.reduce_scatter_single` (before torch 2.12: `all_gather_into_tensor` and
+    `reduce_scatter_tensor`) for the duration of its step."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -255,7 +256,10 @@ def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
     from ..zero import ZeRO
 
     calls = {"all_gather": [], "reduce_scatter": []}
-    wrapped = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
+    names = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
+    if not hasattr(dist, "all_gather_single"):
+        names = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+    wrapped = {op: getattr(dist, name) for op, name in names.items()}
 
     def counting(op):
         def call(output, input, *args, **kwargs):
@@ -264,7 +268,8 @@ def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
         return call
 
     x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())
-    dist.all_gather_single, dist.reduce_scatter_single = counting("all_gather"), counting("reduce_scatter")
+    for op, name in names.items():
+        setattr(dist, name, counting(op))
     try:
         model = TinyLlama(cfg)
         for block in model.blocks:                  # bottom-up: each block, then the root
@@ -274,7 +279,8 @@ def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
         model.loss(x, y).backward()
         opt.step()
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single = wrapped.values()
+        for op, name in names.items():
+            setattr(dist, name, wrapped[op])
     fsdp = {"params": _local_bytes(model.parameters()),
             "grads": _local_bytes(p.grad for p in model.parameters()),
             "optimizer": _local_bytes(v for s in opt.state.values() for k, v in s.items() if k != "step")}

@@ -91,14 +91,17 @@ def masked_softmax(scores, mask):
     return (scores / 8.0).masked_fill(mask, float("-inf")).softmax(-1)
 
 
-def check_fused_rmsnorm(norm, rows: int = 32, device="cpu", seed: int = 0) -> dict | None:
+def check_fused_rmsnorm(norm, rows: int = 32, device=None, seed: int = 0) -> dict | None:
     """The Triton RMSNorm of `picolib.fused_rmsnorm` against `norm` (a picolib RMSNorm, its
     weight randomised): {"y", "dx", "dw": max abs differences, "mode": interpreter or
-    compiled}; None when Triton is not installed."""
+    compiled}; None when Triton is not installed. `device`: by default the CPU under
+    Triton's interpreter, the GPU where Triton compiles (its kernels read GPU memory only)."""
     try:
         from ..fused_rmsnorm import interpreted, rmsnorm
     except ImportError:
         return None
+    device = device or ("cpu" if interpreted() else "cuda")
+    norm = norm.to(device)
     g = torch.Generator().manual_seed(seed)
     hidden = norm.weight.numel()
     with torch.no_grad():
