@@ -27,13 +27,13 @@ from .rank import device
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from .zero import ZeRO
 
-__all__ = ["PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "transform", "build",
+__all__ = ["MODEL_PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "transform", "build",
            "decay_groups", "lr_factor"]
 
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 WSD_DECAY = 0.2   # wsd (warmup-stable-decay): the last 20% of the steps after warmup decay
 
-PRESETS = {  # model shapes: a few hundred thousand to a few million parameters (150m: for a GPU)
+MODEL_PRESETS = {  # model shapes: a few hundred thousand to a few million parameters (150m: for a GPU)
     "tiny": dict(hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64),
     "small": dict(hidden=64, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=192),
     "base": dict(hidden=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=768),
@@ -88,14 +88,59 @@ class TrainConfig:
         return self.dp * self.tp * self.pp * self.cp
 
     def model_config(self) -> LlamaConfig:
-        return LlamaConfig(**PRESETS[self.preset], max_seq=max(self.seq, 16), seed=self.seed,
+        return LlamaConfig(**MODEL_PRESETS[self.preset], max_seq=max(self.seq, 16), seed=self.seed,
                            recompute=self.recompute)
+
+    @classmethod
+    def from_plan(cls, plan, **options) -> "TrainConfig":
+        """The run of a planner's `Plan` (picolib.planner; each `plan_search.search` result's
+        "plan"), in the trainer's words: dp, tp, pp, cp, ep, zero, sp, schedule,
+        micro_batches, seq, recompute and precision as they are; the planner's `v` as
+        `chunks` (interleaved), its `micro_batch_size` as the global `batch` (dp ×
+        micro_batches × micro_batch_size), its `MoEShape` as `experts` and `top_k`, the model
+        as the preset of its shape (`MODEL_PRESETS`; the dry run's large ones too).
+        `options`: the rest of the run (steps, lr, data, ...); one that contradicts the plan
+        is refused. A ValueError names what the trainer cannot run as planned (a model of no
+        preset's shape, fp8, shared experts, experts of another size than the preset's MLP);
+        `check_config` then judges the layout as for any run. The planner's own assumptions
+        (`activations`, `flash`, `fp32_grad_accum`) change what it counts, not what runs."""
+        from .dry_run import LARGE_PRESETS
+        par, moe, shape = plan.par, plan.moe, ("vocab_size", "hidden", "n_layers", "n_heads",
+                                                "n_kv_heads", "ffn_hidden")
+        want = {k: getattr(plan.model, k) for k in shape}
+        presets = {name: LlamaConfig(**kw) for name, kw in {**MODEL_PRESETS, **LARGE_PRESETS}.items()}
+        preset = next((n for n, c in presets.items() if {k: getattr(c, k) for k in shape} == want), None)
+        if preset is None:
+            raise ValueError(f"the plan's model ({', '.join(f'{k}={v}' for k, v in want.items())}) "
+                             f"has the shape of no preset ({', '.join(presets)})")
+        if par.precision not in ("fp32", "bf16"):
+            raise ValueError(f"the plan's precision {par.precision!r}: the trainer runs fp32 or bf16")
+        layout = dict(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero,
+                      sp=par.sp, schedule=par.schedule, micro_batches=par.micro_batches,
+                      batch=par.dp * par.micro_batches * par.micro_batch_size, seq=par.seq,
+                      recompute=par.recompute, precision=par.precision, preset=preset, experts=0)
+        if par.schedule == "interleaved":
+            layout["chunks"] = par.v
+        if moe is not None:
+            if moe.shared:
+                raise ValueError(f"the plan's MoE has {moe.shared} shared experts; the trainer's "
+                                 "have none")
+            if moe.expert_ffn != presets[preset].ffn_hidden:
+                raise ValueError(f"the plan's experts have expert_ffn={moe.expert_ffn}; the "
+                                 f"trainer's are the {preset} preset's MLP, "
+                                 f"ffn_hidden={presets[preset].ffn_hidden}")
+            layout.update(experts=moe.n_experts, top_k=moe.top_k)
+        for k, v in options.items():
+            if k in layout and v != layout[k]:
+                raise ValueError(f"--{k.replace('_', '-')} {v} contradicts the plan "
+                                 f"({k}={layout[k]!r})")
+        return cls(**{**options, **layout})
 
 
 def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Refuse a configuration before any process starts, naming the numbers."""
-    if cfg.preset not in PRESETS:
-        raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {sorted(PRESETS)}")
+    if cfg.preset not in MODEL_PRESETS:
+        raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {sorted(MODEL_PRESETS)}")
     check_mesh(cfg.world_size if world_size is None else world_size,
                **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
     for name in ("batch", "seq", "steps", "micro_batches", "chunks"):
@@ -140,6 +185,10 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         if len(sched.stage_ranks) > mcfg.n_layers:
             raise ValueError(f"{len(sched.stage_ranks)} pipeline stages need at least as many "
                              f"layers; the {cfg.preset} preset has {mcfg.n_layers}")
+        pieces = len(sched.pipes[0][0])      # the model's pieces (DualPipe: two copies of p)
+        if mcfg.n_layers % pieces:           # what pipeline_parallel.partition would refuse on the ranks
+            raise ValueError(f"{mcfg.n_layers} layers do not split evenly into {pieces} stages "
+                             f"(the {cfg.preset} preset; the trainer's stages hold equal layers)")
         if cfg.zero == 3:
             raise ValueError("ZeRO-3 × pipeline parallelism is not supported: ZeRO-3 frees a "
                              "stage's parameters after each forward while a schedule keeps "

@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -60,16 +60,16 @@ KINDS = ("dp", "tp", "pp", "cp", "ep")
 
 @contextlib.contextmanager
 def _with_presets():
-    """compose.PRESETS with the large ones added while it is open (the real trainer never
+    """compose.MODEL_PRESETS with the large ones added while it is open (the real trainer never
     sees them: it refuses them as unknown presets)."""
     from . import compose
-    added = [n for n in LARGE_PRESETS if n not in compose.PRESETS]
-    compose.PRESETS.update({n: LARGE_PRESETS[n] for n in added})
+    added = [n for n in LARGE_PRESETS if n not in compose.MODEL_PRESETS]
+    compose.MODEL_PRESETS.update({n: LARGE_PRESETS[n] for n in added})
     try:
         yield
     finally:
         for n in added:
-            compose.PRESETS.pop(n, None)
+            compose.MODEL_PRESETS.pop(n, None)
 
 
 def representatives(cfg: TrainConfig) -> list[int]:
@@ -188,7 +188,7 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
     from .context_parallel import shard_sequence
     from .memory import SavedActivations
     from .mesh import Mesh
-    compose.PRESETS.update(LARGE_PRESETS)   # this process is the dry run's own rank
+    compose.MODEL_PRESETS.update(LARGE_PRESETS)   # this process is the dry run's own rank
     cfg = cfg if isinstance(cfg, TrainConfig) else TrainConfig(**cfg)
     check_config(cfg, world)
     torch.set_num_threads(1)
@@ -264,7 +264,8 @@ def main(argv=None) -> list[dict]:
     args = vars(parser.parse_args(argv))
     world, gpu, out = args.pop("world"), args.pop("gpu"), args.pop("json")
     args.pop("nproc"), args.pop("backend"), args.pop("dry_run", None)
-    cfg = TrainConfig(**{**args, "progress": False})
+    from .train import config_from_args
+    cfg = replace(config_from_args(parser, argv, args), progress=False)   # args or --plan FILE
     try:
         if gpu is not None:
             from .hardware import hardware

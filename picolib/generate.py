@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import check_resume, latest, load
-from .compose import PRESETS
+from .compose import MODEL_PRESETS
 from .model import KVCache, LlamaConfig, TinyLlama
 
 __all__ = ["generate", "sample", "model_from_checkpoint", "main"]
@@ -70,12 +70,12 @@ def model_from_checkpoint(path, preset: str | None = None, max_seq: int = 256,
     if latest(path) is None:
         raise ValueError(f"{path}: no complete checkpoint in it (a folder written by "
                          f"`python -m picolib.train --save`, or one of its step-NNNNNN folders)")
-    names = [preset] if preset else list(PRESETS)
+    names = [preset] if preset else list(MODEL_PRESETS)
     why = {}
     for name in names:
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-        cfg = LlamaConfig(**PRESETS[name], max_seq=max(max_seq, 16), attn_impl=attn_impl)
+        if name not in MODEL_PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(MODEL_PRESETS)}")
+        cfg = LlamaConfig(**MODEL_PRESETS[name], max_seq=max(max_seq, 16), attn_impl=attn_impl)
         try:
             step = check_resume(path, cfg)
         except ValueError as e:
@@ -88,7 +88,7 @@ def model_from_checkpoint(path, preset: str | None = None, max_seq: int = 256,
         return model.eval(), name, step
     if preset:
         raise ValueError(f"--preset {preset}: {why[preset]}")
-    raise ValueError(f"{path}: its shapes match no preset ({', '.join(PRESETS)}); "
+    raise ValueError(f"{path}: its shapes match no preset ({', '.join(MODEL_PRESETS)}); "
                      f"{why[names[0]]}")
 
 
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="softmax temperature; 0 = greedy (the likeliest token each step)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--preset", default=None,
-                   help="model size (" + ", ".join(PRESETS) + "); default: the one the checkpoint's shapes match")
+                   help="model size (" + ", ".join(MODEL_PRESETS) + "); default: the one the checkpoint's shapes match")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     return p
 

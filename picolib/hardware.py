@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .comm import ring_sent_bytes
 
-__all__ = ["Level", "Hardware", "PRESETS", "hardware", "ring_time", "tree_all_reduce_time",
+__all__ = ["Level", "Hardware", "GPUS", "hardware", "ring_time", "tree_all_reduce_time",
            "sharp_all_reduce_time", "all_reduce_bandwidth", "hierarchical_all_reduce_time",
            "critical_tokens_dp", "critical_tokens_moe", "tp_ffn_threshold", "max_tp_degree",
            "pp_min_stage_params", "ALPHA", "superpod_levels", "ring_all_reduce_levels"]
@@ -97,15 +97,15 @@ class Hardware:
 
 _NVLINK4, _NVLINK5, _IB = 18 * 25e9, 18 * 50e9, 400e9 / 8
 _SWITCH = 64 * 25e9
-PRESETS = {
+GPUS = {   # each GPU with its network, by name (`hardware(name)`, the dry run's --gpu NAME)
     "H100-SXM": Hardware("H100-SXM", 989e12, 1979e12, 80e9, 3.35e12, (
         Level("node", 8, _NVLINK4, min(8 * _NVLINK4, 4 * _SWITCH)),
         Level("leaf", 256, _IB, min(256 * _IB, 8 * _SWITCH)),
         Level("spine", 1024, _IB / 2, min(32 * 16 * 2 * _IB, 16 * _SWITCH)))),
 }
-PRESETS["H200-SXM"] = Hardware("H200-SXM", 989e12, 1979e12, 141e9, 4.8e12, PRESETS["H100-SXM"].levels)
+GPUS["H200-SXM"] = Hardware("H200-SXM", 989e12, 1979e12, 141e9, 4.8e12, GPUS["H100-SXM"].levels)
 # NVL72 racks joined by one 400 Gb/s NIC per GPU in a non-blocking fat tree (assumed)
-PRESETS["GB200-NVL72"] = Hardware("GB200-NVL72", 2.5e15, 5e15, 186e9, 8e12, (
+GPUS["GB200-NVL72"] = Hardware("GB200-NVL72", 2.5e15, 5e15, 186e9, 8e12, (
     Level("node", 72, _NVLINK5, 72 * _NVLINK5), Level("scale-out", 2**17, _IB, 2**17 * _IB)))
 # H800 (SXM), as DeepSeek-V3 trained on it. The DeepSeek-V3 technical report (DeepSeek-AI,
 # 2024, §3.1): 2,048 H800s, 8 per node over NVLink and NVSwitch, InfiniBand across nodes;
@@ -113,7 +113,7 @@ PRESETS["GB200-NVL72"] = Hardware("GB200-NVL72", 2.5e15, 5e15, 186e9, 8e12, (
 # effective rate, used here as the per-GPU NVLink bandwidth. Dense peaks as H100 SXM's (989
 # BF16, 1,979 FP8 TFLOP/s; the H800 differs in its NVLink), 80 GB. The fabric above the
 # node: one 50 GB/s NIC per GPU in a non-blocking fat tree (assumed).
-PRESETS["H800"] = Hardware("H800", 989e12, 1979e12, 80e9, 3.35e12, (
+GPUS["H800"] = Hardware("H800", 989e12, 1979e12, 80e9, 3.35e12, (
     Level("node", 8, 160e9, 8 * 160e9), Level("scale-out", 2048, _IB, 2048 * _IB)))
 
 
@@ -121,9 +121,9 @@ def hardware(name: "str | Hardware") -> Hardware:
     """A preset by name (or a Hardware as it is); a clear error for an unknown name."""
     if isinstance(name, Hardware):
         return name
-    if name not in PRESETS:
-        raise ValueError(f"unknown hardware {name!r}; presets: {sorted(PRESETS)}")
-    return PRESETS[name]
+    if name not in GPUS:
+        raise ValueError(f"unknown hardware {name!r}; known (picolib.hardware.GPUS): {sorted(GPUS)}")
+    return GPUS[name]
 
 
 # --------------------------------------------------------------------------- collectives

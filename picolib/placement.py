@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from .hardware import hardware
 from .model import LlamaConfig
-from .planner import MoE, Parallelism, traffic
+from .planner import MoEShape, Parallelism, traffic
 
 __all__ = ["DIMS", "GROUPS", "level_bytes", "hop_level"]
 
@@ -41,7 +41,7 @@ def hop_level(a: int, b: int, hw) -> str:
 
 
 def level_bytes(cfg: LlamaConfig, par: Parallelism, order=DIMS, hw="H100-SXM",
-                moe: MoE | None = None) -> dict:
+                moe: MoEShape | None = None) -> dict:
     """{kind: {level: bytes}} for kinds "dp", "tp", "pp", "cp" and "total": the bytes one step
     sends across each network level of `hw`, summed over all GPUs, with the GPUs numbered
     row-major over `order` (a permutation of pp, dp, cp, tp; outermost first)."""

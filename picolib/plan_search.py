@@ -22,13 +22,14 @@ import itertools
 
 from .hardware import ALPHA, hardware
 from .model import LlamaConfig, param_count
-from .planner import MoE, Parallelism, layer_numel, memory, traffic
+from .planner import MoEShape, Parallelism, Plan, layer_numel, memory, traffic
 
-__all__ = ["active_params", "tp_comm_ratio", "step_time", "search", "describe", "matmul_seconds",
+__all__ = ["active_params", "tp_comm_ratio", "step_time", "search", "trainer_refuses", "describe",
+           "matmul_seconds",
            "attention_flops", "model_flops_per_token", "MATMUL_CEILING"]
 
 
-def active_params(cfg: LlamaConfig, moe: MoE | None = None) -> float:
+def active_params(cfg: LlamaConfig, moe: MoEShape | None = None) -> float:
     """Parameters a token passes through (6N FLOPs per token use these): all of a dense
     model; for a MoE the k routed and the shared experts of each layer."""
     n = param_count(cfg)
@@ -90,7 +91,7 @@ def attention_flops(cfg: LlamaConfig, seq: int, causal: bool = True) -> float:
     return 4 * seq * cfg.n_heads * cfg.head_dim / (2 if causal else 1)
 
 
-def model_flops_per_token(cfg: LlamaConfig, seq: int, moe: MoE | None = None,
+def model_flops_per_token(cfg: LlamaConfig, seq: int, moe: MoEShape | None = None,
                           causal: bool = True) -> float:
     """Model FLOPs per token of one training step: 6 × the active parameters (forward 2,
     backward 4) plus 3 × each layer's attention core (`attention_flops`). The MFU convention
@@ -184,7 +185,7 @@ def _dp_seconds(cfg, par, hw, moe, pp_rank):
     return out
 
 
-def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoE | None = None,
+def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | None = None,
               efficiency: float | None = None, alpha: float = ALPHA, *,
               ceiling: float = MATMUL_CEILING, ep_overlap: float = 1.0,
               ep_nodes: int | None = None, causal: bool = True) -> dict:
@@ -298,14 +299,27 @@ _CHEAPEST_FIRST = [(0, "none"), (1, "none"), (2, "none"), (0, "selective"), (1, 
                    (2, "full"), (3, "full")]
 
 
+def trainer_refuses(plan: Plan) -> str | None:
+    """Why picolib's trainer cannot run `plan` as it is (`TrainConfig.from_plan`, then
+    `check_config`, a published model's shape as its dry-run preset), or None when it can."""
+    from .compose import TrainConfig, check_config
+    from .dry_run import _with_presets
+    try:
+        with _with_presets():
+            check_config(TrainConfig.from_plan(plan))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _divisors(n: int, upto: int) -> list[int]:
     return [d for d in range(1, min(n, upto) + 1) if n % d == 0]
 
 
 def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-SXM",
-           moe: MoE | None = None, top: int = 5, usable: float = 0.9, efficiency: float | None = None,
+           moe: MoEShape | None = None, top: int = 5, usable: float = 0.9, efficiency: float | None = None,
            precision: str = "bf16", max_pp: int = 32, max_cp: int = 1,
-           activations: str = "korthikanti") -> list[dict]:
+           activations: str = "korthikanti", trainer: bool = False) -> list[dict]:
     """The `top` fastest configurations of `cfg` on `n_gpus` GPUs for a step of
     `global_batch` sequences of `seq` tokens whose per-rank memory (every pipeline rank)
     fits in `usable` × the GPU's memory (the rest: allocator, buffers, workspace — an
@@ -316,7 +330,11 @@ def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-
     activation count; with "picolib" (the Llama block picolib runs, measured) recompute
     "none" would keep the eager s×s scores that a flash kernel never saves, so the ladder
     starts at "selective" (the scores recomputed in backward, as flash attention does).
-    Each result: {"par", "memory" (the worst rank), "time" (step_time)}."""
+    `trainer=True` keeps only layouts picolib's trainer runs as they are (`trainer_refuses`):
+    where it refuses the cheapest that fits (ZeRO-3 with recomputation, a pipeline that
+    does not split the layers evenly), the search goes on down the ladder. Each result: {"par", "plan" (`planner.Plan`: the model, `par` and `moe`, which
+    `Plan.to_json` writes and the trainer runs: `python -m picolib.train --plan FILE`),
+    "memory" (the worst rank), "time" (step_time)}."""
     hw = hardware(hw)
     if n_gpus < 1 or global_batch < 1 or seq < 1:
         raise ValueError(f"n_gpus, global_batch and seq must be positive; got {n_gpus}, "
@@ -346,14 +364,16 @@ def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-
                 except ValueError:
                     break
                 if mem["total"] <= budget:
-                    found.append({"par": par, "memory": mem,
+                    if trainer and trainer_refuses(Plan(cfg, par, moe)):
+                        continue
+                    found.append({"par": par, "plan": Plan(cfg, par, moe), "memory": mem,
                                   "time": step_time(cfg, par, hw, moe, efficiency)})
                     break
     found.sort(key=lambda r: r["time"]["seconds"])
     return found[:top]
 
 
-def describe(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoE | None = None,
+def describe(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | None = None,
              efficiency: float | None = None) -> str:
     """A plan in a few lines: degrees, memory of the worst rank, step time and MFU."""
     hw = hardware(hw)
@@ -370,3 +390,61 @@ def describe(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoE | None 
             f"TP {t['tp']:.2f}, exposed DP {t['dp_exposed']:.2f}, PP {t['pp']:.3f}); "
             f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} "
             f"({'roofline matmuls' if efficiency is None else f'efficiency {efficiency}'})")
+
+
+# --------------------------------------------------------------------------- command line
+
+def build_parser():
+    import argparse
+    p = argparse.ArgumentParser(
+        prog="python -m picolib.plan_search",
+        description="Search the layouts of a model on N GPUs that fit and that picolib's trainer "
+                    "runs as they are; print the fastest and write the best as a plan for "
+                    "`python -m picolib.train --plan FILE` (or --dry-run --plan FILE).")
+    p.add_argument("--preset", default="tiny", help="model shape: a trainer or dry-run preset "
+                   "(picolib.compose.MODEL_PRESETS, picolib.dry_run.LARGE_PRESETS)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) of the run")
+    p.add_argument("--batch", type=int, required=True, help="global batch in sequences per step")
+    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--gpu", default="H100-SXM", help="the GPU and its network (picolib.hardware.GPUS)")
+    p.add_argument("--experts", type=int, default=0, help="a mixture of this many experts per MLP "
+                   "(the preset's MLP each, as the trainer builds them); 0: dense")
+    p.add_argument("--top-k", type=int, default=1, help="experts per token")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--activations", default="korthikanti", choices=["korthikanti", "picolib"],
+                   help="the planner's count of saved activations")
+    p.add_argument("--max-pp", type=int, default=32, help="the most pipeline stages tried")
+    p.add_argument("--top", type=int, default=3, help="plans to print")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the best plan here (Plan.to_json)")
+    return p
+
+
+def main(argv=None) -> list[dict]:
+    from .compose import MODEL_PRESETS
+    from .dry_run import LARGE_PRESETS
+    from .model import LlamaConfig
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    presets = {**MODEL_PRESETS, **LARGE_PRESETS}
+    if a.preset not in presets:
+        parser.error(f"unknown preset {a.preset!r}; choose one of {', '.join(presets)}")
+    cfg = LlamaConfig(**presets[a.preset])
+    moe = MoEShape(a.experts, a.top_k, cfg.ffn_hidden) if a.experts else None
+    try:
+        found = search(cfg, a.gpus, a.batch, a.seq, a.gpu, moe, top=a.top, precision=a.precision,
+                       max_pp=a.max_pp, activations=a.activations, trainer=True)
+    except ValueError as e:
+        parser.error(str(e))
+    if not found:
+        parser.error(f"no layout of {a.preset} on {a.gpus} × {a.gpu} fits and runs in picolib's trainer")
+    for r in found:
+        print(describe(cfg, r["par"], a.gpu, moe), "\n")
+    if a.json:
+        found[0]["plan"].to_json(a.json)
+        dry = " --dry-run" if a.preset in LARGE_PRESETS else ""   # a shape only the dry run builds
+        print(f"the best plan written to {a.json}: python -m picolib.train{dry} --plan {a.json}")
+    return found
+
+
+if __name__ == "__main__":
+    main()

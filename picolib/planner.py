@@ -1,8 +1,8 @@
 """The planner: bytes per rank and bytes on the wire of any 5-D configuration (lesson 11).
 
-What: for a Llama-shaped model (a `LlamaConfig`, optionally with a `MoE` MLP) and a
-`Parallelism` (dp with ZeRO stage 0-3, tp with or without SP, pp with its schedule and
-micro-batches, cp, ep, recomputation, precision):
+What: for a Llama-shaped model (a `LlamaConfig`, optionally with a `MoEShape`: the shape of
+its mixture-of-experts MLPs) and a `Parallelism` (dp with ZeRO stage 0-3, tp with or
+without SP, pp with its schedule and micro-batches, cp, ep, recomputation, precision):
 - `rank_units`: the parameters one rank holds, as ZeRO's units (root, then each block);
 - `memory`: parameters, gradients, optimizer state and saved activations of one rank — the
   activations of every micro-batch its pipeline schedule keeps in flight, read off the
@@ -29,7 +29,8 @@ Step time, MFU and the search over configurations are in `picolib.plan_search`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import json
+from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 
 from .comm import ring_sent_bytes
@@ -40,7 +41,7 @@ from .sequence_parallel import activation_bytes_per_layer, korthikanti_bytes_per
 from .sharded_optim import optimizer_state_factor, zero_memory_bytes, zero_traffic_bytes
 from .tensor_parallel import kv_heads_per_rank
 
-__all__ = ["MoE", "Parallelism", "check", "layer_numel", "rank_units", "rank_layers",
+__all__ = ["MoEShape", "Parallelism", "Plan", "check", "layer_numel", "rank_units", "rank_layers",
            "stage_layers", "elem_bytes", "layer_activation_bytes", "in_flight", "memory", "traffic",
            "expert_numel", "dp_groups", "stage_piece", "runtime_overhead",
            "RUNTIME_OVERHEAD", "LLAMA3_70B", "LLAMA3_405B"]
@@ -53,7 +54,7 @@ LLAMA3_405B = LlamaConfig(vocab_size=128256, hidden=16384, n_layers=126, n_heads
 
 
 @dataclass(frozen=True)
-class MoE:
+class MoEShape:
     """Every block's MLP becomes `n_experts` SwiGLU experts of inner size `expert_ffn` (each
     token uses `top_k`), plus `shared` always-on experts and a router (h·E weights)."""
     n_experts: int
@@ -66,7 +67,8 @@ class MoE:
 class Parallelism:
     """One configuration. GPUs = dp·tp·pp·cp; ep splits the experts over ep of the dp ranks.
     A step is `micro_batches` (m) micro-batches of `micro_batch_size` sequences of `seq`
-    tokens on each data-parallel replica: gbs = dp·m·mbs sequences."""
+    tokens on each data-parallel replica: gbs = dp·m·mbs sequences. The trainer's names for
+    the same layout (`v` its `chunks`, gbs its `batch`): `TrainConfig.from_plan`."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -93,13 +95,58 @@ class Parallelism:
         return replace(self, **changes)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A model and a layout for it: what `plan_search.search` finds (each result's "plan"),
+    what `TrainConfig.from_plan` and `python -m picolib.train --plan FILE` run. `to_json` /
+    `from_json` write and read it as {"model": LlamaConfig's fields, "par": Parallelism's,
+    "moe": MoEShape's or null}."""
+    model: LlamaConfig
+    par: Parallelism
+    moe: MoEShape | None = None
+
+    def to_json(self, path: str | None = None) -> str:
+        """The plan as JSON text; also written to `path` when given."""
+        text = json.dumps({"model": asdict(self.model), "par": asdict(self.par),
+                           "moe": None if self.moe is None else asdict(self.moe)}, indent=1)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """The plan `to_json` wrote (its text); a ValueError naming what is missing or unknown."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"a plan is JSON: {e}") from None
+        if not isinstance(d, dict) or not {"model", "par"} <= set(d) <= {"model", "par", "moe"}:
+            raise ValueError(f"a plan is a JSON object with keys model, par and moe (or null), "
+                             f"not {sorted(d) if isinstance(d, dict) else type(d).__name__}")
+        parts = {}
+        for key, kind in (("model", LlamaConfig), ("par", Parallelism), ("moe", MoEShape)):
+            if d.get(key) is None:
+                continue
+            known = {f.name for f in fields(kind)}
+            unknown = sorted(set(d[key]) - known)
+            if unknown:
+                raise ValueError(f"the plan's {key} has unknown fields {unknown}; "
+                                 f"{kind.__name__} has {sorted(known)}")
+            try:
+                parts[key] = kind(**d[key])
+            except TypeError as e:
+                raise ValueError(f"the plan's {key}: {e}") from None
+        return cls(**parts)
+
+
 def _positive(**values):
     for name, x in values.items():
         if isinstance(x, bool) or not isinstance(x, int) or x < 1:
             raise ValueError(f"{name} must be a positive integer, not {x!r}")
 
 
-def check(cfg: LlamaConfig, par: Parallelism, moe: MoE | None = None) -> None:
+def check(cfg: LlamaConfig, par: Parallelism, moe: MoEShape | None = None) -> None:
     """Raise a ValueError naming the numbers when `par` cannot run `cfg`."""
     _positive(**{f.name: getattr(par, f.name) for f in fields(par)
                  if f.name in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batches",
@@ -134,7 +181,7 @@ def check(cfg: LlamaConfig, par: Parallelism, moe: MoE | None = None) -> None:
             raise ValueError(f"ep={par.ep} must divide n_experts={moe.n_experts} and dp={par.dp}, "
                              f"and top_k={moe.top_k} ≤ n_experts")
     elif par.ep != 1:
-        raise ValueError(f"ep={par.ep} needs a MoE model (pass moe=MoE(...))")
+        raise ValueError(f"ep={par.ep} needs a MoE model (pass moe=MoEShape(...))")
 
 
 def elem_bytes(precision: str) -> int:
@@ -146,7 +193,7 @@ def elem_bytes(precision: str) -> int:
 
 # --------------------------------------------------------------------------- parameters
 
-def layer_numel(cfg: LlamaConfig, tp: int = 1, moe: MoE | None = None, ep: int = 1) -> int:
+def layer_numel(cfg: LlamaConfig, tp: int = 1, moe: MoEShape | None = None, ep: int = 1) -> int:
     """Parameters of one block on one of `tp` ranks (lesson 04's split): q and o split by
     heads, k and v this rank's KV heads, the SwiGLU matrices split along ffn_hidden, the two
     norms whole. With `moe`: E/ep experts of 3·h·f_e each (not split by tp), the shared
@@ -211,7 +258,7 @@ def _stage_parts(cfg: LlamaConfig, par: Parallelism, pp_rank: int):
 
 
 def rank_units(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0,
-               moe: MoE | None = None) -> list[int]:
+               moe: MoEShape | None = None) -> list[int]:
     """ZeRO's units on this rank (`picolib.sharded_optim.split_units`): the root's own
     parameters first — the vocab-split embedding on the first stage, the final norm and the
     vocab-split head on the last — then one unit per block (DualPipe: both copies)."""
@@ -224,7 +271,7 @@ def rank_units(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0,
     return ([root] if root else []) + [block] * sum(n for n, _, _ in parts)
 
 
-def expert_numel(cfg: LlamaConfig, par: Parallelism, moe: MoE | None = None) -> int:
+def expert_numel(cfg: LlamaConfig, par: Parallelism, moe: MoEShape | None = None) -> int:
     """Parameters of one block held by fewer ranks than the rest: the block's E/ep routed
     experts when ep > 1 (their replicas are the dp/ep·cp ranks of their edp group); 0 when
     there are none (ep = 1: every dp rank holds every expert)."""
@@ -234,7 +281,7 @@ def expert_numel(cfg: LlamaConfig, par: Parallelism, moe: MoE | None = None) -> 
 
 
 def dp_groups(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0,
-              moe: MoE | None = None) -> list[tuple[list[int], int]]:
+              moe: MoEShape | None = None) -> list[tuple[list[int], int]]:
     """The rank's parameters by the group that shares them, as ZeRO and DDP split them:
     [(unit numels, group size)] — everything over the dp·cp replicas, except the routed
     experts under ep > 1, which only their (dp/ep)·cp copies share (picolib.zero's
@@ -385,7 +432,7 @@ def runtime_overhead(par: Parallelism, tensor_bytes: float, context: float | Non
 
 
 def memory(cfg: LlamaConfig, par: Parallelism, pp_rank: int | None = None,
-           moe: MoE | None = None, overhead: bool = False) -> dict:
+           moe: MoEShape | None = None, overhead: bool = False) -> dict:
     """Bytes one rank holds at its peak: {"params", "grads", "optimizer", "activations",
     "total"}. Adam; fp32: 4 + 4 + 8 bytes per parameter, bf16/fp8: 2 + 2 + (4 master + 8)
     (`picolib.memory.bytes_per_param`); ZeRO shards over the ranks that hold the same
@@ -447,7 +494,7 @@ def _tp_bytes(cfg, par, first, last, layers, moe=None):
     return layers * block + ((rs + ag) if first else 0) + ((2 * ag + rs + norm) if last else 0) + loss
 
 
-def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoE | None = None,
+def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoEShape | None = None,
             bucket_numels: list | None = None) -> dict:
     """Bytes one rank sends in one step, by the ring formulas `picolib.comm.Ledger` records:
     {"dp", "tp", "pp", "cp", "ep", "total"}.

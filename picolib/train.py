@@ -35,17 +35,18 @@ import torch.distributed as dist
 from . import checkpoint
 from .clipping import clip_grad_norm_
 from .comm import Ledger
-from .compose import LR_SCHEDULES, PRESETS, TrainConfig, build, check_config, lr_factor
+from .compose import LR_SCHEDULES, MODEL_PRESETS, TrainConfig, build, check_config, lr_factor
 from .context_parallel import ALGORITHMS, LAYOUTS, shard_sequence
 from .memory import SavedActivations, hardware_flops, model_flops
 from .mesh import Mesh
 from .model import TextData, param_count, random_tokens
 from .pipeline_parallel import run_schedule
 from .pipeline_schedules import SCHEDULES
+from .planner import Plan
 from .rank import device
 from .timeline import Timeline, gather, to_chrome_trace
 
-__all__ = ["PRESETS", "TrainConfig", "check_config", "train", "main"]
+__all__ = ["MODEL_PRESETS", "TrainConfig", "check_config", "config_from_args", "train", "main"]
 
 DESCRIPTION = ("Train the tiny Llama on one process or on any mix of data (DDP or ZeRO-1/2/3), "
                "tensor (+ sequence), pipeline, context and expert parallelism; every layout "
@@ -333,7 +334,7 @@ HELP = {
 # the enumerated options: argparse refuses anything else and --help lists them
 CHOICES = {"schedule": list(SCHEDULES), "recompute": ["none", "selective", "full"],
            "precision": ["fp32", "bf16"], "cp_algorithm": list(ALGORITHMS),
-           "cp_layout": list(LAYOUTS), "data": ["text", "random"], "preset": list(PRESETS),
+           "cp_layout": list(LAYOUTS), "data": ["text", "random"], "preset": list(MODEL_PRESETS),
            "lr_schedule": list(LR_SCHEDULES),
            "zero": [0, 1, 2, 3]}
 
@@ -354,12 +355,33 @@ def build_parser() -> argparse.ArgumentParser:
             kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
             p.add_argument(*flags, type=kind, default=f.default, help=HELP[f.name],
                            choices=CHOICES.get(f.name))
+    p.add_argument("--plan", default=None, metavar="FILE",
+                   help="run this plan (picolib.planner.Plan.to_json, e.g. a plan_search result): "
+                        "its model and layout; the options given beside it set the rest and "
+                        "must agree with it")
     p.add_argument("--dry-run", action="store_true",
                    help="do not train: build this layout on meta tensors over a fake process "
                         "group of --world ranks and report each pipeline position's bytes "
                         "(held, saved, sent by kind); with --gpu NAME, whether it fits; "
                         "--json FILE writes them (python -m picolib.dry_run --help)")
     return p
+
+
+def config_from_args(parser: argparse.ArgumentParser, argv, args: dict) -> TrainConfig:
+    """The run a command line asks for: its options, or with --plan FILE the plan's model and
+    layout (`TrainConfig.from_plan`) plus the options typed beside it. A plan the trainer
+    cannot take, or an option that contradicts it: `parser.error` (one line, exit 2)."""
+    path = args.pop("plan")
+    if path is None:
+        return TrainConfig(**args)
+    unset = object()          # what argparse leaves alone: the options not on the command line
+    typed = vars(parser.parse_args(argv, argparse.Namespace(**{k: unset for k in args})))
+    try:
+        with open(path) as f:
+            plan = Plan.from_json(f.read())
+        return TrainConfig.from_plan(plan, **{k: args[k] for k in args if typed.get(k) is not unset})
+    except (OSError, ValueError) as e:
+        parser.error(f"--plan {path}: {e}")
 
 
 def main(argv=None) -> list[dict]:
@@ -374,7 +396,7 @@ def main(argv=None) -> list[dict]:
         parser.error("write --dry-run in full")
     if nproc is not None and nproc < 1:
         parser.error(f"--nproc must be at least 1, not {nproc}")
-    cfg = TrainConfig(**args)
+    cfg = config_from_args(parser, argv, args)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.world_size if nproc is None else nproc
     try:

@@ -11,16 +11,16 @@ import torch.distributed as dist
 from picolib import comm
 from picolib.comm import Ledger
 from picolib.data_parallel import assign_buckets
-from picolib.hardware import (PRESETS, Hardware, Level, all_reduce_bandwidth, ring_all_reduce_levels,
+from picolib.hardware import (GPUS, Hardware, Level, all_reduce_bandwidth, ring_all_reduce_levels,
                               ring_time, superpod_levels)
 from picolib.launch import run
 
 
 def test_the_books_switch_figure_gives_the_preset_and_infiniband_switches_a_non_blocking_spine():
-    assert superpod_levels(ib_switch=64 * 25e9) == PRESETS["H100-SXM"].levels
+    assert superpod_levels(ib_switch=64 * 25e9) == GPUS["H100-SXM"].levels
     node, leaf, spine = superpod_levels()
     assert (node.per_gpu, leaf.per_gpu, spine.per_gpu) == (450e9, 50e9, 50e9)
-    assert spine.total == 2 * PRESETS["H100-SXM"].levels[2].total
+    assert spine.total == 2 * GPUS["H100-SXM"].levels[2].total
     # the leaf sets the book's one-pass figure either way
     h = Hardware("ib", 1, 1, 1, 1, superpod_levels())
     assert all_reduce_bandwidth(h, 256) == all_reduce_bandwidth("H100-SXM", 256) == 400e9

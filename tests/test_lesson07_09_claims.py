@@ -3,7 +3,7 @@ without running the notebooks: DualPipe(V)'s micro-batch and rank requirements, 
 critical batch computed two ways (switch-level model against one GPU's own NIC)."""
 import pytest
 
-from picolib.hardware import (PRESETS, Hardware, Level, all_reduce_bandwidth, critical_tokens_dp,
+from picolib.hardware import (GPUS, Hardware, Level, all_reduce_bandwidth, critical_tokens_dp,
                               critical_tokens_moe)
 from picolib.pipeline_schedules import make_schedule
 
@@ -21,14 +21,14 @@ def test_dualpipe_and_dualpipev_need_2p_micro_batches(p):
 
 
 def test_400_gb_s_is_a_node_of_eight_nics():
-    h100, nic = PRESETS["H100-SXM"], 400e9 / 8
+    h100, nic = GPUS["H100-SXM"], 400e9 / 8
     assert h100.levels[1].per_gpu == nic
     assert all_reduce_bandwidth(h100, 256) == 8 * nic
     assert round(critical_tokens_dp(h100, 256)) == 1236            # the published figure
 
 
 def test_moe_critical_batch_two_ways():
-    h100 = PRESETS["H100-SXM"]
+    h100 = GPUS["H100-SXM"]
     levels = critical_tokens_moe(h100, 32, 256, 8, ep=64)
     own_nic = (256 / 64) / 8 * h100.bf16 / (2 * 50e9)
     assert levels == pytest.approx(own_nic, rel=1e-12)

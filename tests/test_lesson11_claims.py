@@ -11,13 +11,13 @@ import matplotlib
 import pytest
 
 from picolib.figure_check import problems
-from picolib.hardware import (PRESETS, Hardware, Level, critical_tokens_dp, hierarchical_all_reduce_time,
+from picolib.hardware import (GPUS, Hardware, Level, critical_tokens_dp, hierarchical_all_reduce_time,
                               ring_time, tp_ffn_threshold)
 from picolib.planner import LLAMA3_70B, Parallelism
 from picolib.tryit.lesson11 import plot_all_reduce, plot_candidates
 
 matplotlib.use("Agg")
-H100 = PRESETS["H100-SXM"]
+H100 = GPUS["H100-SXM"]
 
 
 def test_all_reduce_figure_keeps_the_latency_free_curve_off_the_1_mb_panel():

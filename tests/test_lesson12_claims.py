@@ -6,12 +6,12 @@ training run against bf16."""
 import torch
 
 from picolib.attention_io import largest_block, naive_bytes, tiled_attention, tiled_bytes
-from picolib.hardware import PRESETS
+from picolib.hardware import GPUS
 from picolib.roofline import op_time, ridge
 
 
 def test_h100_ridge_is_the_published_295_and_small_matmuls_fall_below_it():
-    h100 = PRESETS["H100-SXM"]
+    h100 = GPUS["H100-SXM"]
     assert round(ridge(h100.bf16, h100.hbm_bandwidth)) == int(990e12 / 3.35e12) == 295   # scaling book: "295"
 
     def intensity(m, k, n, elem=2):
@@ -72,7 +72,7 @@ def test_the_planner_prices_a_matmul_with_the_same_roofline():
     """The planner's per-matmul time (issue 25) and lesson 12's bound agree in method: the
     larger of FLOPs over (a fraction of) the peak and bytes over the HBM bandwidth."""
     from picolib.plan_search import matmul_seconds
-    h100 = PRESETS["H100-SXM"]
+    h100 = GPUS["H100-SXM"]
     for m, k, n in ((512, 64, 176), (4096, 4096, 14336), (128, 8192, 8192)):
         ours = op_time(2 * m * k * n, 2 * (m * k + k * n + m * n), 0.75 * h100.bf16, h100.hbm_bandwidth)
         assert abs(matmul_seconds(m, k, n, "H100-SXM", "bf16", ceiling=0.75) - ours) <= 1e-12 * ours
@@ -85,13 +85,13 @@ def test_chip_peaks_from_the_architecture_match_the_datasheets_and_presets():
         assert derived is None or abs(derived / chip["peak16"] - 1) < 0.005, name
     assert tensor_peak("B200") is None                     # reported only: no published SMs or clock
     for chip, preset in (("H100", "H100-SXM"), ("H200", "H200-SXM")):
-        hw = PRESETS[preset]
+        hw = GPUS[preset]
         assert abs(tensor_peak(chip) / hw.bf16 - 1) < 0.001 and CHIPS[chip]["hbm"] == hw.hbm_bandwidth
     # NVIDIA quotes NVLink both ways; the presets are per direction
-    assert CHIPS["H100"]["nvlink_both_ways"] / 2 == PRESETS["H100-SXM"].levels[0].per_gpu
-    assert CHIPS["B200"]["nvlink_both_ways"] / 2 == PRESETS["GB200-NVL72"].levels[0].per_gpu
+    assert CHIPS["H100"]["nvlink_both_ways"] / 2 == GPUS["H100-SXM"].levels[0].per_gpu
+    assert CHIPS["B200"]["nvlink_both_ways"] / 2 == GPUS["GB200-NVL72"].levels[0].per_gpu
     # the lecture notes' clock: 989e12 / 132 / 1.76e9 / 4 is not a whole 1,024 FLOPs per Tensor Core cycle
-    assert round(PRESETS["H100-SXM"].bf16 / 132 / 1.76e9 / 4) == 1064
+    assert round(GPUS["H100-SXM"].bf16 / 132 / 1.76e9 / 4) == 1064
     # the fp32 lanes, an FMA as 2 FLOPs, at 1.98 GHz: the datasheet's 67 TFLOP/s; Tensor Cores 15x
     fp32 = 132 * 4 * 32 * 2 * 1.98e9
     assert abs(fp32 / 67e12 - 1) < 0.005 and 14 < tensor_peak("H100") / fp32 < 16

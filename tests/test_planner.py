@@ -5,22 +5,22 @@ import math
 
 import pytest
 
-from picolib.hardware import (PRESETS, Hardware, all_reduce_bandwidth, critical_tokens_dp,
+from picolib.hardware import (GPUS, Hardware, all_reduce_bandwidth, critical_tokens_dp,
                               critical_tokens_moe, hardware, hierarchical_all_reduce_time,
                               max_tp_degree, pp_min_stage_params, ring_time,
                               sharp_all_reduce_time, tp_ffn_threshold, tree_all_reduce_time)
 from picolib.model import LlamaConfig
 from picolib.plan_search import active_params, describe, search, step_time, tp_comm_ratio
-from picolib.planner import (LLAMA3_70B, LLAMA3_405B, MoE, Parallelism, in_flight, layer_numel,
+from picolib.planner import (LLAMA3_70B, LLAMA3_405B, MoEShape, Parallelism, in_flight, layer_numel,
                              memory, rank_units, stage_layers, traffic)
 
-H100 = PRESETS["H100-SXM"]
+H100 = GPUS["H100-SXM"]
 
 
 def test_presets_state_dense_peaks_and_the_superpod_links():
     assert (H100.bf16, H100.fp8, H100.memory) == (989e12, 1979e12, 80e9)
-    assert PRESETS["H200-SXM"].memory == 141e9 and PRESETS["H200-SXM"].bf16 == 989e12
-    gb = PRESETS["GB200-NVL72"]
+    assert GPUS["H200-SXM"].memory == 141e9 and GPUS["H200-SXM"].bf16 == 989e12
+    gb = GPUS["GB200-NVL72"]
     assert (gb.bf16, gb.fp8, gb.node) == (180e15 / 72, 360e15 / 72, 72)   # rack totals / 72
     # node: 18 NVLink-4 links of 25 GB/s per GPU, 8 GPUs; leaf: 8 switches × 64 ports × 25 GB/s
     assert [lv.total for lv in H100.levels] == [8 * 18 * 25e9, 8 * 64 * 25e9, 16 * 64 * 25e9]
@@ -109,7 +109,7 @@ def test_traffic_by_hand():
     x = 2 * 16 * 32 * 2
     loss = 3 * 2 * (2 * 16 * 4) // 2
     assert traffic(cfg, tp)["tp"] == (4 * 4 + 2) * (2 * x // 2) + loss
-    moe = MoE(n_experts=8, top_k=2, expert_ffn=16)
+    moe = MoEShape(n_experts=8, top_k=2, expert_ffn=16)
     ep = Parallelism(dp=4, ep=4, seq=16, micro_batch_size=2)
     # 4 layers × (dispatch, combine) × (forward, backward) of k·tokens·h·2 bytes, 3/4 leaving;
     # plus each forward's counts: 3 other ranks × 2 local experts × 8 bytes, 4 layers
@@ -120,7 +120,7 @@ def test_tp_comm_ratio_agrees_with_the_planners_bytes_and_its_assumptions():
     """The one TP-cost function (lessons 05, 10, 11) sends what the planner's traffic counts for
     one layer (TP: 4 all-reduces; TP+SP: 10 units), and each assumption moves it as stated."""
     import dataclasses
-    hw = PRESETS["H100-SXM"]
+    hw = GPUS["H100-SXM"]
     for sp, units in ((False, 8), (True, 10)):
         par = Parallelism(tp=8, sp=sp, seq=4096, precision="bf16")
         two, three = (dataclasses.replace(LLAMA3_70B, n_layers=n) for n in (2, 3))
@@ -186,7 +186,7 @@ def test_search_finds_plans_that_fit_fastest_first():
 @pytest.mark.parametrize("call, message", [
     (lambda: hardware("H300"), "unknown hardware 'H300'"),
     (lambda: memory(LLAMA3_70B, Parallelism(tp=3)), "tp=3 must divide n_heads=64"),
-    (lambda: memory(LLAMA3_70B, Parallelism(tp=16, dp=4, ep=3), moe=MoE(8, 2, 64)),
+    (lambda: memory(LLAMA3_70B, Parallelism(tp=16, dp=4, ep=3), moe=MoEShape(8, 2, 64)),
      "ep=3 must divide n_experts=8"),
     (lambda: memory(LLAMA3_70B, Parallelism(dp=0)), "dp must be a positive integer, not 0"),
     (lambda: memory(LLAMA3_70B, Parallelism(seq=-4)), "seq must be a positive integer, not -4"),
@@ -214,7 +214,7 @@ def re_escape(s):
 
 
 def test_numbers_are_finite_for_every_preset():
-    for name in PRESETS:
+    for name in GPUS:
         assert math.isfinite(critical_tokens_dp(name, 4096)) and tp_ffn_threshold(name, 8) > 0
 
 
@@ -222,8 +222,8 @@ def test_h800_preset_is_the_deepseek_v3_report_links():
     """DeepSeek-V3's H800s: NVLink 160 GB/s effective and IB 50 GB/s (its technical report),
     the H100's dense peaks. Its DP bound in a node rises with the slower NVLink; the MoE bound
     with EP spanning nodes is the NICs', the same as on an H100."""
-    from picolib.hardware import PRESETS, critical_tokens_dp, critical_tokens_moe
-    h800, h100 = PRESETS["H800"], PRESETS["H100-SXM"]
+    from picolib.hardware import GPUS, critical_tokens_dp, critical_tokens_moe
+    h800, h100 = GPUS["H800"], GPUS["H100-SXM"]
     assert (h800.bf16, h800.levels[0].per_gpu, h800.levels[1].per_gpu) == (h100.bf16, 160e9, 50e9)
     assert critical_tokens_dp(h800, 8) == pytest.approx(critical_tokens_dp(h100, 8) * 450 / 160)
     assert critical_tokens_moe(h800, 2, 256, 8, ep=64) == critical_tokens_moe(h100, 2, 256, 8, ep=64)

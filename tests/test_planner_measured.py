@@ -168,12 +168,12 @@ def test_context_parallel_ring_bytes_equal_the_plan(cp, tp):
 def test_expert_parallel_all_to_all_bytes_equal_the_plan_under_even_routing():
     """With top_k = n_experts every token goes to every expert: routing is even and the
     planner's all-to-all bytes (dispatch, combine, both passes, and the counts) are exact."""
-    from picolib.planner import MoE, traffic
+    from picolib.planner import MoEShape, traffic
     from picolib.train import TrainConfig, train
 
     cfg = TrainConfig(dp=2, ep=2, experts=4, top_k=4, seq=16, batch=2, steps=1, progress=False)
     sent = run(train, 2, cfg, timeout=120)[0][0]["sent_bytes"]
     mcfg = cfg.model_config()
     par = Parallelism(dp=2, ep=2, seq=16, micro_batch_size=1, precision="fp32", activations="picolib")
-    plan = traffic(mcfg, par, moe=MoE(n_experts=4, top_k=4, expert_ffn=mcfg.ffn_hidden))
+    plan = traffic(mcfg, par, moe=MoEShape(n_experts=4, top_k=4, expert_ffn=mcfg.ffn_hidden))
     assert sent["all_to_all"] == plan["ep"]

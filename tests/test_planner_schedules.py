@@ -7,15 +7,15 @@ import dataclasses
 
 import pytest
 
-from picolib.hardware import PRESETS, all_reduce_bandwidth
+from picolib.hardware import GPUS, all_reduce_bandwidth
 from picolib.model import LlamaConfig
 from picolib.pipeline_schedules import make_schedule
 from picolib.pipeline_simulator import simulate
 from picolib.plan_search import matmul_seconds, step_time
-from picolib.planner import (MoE, Parallelism, layer_numel, memory, rank_units, runtime_overhead,
+from picolib.planner import (MoEShape, Parallelism, layer_numel, memory, rank_units, runtime_overhead,
                              stage_layers, traffic)
 
-H100 = PRESETS["H100-SXM"]
+H100 = GPUS["H100-SXM"]
 CFG = LlamaConfig(vocab_size=8, hidden=64, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 SEQ, EFF = 64, 0.5
 
@@ -118,7 +118,7 @@ def test_expert_all_to_all_overlap_and_node_limited_routing():
     4·7/8 = 3.5. DualPipeV's F&B pairs hide the all-to-all behind the other direction."""
     cfg = LlamaConfig(vocab_size=1024, hidden=1024, n_layers=8, n_heads=8, n_kv_heads=8,
                       ffn_hidden=512)
-    moe = MoE(n_experts=64, top_k=8, expert_ffn=512)
+    moe = MoEShape(n_experts=64, top_k=8, expert_ffn=512)
     par = Parallelism(dp=64, ep=64, pp=2, micro_batches=8, seq=4096, schedule="dualpipev", v=2)
     free = step_time(cfg, par, moe=moe, ep_overlap=0.0)
     hidden = step_time(cfg, par, moe=moe)

@@ -365,8 +365,8 @@ NODE_HINTS = [
 def check_node_bandwidth(fn) -> None:
     """`fn(gpus, per_gpu, switches, switch_bw)` → the node's total bandwidth in bytes/s (one
     direction). Reference: `node_bandwidth`; for the H100 node also picolib's preset."""
-    from ..hardware import PRESETS
-    assert node_bandwidth(**NODE_CASES[0]) == PRESETS["H100-SXM"].levels[0].total
+    from ..hardware import GPUS
+    assert node_bandwidth(**NODE_CASES[0]) == GPUS["H100-SXM"].levels[0].total
     cases = [dict(c, _want=node_bandwidth(**c)) for c in NODE_CASES]
     problems, checks = _grid("node bandwidth", fn, cases, lambda c: c["_want"], NODE_HINTS)
     report("node bandwidth", problems, checks)

@@ -17,7 +17,7 @@ Each names the common slip when an answer matches it.
 """
 from __future__ import annotations
 
-from ..hardware import (PRESETS, Hardware, Level, all_reduce_bandwidth, critical_tokens_dp,
+from ..hardware import (GPUS, Hardware, Level, all_reduce_bandwidth, critical_tokens_dp,
                         ring_time, superpod_levels)
 from ..sharded_optim import zero_memory_bytes
 from ._core import call_student, compare, report
@@ -63,7 +63,7 @@ def check_critical_tokens(fn) -> None:
     """The source's numbers (H100 node, across the spine) and a GB200 NVL72 rack, DP and FSDP."""
     problems, checks = [], 0
     for hw, n in (("H100-SXM", 8), ("H100-SXM", 1024), ("GB200-NVL72", 72)):
-        peak, bw = PRESETS[hw].bf16, all_reduce_bandwidth(hw, n)
+        peak, bw = GPUS[hw].bf16, all_reduce_bandwidth(hw, n)
         for fsdp in (False, True):
             checks += 1
             expected = critical_tokens_dp(hw, n, fsdp=fsdp)
@@ -143,12 +143,12 @@ def check_fits(fn) -> None:
 # (GPUs under one unit, the unit's total switch bandwidth in bytes/s) of a 1,024-GPU H100
 # SuperPod: the scaling book's (every switch priced at 64 × 25 GB/s, spine 25.6 TB/s) and the
 # one lesson 00 derived from the InfiniBand switches' 64 × 400 Gb/s ports (spine 51.2 TB/s).
-BOOK_LEVELS = tuple((lv.gpus, lv.total) for lv in PRESETS["H100-SXM"].levels)
+BOOK_LEVELS = tuple((lv.gpus, lv.total) for lv in GPUS["H100-SXM"].levels)
 LINK_LEVELS = tuple((lv.gpus, lv.total) for lv in superpod_levels())
 
 
 def _hw(levels) -> Hardware:
-    h = PRESETS["H100-SXM"]
+    h = GPUS["H100-SXM"]
     return Hardware("levels", h.bf16, h.fp8, h.memory, h.hbm_bandwidth,
                     tuple(Level(f"L{i}", s, w / s, w) for i, (s, w) in enumerate(levels)))
 

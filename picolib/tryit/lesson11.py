@@ -323,11 +323,11 @@ def plot_candidates(cfg, candidates: dict):
 
 
 def plan_of(cfg):
-    """The planner's (model config, Parallelism, MoE) for a trainer configuration, counted as
+    """The planner's (model config, Parallelism, MoEShape) for a trainer configuration, counted as
     picolib's runs are (fp32, picolib's activations, no flash attention)."""
-    from ..planner import MoE
+    from ..planner import MoEShape
     mcfg = cfg.model_config()
-    moe = MoE(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
+    moe = MoEShape(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
     par = Parallelism(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero,
                       sp=cfg.sp, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
                       micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches), seq=cfg.seq,

@@ -1,0 +1,105 @@
+"""A plan the planner's search finds runs as it is (issue 29): written as JSON
+(`Plan.to_json`), read back equal, and handed to the trainer (`--plan FILE`), which trains
+the plan's layout with the bytes the planner priced and the one-process losses; a published
+model's plan dry-runs (`--dry-run --plan FILE`) holding what the planner counted. A plan the
+trainer cannot run is refused before any process starts, one line naming why (exit 2)."""
+import pytest
+
+from picolib import plan_search, train
+from picolib.compose import MODEL_PRESETS, TrainConfig, check_config
+from picolib.model import LlamaConfig
+from picolib.plan_search import search, trainer_refuses
+from picolib.planner import LLAMA3_70B, MoEShape, Parallelism, Plan, memory, traffic
+
+TINY = LlamaConfig(**MODEL_PRESETS["tiny"])
+
+
+def test_a_searched_plan_round_trips_and_trains_as_planned(tmp_path):
+    found = search(TINY, 4, 8, 32, precision="fp32", activations="picolib", trainer=True)
+    plan, path = found[0]["plan"], tmp_path / "plan.json"
+    plan.to_json(str(path))
+    assert Plan.from_json(path.read_text()) == plan and plan.par is found[0]["par"]
+    cfg = TrainConfig.from_plan(plan)
+    assert (cfg.world_size, cfg.batch) == (plan.par.n_gpus, 8)    # the search's 4 GPUs, 8 sequences
+    records = train.main(["--plan", str(path), "--steps", "2", "--no-progress"])
+    one = train.main(["--nproc", "1", "--batch", "8", "--seq", "32", "--steps", "2",
+                      "--recompute", plan.par.recompute, "--no-progress"])
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    # the layout the planner priced is the one that ran: its state bytes and bytes by kind
+    par = plan.par
+    state = max(sum(memory(plan.model, par, r)[k] for k in ("params", "grads", "optimizer"))
+                for r in range(par.pp))
+    sent = [traffic(plan.model, par, r) for r in range(par.pp)]
+    kinds = {k.upper(): b for k in ("dp", "tp", "pp", "cp", "ep") if (b := max(s[k] for s in sent))}
+    assert (records[0]["state_bytes"], records[0]["sent_bytes_by_kind"]) == (state, kinds)
+
+
+def test_a_published_models_searched_plan_dry_runs(tmp_path):
+    """Llama 3 8B on 16 H100s, searched from the command line: the dry run builds the plan
+    on its 16 ranks and each pipeline position holds the planner's parameters, peak
+    gradients and optimizer state, to the byte."""
+    path = tmp_path / "plan.json"
+    found = plan_search.main(["--preset", "llama3-8b", "--gpus", "16", "--batch", "16",
+                              "--seq", "8192", "--max-pp", "4", "--top", "1", "--json", str(path)])
+    plan = Plan.from_json(path.read_text())
+    assert plan == found[0]["plan"]
+    reports = train.main(["--dry-run", "--plan", str(path), "--gpu", "H100-SXM"])
+    assert sorted(r["pp_rank"] for r in reports) == list(range(plan.par.pp))
+    assert all(0 <= r["rank"] < 16 for r in reports)
+    for r in reports:
+        mem = memory(plan.model, plan.par, r["pp_rank"])
+        assert (r["params"], r["grads_peak"], r["optimizer"]) == \
+            (mem["params"], mem["grads"], mem["optimizer"])
+
+
+def test_the_search_skips_what_the_trainer_refuses(tmp_path, capsys):
+    """Llama 3 70B on 64 GPUs: the fastest layout that fits is ZeRO-3 with full
+    recomputation, which picolib's trainer refuses; with trainer=True the search goes on to
+    one it runs. The refused plan, handed to the dry run, is one line and exit 2."""
+    fastest = search(LLAMA3_70B, 64, 64, 8192, top=1, max_pp=4)[0]
+    why = trainer_refuses(fastest["plan"])
+    assert (fastest["par"].zero, fastest["par"].recompute) == (3, "full") and "ZeRO-3" in why
+    runs = search(LLAMA3_70B, 64, 64, 8192, top=3, max_pp=4, trainer=True)
+    assert runs and all(trainer_refuses(r["plan"]) is None for r in runs)
+    assert runs[0]["time"]["seconds"] > fastest["time"]["seconds"]
+    path = tmp_path / "refused.json"
+    fastest["plan"].to_json(str(path))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--dry-run", "--plan", str(path)])
+    assert e.value.code == 2 and "ZeRO-3 frees parameters" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("plan, options, message", [
+    (Plan(TINY, Parallelism(dp=2, seq=32, precision="fp8")), {}, "precision 'fp8'"),
+    (Plan(TINY.replace(hidden=48, n_heads=4), Parallelism(seq=32)), {}, "no preset"),
+    (Plan(TINY, Parallelism(dp=2, ep=2, seq=32), MoEShape(4, 2, 64, shared=1)), {}, "shared"),
+    (Plan(TINY, Parallelism(dp=2, ep=2, seq=32), MoEShape(4, 2, 32)), {}, "expert_ffn=32"),
+    (Plan(TINY, Parallelism(dp=2, seq=32)), {"dp": 4}, "--dp 4 contradicts the plan"),
+])
+def test_what_the_trainer_cannot_run_as_planned(tmp_path, capsys, plan, options, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_plan(plan, **options)
+    path = tmp_path / "plan.json"
+    plan.to_json(str(path))
+    flags = [f"--{k}={v}" for k, v in options.items()]
+    with pytest.raises(SystemExit) as e:
+        train.main(["--plan", str(path), *flags])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith("python -m picolib.train: error: --plan ") \
+        and message in err, err
+
+
+def test_the_vocabulary_maps_field_by_field():
+    """Each planner name lands on its trainer name: v on chunks (interleaved), the
+    micro-batch size on the global batch, the MoE shape on experts / top_k; options the plan
+    does not set (steps, lr) pass through, and agreeing ones are accepted."""
+    plan = Plan(TINY, Parallelism(dp=4, pp=2, ep=2, zero=1, schedule="interleaved", v=2,
+                                  micro_batches=4, micro_batch_size=2, seq=64, precision="fp32",
+                                  recompute="selective"), MoEShape(4, 2, TINY.ffn_hidden))
+    cfg = TrainConfig.from_plan(plan, steps=3, lr=5e-4, dp=4)
+    assert (cfg.dp, cfg.pp, cfg.ep, cfg.zero, cfg.schedule, cfg.chunks, cfg.micro_batches,
+            cfg.batch, cfg.seq, cfg.recompute, cfg.experts, cfg.top_k, cfg.preset, cfg.steps,
+            cfg.lr) == (4, 2, 2, 1, "interleaved", 2, 4, 32, 64, "selective", 4, 2, "tiny", 3, 5e-4)
+    check_config(cfg)
+    with pytest.raises(ValueError, match="unknown fields \\['tpp'\\]"):
+        Plan.from_json('{"model": {}, "par": {"tpp": 2}}')
