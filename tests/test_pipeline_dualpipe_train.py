@@ -47,7 +47,8 @@ def test_pairs_are_the_mirror_pipeline_ranks():
 @pytest.mark.parametrize("nproc, options", [
     (2, dict(pp=2)), (2, dict(pp=2, zero=1)), (4, dict(pp=2, dp=2)),
     (4, dict(pp=2, dp=2, zero=1)), (4, dict(pp=4, zero=2, micro_batches=8)),
-], ids=["pp2 DDP", "pp2 ZeRO-1", "dp2×pp2 DDP", "dp2×pp2 ZeRO-1", "pp4 ZeRO-2 m8"])
+    (4, dict(pp=2, cp=2, zero=1)),
+], ids=["pp2 DDP", "pp2 ZeRO-1", "dp2×pp2 DDP", "dp2×pp2 ZeRO-1", "pp4 ZeRO-2 m8", "cp2×pp2 ZeRO-1"])
 def test_dualpipe_trainer_equals_one_process(nproc, options, reference):
     got = _records(nproc, **{"micro_batches": 4, "schedule": "dualpipe", **options})
     for g, r in zip(got, reference, strict=True):
