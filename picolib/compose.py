@@ -21,7 +21,7 @@ from .expert_parallel import apply_expert_parallel, expert_gradient_groups
 from .mesh import Mesh, check_mesh
 from .model import LlamaConfig, TinyLlama
 from .moe import apply_moe, aux_loss_in_backward, check_moe
-from .pipeline_parallel import schedule_stages
+from .pipeline_parallel import pair_gradient_groups, schedule_stages
 from .pipeline_schedules import SCHEDULES, make_schedule
 from .rank import device
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
@@ -177,13 +177,14 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"the batch of {cfg.batch} sequences must divide into dp={cfg.dp} "
                          f"replicas × {cfg.micro_batches} micro-batches")
     if cfg.pp > 1:
-        if cfg.schedule == "dualpipe":
-            raise ValueError("the trainer runs one copy of each stage; DualPipe keeps two "
-                             "(lesson 07 runs it): choose another --schedule")
+        if cfg.schedule == "dualpipe" and cfg.experts and cfg.ep > 1:
+            raise ValueError(f"--schedule dualpipe keeps each expert on its pair of pipeline "
+                             f"ranks as well as its ep={cfg.ep} replicas: use --ep 1 with it")
         v = cfg.chunks if cfg.schedule == "interleaved" else 1
         sched = make_schedule(cfg.schedule, cfg.pp, cfg.micro_batches, v)
-        if len(sched.stage_ranks) > mcfg.n_layers:
-            raise ValueError(f"{len(sched.stage_ranks)} pipeline stages need at least as many "
+        cut = max(len(stages) for stages, _ in sched.pipes)   # DualPipe: each pipe cuts the model
+        if cut > mcfg.n_layers:
+            raise ValueError(f"{cut} pipeline stages need at least as many "
                              f"layers; the {cfg.preset} preset has {mcfg.n_layers}")
         pieces = len(sched.pipes[0][0])      # the model's pieces (DualPipe: two copies of p)
         if mcfg.n_layers % pieces:           # what pipeline_parallel.partition would refuse on the ranks
@@ -222,7 +223,8 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
 
 def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
     """The transforms in their order; returns this rank's stages {index: module}, the schedule
-    and the expert gradient groups."""
+    and the gradient groups ({parameter: group} for weights held by other ranks than the
+    replicas: experts' edp, DualPipe's pair × dp × cp)."""
     if cfg.tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=cfg.sp)
     if cfg.cp > 1:
@@ -243,6 +245,8 @@ def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
                               cfg.chunks if cfg.schedule == "interleaved" else 1)
         mine = sched.stages_of(mesh.coordinate("pp"))
         stages = {s: m for s, m in schedule_stages(model, sched).items() if s in mine}
+        if cfg.schedule == "dualpipe":   # each stage's second copy is on the mirror rank
+            expert_groups = {**expert_groups, **pair_gradient_groups(stages, mesh)}
     return stages, sched, expert_groups
 
 
@@ -265,6 +269,8 @@ def build(cfg: TrainConfig, mesh: Mesh):
                            param_groups=decay_groups(m, cfg.weight_decay), **adamw)
                     for s, m in stages.items()}
     optimizers = list(wrappers.values())
+    if sched is not None and cfg.schedule == "dualpipe":   # what the gradients are reduced over (DP)
+        replicas = mesh.group("pair", "dp", "cp")
     return stages, wrappers, optimizers, sched, replicas
 
 

@@ -123,6 +123,11 @@ def refuse(cfg: TrainConfig) -> None:
             "the dry run cannot run a mixture of experts: which tokens go to which expert "
             "(moe: torch.nonzero over the router's choices, and with --ep the all-to-all's "
             "sizes) are values, and meta tensors have none")
+    if cfg.pp > 1 and cfg.schedule == "dualpipe":
+        raise NotImplementedError(
+            "the dry run cannot run --schedule dualpipe: its pairs' gradients are reduced over "
+            "a group of their own (as experts'), and the check that every rank agrees they are "
+            "finite reads a value, which meta tensors do not have")
 
 
 # --------------------------------------------------------------------------- one rank

@@ -12,8 +12,9 @@ For each parameter a rank holds, `placements(cfg, rank)` gives a `Placement`:
   is held by tp/kv ranks when tp > kv heads; norms, routers and experts are whole;
 - `copies`: every global rank that holds this same box with the same values (data- and
   context-parallel replicas, the tp ranks that share a norm or a KV head, an expert's
-  replicas over dp/ep); `replicas`: those of them the data-parallel wrapper averages the
-  gradient over (this rank's dp × cp ranks, or an expert's edp ranks); the copies are these
+  replicas over dp/ep, DualPipe's mirror pipeline rank); `replicas`: those of them the
+  data-parallel wrapper reduces the gradient over (this rank's dp × cp ranks, an expert's edp
+  ranks, with DualPipe both ranks of the pair times those); the copies are these
   replicas times the tp ranks that share the box, and `first` says whether this rank's
   replicas are the first of them (the one set that counts or writes a copied box).
 
@@ -107,9 +108,12 @@ def stage_layers(cfg, pp: int) -> list[tuple[int, range, bool, bool]]:
     from .pipeline_schedules import make_schedule
     sched = make_schedule(cfg.schedule, cfg.pp, cfg.micro_batches,
                           cfg.chunks if cfg.schedule == "interleaved" else 1)
-    n = len(sched.stage_ranks)
-    parts = partition(n_layers, n)
-    return [(s, parts[s], s == 0, s == n - 1) for s in sched.stages_of(pp)]
+    out = []
+    for stages, _ in sched.pipes:          # DualPipe: each of its two pipelines cuts the model
+        parts = partition(n_layers, len(stages))
+        out += [(s, parts[i], i == 0, i == len(stages) - 1) for i, s in enumerate(stages)
+                if sched.stage_ranks[s] == pp]
+    return sorted(out, key=lambda x: x[0])
 
 
 _ROW = re.compile(r"(attn\.wo|mlp\.w_down)\.weight$")              # cut along dim 1
@@ -139,6 +143,9 @@ def placements(cfg, rank: int) -> list[Placement]:
     shapes = global_shapes(cfg)
     per_ep = cfg.experts // cfg.ep if cfg.experts else 0
     ep_rank = c["dp"] % cfg.ep
+    # DualPipe: pipeline ranks r and p−1−r hold the same layers, one copy per direction
+    pps = sorted({c["pp"], cfg.pp - 1 - c["pp"]}) if cfg.pp > 1 and cfg.schedule == "dualpipe" \
+        else [c["pp"]]
     out = []
     for stage, layers, embed, head in stage_layers(cfg, c["pp"]):
         block_of = {g: i for i, g in enumerate(layers)}
@@ -169,10 +176,10 @@ def placements(cfg, rank: int) -> list[Placement]:
             if dim is not None:
                 sizes[dim] = shape[dim] // count
                 offsets[dim] = index * sizes[dim]
-            replicas = tuple(sorted(rank_at(cfg, pp=c["pp"], dp=d, cp=k, tp=c["tp"])
-                                    for d in dp_coords for k in range(cfg.cp)))
-            copies = tuple(sorted(rank_at(cfg, pp=c["pp"], dp=d, cp=k, tp=t)
-                                  for d in dp_coords for k in range(cfg.cp) for t in tps))
+            replicas = tuple(sorted(rank_at(cfg, pp=q, dp=d, cp=k, tp=c["tp"])
+                                    for q in pps for d in dp_coords for k in range(cfg.cp)))
+            copies = tuple(sorted(rank_at(cfg, pp=q, dp=d, cp=k, tp=t)
+                                  for q in pps for d in dp_coords for k in range(cfg.cp) for t in tps))
             out.append(Placement(name, stage, local, tuple(shape), tuple(offsets), tuple(sizes),
                                  copies, replicas, c["tp"] == tps[0]))
     return out

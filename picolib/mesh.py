@@ -25,6 +25,11 @@ share a layer's experts, E/ep each (`group("ep")`); the ranks at the same place 
 block — over cp too — hold the same experts, and average their gradients (`group("edp")`,
 expert data parallel). `expert_groups(ep)` makes that view once; `layout()` then lists
 every group this rank belongs to, ep and edp included. No other file calls `new_group`.
+
+DualPipe (lesson 07) is not an axis either: it keeps every stage twice, on pipeline ranks
+r and p−1−r (one copy per direction). `pairs()` views pp as (p/2 pairs, 2): `group("pair")`
+is this rank and its mirror; `group("pair", "dp", "cp")` every rank that holds a copy of
+this rank's weights, the group the data-parallel wrapper reduces their gradients over.
 """
 from __future__ import annotations
 
@@ -33,10 +38,11 @@ import math
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DIMS", "EXPERT_DIMS", "Mesh", "check_mesh", "dim_group"]
+__all__ = ["DIMS", "EXPERT_DIMS", "PAIR_DIM", "Mesh", "check_mesh", "dim_group"]
 
 DIMS = ("pp", "dp", "cp", "tp")  # outermost → innermost
 EXPERT_DIMS = ("ep", "edp")      # views of dp (and cp), made by Mesh.expert_groups
+PAIR_DIM = "pair"                # a view of pp (DualPipe's mirror ranks), made by Mesh.pairs
 
 
 def check_mesh(world_size: int, **sizes: int) -> dict[str, int]:
@@ -66,6 +72,8 @@ class Mesh:
         mesh.peers("pp")         # global ranks along pp through this rank, in order
         mesh.spanned([0, 1, 3])  # the dimensions along which these global ranks differ
         mesh.expert_groups(2)    # dp as (dp/2, ep=2): the ep and edp groups (lesson 09)
+        mesh.pairs()             # pp as (pp/2, pair=2): DualPipe's mirror ranks (lesson 07)
+        mesh.group("pair", "dp") # then: every holder of this rank's weights
         print(mesh.describe())   # every group this rank talks over
     """
 
@@ -78,6 +86,7 @@ class Mesh:
         self._flat: dict[tuple[str, ...], DeviceMesh] = {}
         self.ep: int | None = None    # set by expert_groups
         self._expert: dict[str, dist.ProcessGroup] = {}
+        self._pairs: DeviceMesh | None = None   # set by pairs()
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v}" for k, v in self.sizes.items() if v > 1) or "one rank"
@@ -109,6 +118,8 @@ class Mesh:
         `expert_groups`, group("ep") / group("edp")."""
         if len(names) == 1 and names[0] in self._expert:
             return self._expert[names[0]]
+        if PAIR_DIM in names:
+            return self._pair_group(names)
         names = self._check(names)
         if len(names) == 1:
             return self.device_mesh.get_group(names[0])
@@ -139,10 +150,42 @@ class Mesh:
             self.ep = ep
         return self._expert["ep"], self._expert["edp"]
 
+    def pairs(self) -> dist.ProcessGroup:
+        """DualPipe's pairs: pp viewed as (pp/2 pairs, pair=2), pipeline rank r paired with
+        p−1−r (the two ranks that hold the same layers, one copy per direction). Returns
+        group("pair"); afterwards "pair" combines with dp, cp, tp in `group`. Collective the
+        first time (every rank calls it); needs an even pp."""
+        if self._pairs is None:
+            p = self.sizes["pp"]
+            if p % 2:
+                raise ValueError(f"DualPipe pairs pipeline rank r with p−1−r: pp={p} must be even")
+            grid = self.device_mesh.mesh                    # (pp, dp, cp, tp) of global ranks
+            order = list(range(p // 2)) + list(range(p - 1, p // 2 - 1, -1))
+            view = grid[order].reshape(2, p // 2, *grid.shape[1:]).transpose(0, 1)
+            self._pairs = DeviceMesh(self.device_mesh.device_type, view.contiguous(),
+                                     mesh_dim_names=("pairs", PAIR_DIM, *DIMS[1:]))
+        return self._pairs.get_group(PAIR_DIM)
+
+    def _pair_group(self, names) -> dist.ProcessGroup:
+        if self._pairs is None:
+            raise ValueError("'pair' is a view of pp: call mesh.pairs() first")
+        others = [n for n in names if n != PAIR_DIM]
+        rest = self._check(others) if others else ()
+        if "pp" in rest:
+            raise ValueError("'pair' is part of pp: name pair or pp, not both")
+        key = (PAIR_DIM, *rest)
+        if not rest:
+            return self._pairs.get_group(PAIR_DIM)
+        if key not in self._flat:   # collective: every rank asks for it, in the same order
+            self._flat[key] = self._pairs[key]._flatten("_".join(key))
+        return self._flat[key].get_group()
+
     def layout(self) -> dict[str, list[int]]:
         """Every group this rank talks over, as global ranks in group order: pp, dp, cp, tp,
-        the multi-dimension groups asked for so far ("dp+cp"), and ep, edp once made."""
+        the multi-dimension groups asked for so far ("dp+cp"), ep, edp and pair once made."""
         out = {n: self.peers(n) for n in DIMS}
+        if self._pairs is not None:
+            out[PAIR_DIM] = dist.get_process_group_ranks(self._pairs.get_group(PAIR_DIM))
         out.update({"+".join(names): dist.get_process_group_ranks(m.get_group())
                     for names, m in self._flat.items()})
         out.update({n: dist.get_process_group_ranks(g) for n, g in self._expert.items()})

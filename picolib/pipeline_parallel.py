@@ -23,8 +23,11 @@ sends torch's interleaved zero-bubble schedule hangs).
 
 Two pipelines (DualPipe): each direction runs its own copy of the model, so a layer's
 gradient is the sum over its two copies; `schedule_stages` builds both copies' stages from
-one model (they share its parameters, so in one process the sum happens by itself), and on
-real ranks the two holders of a stage (ranks r and p−1−r) all-reduce its gradients. The
+one model (they share its parameters, so in one process the sum happens by itself). On real
+ranks the two holders of a stage (ranks r and p−1−r, `mesh.pairs()`) are just more ranks
+that hold the same weights: `pair_gradient_groups` hands DDP or ZeRO (`groups=`) the group
+pair × dp × cp for every parameter, and the one gradient path sums over it and divides by
+the data-parallel size, as it does for experts (lesson 09). Nothing else reduces them. The
 executor runs an overlapped F&B pair as its two ops, one after the other.
 """
 from __future__ import annotations
@@ -40,7 +43,7 @@ from .pipeline_schedules import Schedule
 from .pipeline_simulator import validate
 
 __all__ = ["partition", "split_stages", "schedule_stages", "run_schedule", "stage_grads", "backward_weights",
-           "accumulate_grads"]
+           "accumulate_grads", "pair_gradient_groups"]
 
 
 def partition(n_layers: int, n_stages: int, layer_costs=None) -> list[range]:
@@ -90,12 +93,32 @@ def split_stages(model: TinyLlama, n_stages: int, layer_costs=None) -> list[Tiny
 def schedule_stages(model: TinyLlama, sched: Schedule, layer_costs=None) -> dict[int, TinyLlama]:
     """{stage: module} for every stage of `sched`: each pipeline of the schedule cuts the whole
     model (one pipeline: split_stages(model, S); DualPipe: a second copy of the p stages for
-    the other direction — separate modules that share `model`'s parameters)."""
-    out = {}
+    the other direction — separate modules that share `model`'s parameters). Ordered by the
+    layers they hold (then by pipeline), so the two ranks of a DualPipe pair list the same
+    layers in the same order: wrappers built in this order issue their collectives alike."""
+    out = []
     for stages, _ in sched.pipes:
-        for s, part in zip(stages, split_stages(model, len(stages), layer_costs)):
-            out[s] = part
-    return out
+        for position, (s, part) in enumerate(zip(stages, split_stages(model, len(stages), layer_costs))):
+            out.append((position, s, part))
+    return {s: part for _, s, part in sorted(out, key=lambda x: x[:2])}
+
+
+def pair_gradient_groups(stages: dict, mesh) -> dict:
+    """{parameter: group} for `DDP(stage, mesh.group("dp", "cp"), groups=...)` (or ZeRO) under
+    DualPipe: every parameter of this rank's stages is held by its pair too (pipeline ranks
+    r and p−1−r), so its group is pair × dp × cp. The wrapper sums over that group and
+    divides by the size of its own group (dp × cp), the rule for every gradient held by
+    another set of ranks than the replicas (experts: edp). Collective (mesh.pairs()).
+    `stages` must keep `schedule_stages`' order (by layers): the two ranks of a pair then
+    build their wrappers, and issue their collectives, for the same layers in the same order."""
+    p = mesh.size("pp")
+    if list(stages) != sorted(stages, key=lambda s: (s % p, s)):
+        raise ValueError(f"stages {list(stages)} are not in schedule_stages' order (by the layers "
+                         f"they hold, {sorted(stages, key=lambda s: (s % p, s))}): the two ranks "
+                         "of a pair would build their wrappers for different layers at once")
+    mesh.pairs()
+    group = mesh.group("pair", "dp", "cp")
+    return {p: group for st in stages.values() for p in st.parameters() if p.requires_grad}
 
 
 def stage_grads(stage: nn.Module, model: TinyLlama) -> dict[str, torch.Tensor]:

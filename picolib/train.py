@@ -85,8 +85,10 @@ def _step(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline):
 
 def _forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline):
     if sched is not None:
-        return run_schedule(sched, stages, tokens, targets, timeline=timeline,
+        loss = run_schedule(sched, stages, tokens, targets, timeline=timeline,
                             group_ranks=mesh.peers("pp"), data_parallel=wrappers)["loss"]
+        # DualPipe: each end holds its half of the micro-batches' mean; times 2, its own mean
+        return loss if loss is None else loss * len(sched.pipes)
     model, wrapper = stages[0], wrappers[0]
     loss = 0.0
     for i, (x, y) in enumerate(zip(tokens, targets)):
@@ -297,7 +299,7 @@ HELP = {
     "cp": "context-parallel ranks (the sequence split; attention by --cp-algorithm)",
     "sp": "sequence parallelism inside tensor parallelism (norms and residuals split too)",
     "zero": "0: DDP; 1, 2, 3: ZeRO stage (optimizer state / + gradients / + parameters sharded)",
-    "schedule": "pipeline schedule (dualpipe: lesson 07 only, the trainer refuses it)",
+    "schedule": "pipeline schedule (dualpipe: two copies of each stage, on pipeline ranks r and p−1−r)",
     "chunks": "model chunks per rank for --schedule interleaved",
     "micro_batches": "micro-batches per step (pipelined, or accumulated without a pipeline)",
     "batch": "global batch in sequences per step", "seq": "tokens per sequence",

@@ -1,6 +1,6 @@
 """Pipeline parallel: every schedule gives one process's loss and gradients (also torch's
-ScheduleInterleavedZeroBubble order, run by picolib's executor; DualPipe after its pairs of
-ranks sum the two copies' gradients); the validator
+ScheduleInterleavedZeroBubble order, run by picolib's executor; DualPipe with DDP over its
+pairs of ranks, which sums the two copies' gradients); the validator
 rejects broken schedules; the simulator reproduces the bubble formulas; AFAB keeps m
 micro-batches of activations alive, 1F1B at most p."""
 import pytest
@@ -10,7 +10,10 @@ import torch.distributed as dist
 from picolib.launch import run
 from picolib.memory import SavedActivations
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
-from picolib.pipeline_parallel import partition, run_schedule, schedule_stages, stage_grads
+from picolib.data_parallel import DDP
+from picolib.mesh import Mesh
+from picolib.pipeline_parallel import (pair_gradient_groups, partition, run_schedule,
+                                       schedule_stages, stage_grads)
 from picolib.pipeline_schedules import (Op, Schedule, afab, bubble_formula, from_torch,
                                         interleaved_1f1b, make_schedule, one_f_one_b, zb_greedy)
 from picolib.pipeline_simulator import ScheduleError, simulate, validate
@@ -41,17 +44,16 @@ def _one_step(name, p, m, v, measure_peak=False):
     else:
         sched = make_schedule(name, p, m, v)
     stages = schedule_stages(model, sched)
-    mine = {s: stages[s] for s in sched.stages_of(rank)}
+    mine = {s: st for s, st in stages.items() if s in sched.stages_of(rank)}   # stages' order
     tokens, targets = random_tokens(MB * m, SEQ, CFG.vocab_size, seed=1)
     act = SavedActivations(torch.nn.ModuleList(mine.values()), per_module=False) if measure_peak else None
-    out = run_schedule(sched, mine, list(tokens.chunk(m)), list(targets.chunk(m)), measure=act)
-    if name == "dualpipe":               # ranks r and p−1−r hold copies of the same layers
-        for r in range(p // 2):          # every rank creates every group (gloo's rule)
-            pair = dist.new_group([r, p - 1 - r])
-            if rank in (r, p - 1 - r):
-                for prm in model.parameters():
-                    if prm.grad is not None:
-                        dist.all_reduce(prm.grad, group=pair)
+    wrappers = {}
+    if name == "dualpipe":               # ranks r and p−1−r hold copies of the same layers:
+        mesh = Mesh(pp=p)                # the one gradient path (DDP) sums them over the pair
+        groups = pair_gradient_groups(mine, mesh)
+        wrappers = {s: DDP(st, mesh.group("dp"), groups=groups) for s, st in mine.items()}
+    out = run_schedule(sched, mine, list(tokens.chunk(m)), list(targets.chunk(m)), measure=act,
+                       data_parallel=wrappers)
     grads = {}
     for st in mine.values():
         grads.update(stage_grads(st, model))

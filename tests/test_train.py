@@ -108,7 +108,7 @@ BAD = [
     (dict(keep=0), 1, r"--keep must be at least 1"),
     (dict(save_every=-1), 1, r"--save-every must be ≥ 0, not -1"),
     (dict(preset="huge"), 1, r"unknown preset 'huge'"),
-    (dict(pp=2, schedule="dualpipe", micro_batches=4), 2, r"DualPipe keeps two"),
+    (dict(pp=2, dp=2, schedule="dualpipe", micro_batches=4, experts=4, ep=2), 4, r"dualpipe .* use --ep 1"),
     (dict(dp=2, experts=3, ep=2), 2, r"n_experts=3 does not divide by the ep size 2"),
     (dict(experts=2, top_k=3), 1, r"top_k=3 is larger than n_experts=2"),
     (dict(dp=3, batch=6, experts=4, ep=2), 3, r"--ep 2 must divide --dp 3"),

@@ -70,31 +70,33 @@ def every_schedule(cfg, p: int, m: int, mb: int, seq: int, cases=CASES):
     """On each of p ranks (run with picolib.launch.run): every schedule of `cases` on a fresh
     TinyLlama(cfg), warmed up once, then timed with emulated costs. Returns {name: (events,
     loss or None, {param name: grad}, parameter bytes held)}. DualPipe's two copies of a layer
-    (ranks r and p−1−r) all-reduce their gradients before they are returned."""
+    (ranks r and p−1−r) are summed by the one gradient path: DDP over the mesh's pair group."""
     import torch.distributed as dist
 
+    from ..data_parallel import DDP
+    from ..mesh import Mesh
     from ..model import TinyLlama, random_tokens
-    from ..pipeline_parallel import run_schedule, schedule_stages, stage_grads
+    from ..pipeline_parallel import pair_gradient_groups, run_schedule, schedule_stages, stage_grads
     from ..timeline import Timeline
 
     out, me = {}, dist.get_rank()
-    pairs = [dist.new_group([r, p - 1 - r]) for r in range(p // 2)]
+    mesh = Mesh(pp=p) if any(name == "dualpipe" for name, _ in cases) else None
     tokens, targets = random_tokens(mb * m, seq, cfg.vocab_size, seed=1)
     for name, v in cases:
         model = TinyLlama(cfg)
         sched = make_schedule(name, p, m, v)
         mine = {s: st for s, st in schedule_stages(model, sched).items() if s in sched.stages_of(me)}
+        wrappers = {}
+        if name == "dualpipe":   # the pair holds each stage twice: DDP sums the copies' gradients
+            groups = pair_gradient_groups(mine, mesh)
+            wrappers = {s: DDP(st, mesh.group("dp"), groups=groups) for s, st in mine.items()}
         args = (list(tokens.chunk(m)), list(targets.chunk(m)))
-        run_schedule(sched, mine, *args)                 # warm-up (the first backward is slow)
+        run_schedule(sched, mine, *args, data_parallel=wrappers)   # warm-up (the first backward is slow)
         for st in mine.values():
             st.zero_grad(set_to_none=True)
         tl = Timeline(emulate=op_costs(sched))
         dist.barrier()
-        res = run_schedule(sched, mine, *args, timeline=tl)
-        if name == "dualpipe":                           # sum the two copies' gradients
-            for prm in model.parameters():              # one order on both ranks of the pair
-                if prm.grad is not None:
-                    dist.all_reduce(prm.grad, group=pairs[min(me, p - 1 - me)])
+        res = run_schedule(sched, mine, *args, timeline=tl, data_parallel=wrappers)
         grads = {k: g for st in mine.values() for k, g in stage_grads(st, model).items()}
         out[name] = (tl.events, res["loss"], grads, param_bytes(mine.values()))
     return out
