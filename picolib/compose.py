@@ -3,6 +3,8 @@
 transforms applied to the one model in the documented order (docs/design.md) — tensor
 (+ sequence) parallel, context parallel, experts, pipeline stages — then DDP or ZeRO over the
 ranks that hold the same weights (dp × cp), and the optimizer. `picolib.train` runs it.
+The model is built on the `meta` device and transformed there; a rank then allocates only
+the parameters it holds, with the one-process values (`picolib.materialize`).
 
 Resuming from a checkpoint (`picolib.checkpoint.load_into`) reads each rank's own part
 straight into what `build` made.
@@ -13,11 +15,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from . import checkpoint
 from .context_parallel import LAYOUTS, apply_context_parallel, check_context_parallel
 from .data_parallel import DDP
 from .expert_parallel import apply_expert_parallel, expert_gradient_groups
+from .materialize import materialize
 from .mesh import Mesh, check_mesh
 from .model import LlamaConfig, TinyLlama
 from .moe import apply_moe, aux_loss_in_backward, check_moe
@@ -27,7 +31,7 @@ from .rank import device
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from .zero import ZeRO
 
-__all__ = ["MODEL_PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "transform", "build",
+__all__ = ["MODEL_PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "transform", "build_stages", "build",
            "decay_groups", "lr_factor"]
 
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
@@ -250,13 +254,26 @@ def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
     return stages, sched, expert_groups
 
 
+def build_stages(cfg: TrainConfig, mesh: Mesh):
+    """This rank's part of the model: the model is created on the `meta` device (no
+    storage), transformed there, and then only the parameters this rank holds get storage
+    on its device, with the values the one-process model has there (`materialize`: a rank
+    holds at most its part plus one whole tensor while it builds). On a meta `device()` (the
+    dry run) nothing is materialized. Returns `transform`'s (stages, schedule, expert groups)."""
+    with torch.device("meta"):     # what the transforms create (experts) too
+        stages, sched, expert_groups = transform(TinyLlama(cfg.model_config()), cfg, mesh)
+    if device().type != "meta":
+        materialize(stages, cfg, dist.get_rank(), device())
+    return stages, sched, expert_groups
+
+
 def build(cfg: TrainConfig, mesh: Mesh):
-    """This rank's stages {index: module}, their data-parallel wrappers (each owns its
-    stage's AdamW: the one data-parallel contract, picolib/data_parallel.py), the things to
-    step (the wrappers) and the schedule. The only place that asks which wrapper: below.
-    A resume then reads each rank's part into them (`checkpoint.load_into`)."""
-    model = TinyLlama(cfg.model_config())
-    stages, sched, expert_groups = transform(model.to(device()), cfg, mesh)
+    """This rank's stages {index: module} (`build_stages`: only this rank's part is ever
+    allocated), their data-parallel wrappers (each owns its stage's AdamW: the one
+    data-parallel contract, picolib/data_parallel.py), the things to step (the wrappers)
+    and the schedule. The only place that asks which wrapper: below. A resume then reads
+    each rank's part into them (`checkpoint.load_into`)."""
+    stages, sched, expert_groups = build_stages(cfg, mesh)
     replicas = mesh.group("dp", "cp") if cfg.cp > 1 else mesh.group("dp")
     adamw = dict(optimizer=torch.optim.AdamW, lr=cfg.lr)
     if cfg.zero:   # bf16: compute copies of the weights; fp32 masters (and autocast, train.py)

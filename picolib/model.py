@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LlamaConfig", "TinyLlama", "RMSNorm", "AttentionCore", "Attention", "SwiGLU", "Block",
+__all__ = ["LlamaConfig", "TinyLlama", "INIT_STD", "init_tensor", "RMSNorm", "AttentionCore", "Attention", "SwiGLU", "Block",
            "CrossEntropy", "KVCache",
            "rope_tables", "apply_rope", "upcast", "attention_core", "causal_mask", "param_count",
            "random_tokens", "TextData", "repeat_kv"]
@@ -94,6 +94,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return self.normalize(x) * self.weight
+
+
+INIT_STD = 0.02    # the standard deviation of every drawn weight
+
+
+@torch.no_grad()
+def init_tensor(name: str, shape, generator: torch.Generator, out: torch.Tensor | None = None):
+    """The initial value of the parameter `name` (its name in the module being initialised)
+    of `shape`: ones for a norm's weight (nothing drawn), else Normal(0, INIT_STD) drawn from
+    `generator`, one whole tensor at a time — written into `out` (a tensor of `shape`) where
+    given. The one rule of the model's initialisation: `TinyLlama.reset_parameters`,
+    `moe.MoE.reset_parameters` and `picolib.materialize` (a rank building only its part)
+    all call it, so they give the same values (tests/test_materialize.py)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape) if out is None else out.fill_(1.0)
+    return torch.randn(shape, generator=generator, out=out).mul_(INIT_STD)
 
 
 def rope_tables(head_dim: int, max_seq: int, theta: float):
@@ -329,13 +345,12 @@ class TinyLlama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int):
-        """Normal(0, 0.02) weights and unit norms, drawn from a private generator (seeded)."""
+        """Normal(0, 0.02) weights and unit norms, drawn from a private generator (seeded)
+        in parameter order (`init_tensor`); a rank replays this stream to build only its
+        part (`picolib.materialize`)."""
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            p.copy_(init_tensor(name, p.shape, g))
 
     def rope(self, positions: torch.Tensor | range):
         """(cos, sin) at `positions`, each (s, head_dim/2). A range gives views of the

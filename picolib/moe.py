@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .model import SwiGLU, TinyLlama
+from .model import SwiGLU, TinyLlama, init_tensor
 
 __all__ = ["ROUTERS", "check_moe", "capacity", "keep_mask", "sort_by_expert", "run_experts",
            "balancing_loss", "Routing", "Expert", "Router", "MoE", "MoELoss", "AuxLossGradient",
@@ -203,10 +203,12 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int):
-        """Normal(0, 0.02) weights from a private generator, as TinyLlama's."""
+        """Normal(0, 0.02) weights from a private generator, as TinyLlama's (`init_tensor`);
+        `seed` is kept: a rank building only its experts replays this stream."""
+        self.seed = seed
         g = torch.Generator().manual_seed(seed)
-        for p in self.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        for name, p in self.named_parameters():
+            p.copy_(init_tensor(name, p.shape, g))
 
     def route(self, x) -> Routing:
         """The router's decision for the tokens of one group, x (..., h) flattened to (T, h)."""
