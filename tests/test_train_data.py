@@ -52,6 +52,15 @@ def test_val_loss_equals_one_process_on_every_layout(name, reference):
     assert val[1] < val[0]       # the model learns what it never trained on
 
 
+def test_val_loss_with_experts_equals_one_process_holding_all_of_them():
+    """dp4 with the experts over ep2: as in test_train, the reference runs each rank's
+    micro-batch as one of its own (the balancing loss's token groups), dp·m of them."""
+    opts = dict(experts=4, top_k=2)
+    loss, val = _curves(_records(4, dp=4, ep=2, **opts))
+    want_loss, want_val = _curves(_records(1, **{**opts, "micro_batches": 8}))
+    assert max(abs(a - b) for a, b in zip(val + loss, want_val + want_loss, strict=True)) <= TOL
+
+
 def test_val_loss_is_the_mean_over_the_held_out_tokens_computed_independently():
     """lr 0: the weights stay the initial ones (AdamW moves nothing), so val_loss must be the
     initial model's cross-entropy summed over every held-out token and divided by their
