@@ -214,10 +214,12 @@ def _sync_folder(path: Path) -> None:
 
 
 def save(root, cfg, stages: dict, wrappers: dict, optimizers: list, next_step: int,
-         keep: int = 2) -> Path:
+         keep: int = 2, data_position: int | None = None) -> Path:
     """Write the logical state of all ranks' stages as `root/step-NNNNNN` (every rank calls
     it; each writes only the boxes it answers for), atomically, then keep only the newest
-    `keep` step folders. `cfg`: the TrainConfig the ranks run. Returns the folder."""
+    `keep` step folders. `cfg`: the TrainConfig the ranks run. `data_position`: where the
+    run is in its data — the index of the next global batch the data gives
+    (`picolib.data.TokenData.batch_for_rank`'s step; default `next_step`). Returns the folder."""
     root = Path(root)
     final, tmp = root / f"step-{next_step:06d}", root / f".step-{next_step:06d}.tmp"
     rank0 = dist.get_rank() == 0
@@ -229,6 +231,7 @@ def save(root, cfg, stages: dict, wrappers: dict, optimizers: list, next_step: i
     sd, held = _state_dict(cfg, stages, wrappers, optimizers, own=True)
     sd["optim.step"] = torch.tensor(next(iter(held.values())).step)
     sd["next_step"] = torch.tensor(next_step)
+    sd["data.position"] = torch.tensor(next_step if data_position is None else data_position)
     dcp.save(sd, checkpoint_id=str(tmp), planner=_SavePlanner())   # DCP fsyncs each file
     dist.barrier()                             # every rank's files are complete
     if rank0:
@@ -248,17 +251,30 @@ def save(root, cfg, stages: dict, wrappers: dict, optimizers: list, next_step: i
     return final
 
 
-def load_into(path, cfg, stages: dict, wrappers: dict, optimizers: list) -> int:
+def load_into(path, cfg, stages: dict, wrappers: dict, optimizers: list,
+              into: dict | None = None) -> int:
     """Read a checkpoint (written on any mesh) straight into this rank's built stages, their
     data-parallel wrappers and optimizers — each rank reads only the boxes it holds — and
-    return the step to continue from. Every rank calls it."""
+    return the step to continue from. Every rank calls it. `into`: a dict that receives
+    "data_position", where the run was in its data (a checkpoint written before positions
+    were saved: the step)."""
     sd, held = _state_dict(cfg, stages, wrappers, optimizers, own=False)
     sd["optim.step"], sd["next_step"] = torch.tensor(0), torch.tensor(0)
+    has_position = "data.position" in _saved_keys(path)
+    if has_position:
+        sd["data.position"] = torch.tensor(0)
     dcp.load(sd, checkpoint_id=str(path), planner=_LoadPlanner())
     for h in held.values():
         h.step = int(sd["optim.step"])
         h.after_load()
+    if into is not None:
+        into["data_position"] = int(sd["data.position" if has_position else "next_step"])
     return int(sd["next_step"])
+
+
+def _saved_keys(path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def load(path, cfg, names: list[str] | None = None) -> tuple[dict, dict, int, int]:

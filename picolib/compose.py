@@ -31,7 +31,8 @@ from .rank import device
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from .zero import ZeRO
 
-__all__ = ["MODEL_PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "transform", "build_stages", "build",
+__all__ = ["MODEL_PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "open_data", "transform",
+           "build_stages", "build",
            "decay_groups", "lr_factor"]
 
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
@@ -70,7 +71,10 @@ class TrainConfig:
     ep: int = 1                   # expert-parallel ranks, a block of the dp ranks
     cp_algorithm: str = "ring"
     cp_layout: str = "zigzag"
-    data: str = "text"            # "text": the shipped text; "random": uniform tokens
+    data: str = "text"            # "text": the shipped paragraph (all of it trained on);
+    #  "course": the shipped corpus; a path: a UTF-8 text file or a token file (.bin); "random"
+    eval_every: int = 0           # > 0: the held-out loss every this many steps (and at the end)
+    eval_batches: int = 4         # batches (of --batch × --seq tokens) each evaluation reads
     lr: float = 1e-3
     warmup: int = 0               # steps of linear warmup to lr
     lr_schedule: str = "constant"  # after warmup: constant, cosine, linear or wsd, to min_lr
@@ -141,8 +145,9 @@ class TrainConfig:
         return cls(**{**options, **layout})
 
 
-def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
-    """Refuse a configuration before any process starts, naming the numbers."""
+def check_config(cfg: TrainConfig, world_size: int | None = None, read_data: bool = True) -> None:
+    """Refuse a configuration before any process starts, naming the numbers. `read_data`:
+    also read the data file through once (UTF-8; the ranks, checked again, skip that)."""
     if cfg.preset not in MODEL_PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {sorted(MODEL_PRESETS)}")
     check_mesh(cfg.world_size if world_size is None else world_size,
@@ -160,8 +165,10 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"--weight-decay must be ≥ 0, not {cfg.weight_decay:g}")
     if cfg.zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero must be 0 (DDP), 1, 2 or 3, not {cfg.zero}")
-    if cfg.data not in ("text", "random"):
-        raise ValueError(f"--data must be 'text' or 'random', not {cfg.data!r}")
+    if cfg.eval_every < 0:
+        raise ValueError(f"--eval-every must be ≥ 0 (0: no evaluation), not {cfg.eval_every}")
+    if cfg.eval_batches < 1:
+        raise ValueError(f"--eval-batches must be at least 1, not {cfg.eval_batches}")
     if cfg.precision not in ("fp32", "bf16"):
         raise ValueError(f"--precision must be fp32 or bf16, not {cfg.precision!r}")
     mcfg = cfg.model_config()
@@ -223,6 +230,41 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         checkpoint.check_resume(cfg.resume, cfg)
     if cfg.zero == 3 and cfg.recompute != "none":
         raise ValueError("ZeRO-3 frees parameters after forward: --recompute needs --zero ≤ 2")
+    open_data(cfg, check=read_data)
+
+
+def open_data(cfg: TrainConfig, check: bool = True):
+    """(training data, held-out data) of `cfg.data`, as `picolib.data.TokenData` (None for
+    random tokens; no held-out data for "text", which trains on all of the paragraph);
+    a ValueError naming the problem for a file that cannot serve. `check`: read the whole
+    file once to check it (UTF-8, vocabulary)."""
+    from .data import TokenData
+    if cfg.data == "random" or cfg.data == "text":
+        train = None if cfg.data == "random" else TokenData("text", "all", check=check)
+        if cfg.eval_every:
+            raise ValueError(f"--eval-every needs held-out text, and --data {cfg.data} has none "
+                             + ("(random tokens)" if train is None else
+                                "(the 2.5 KB paragraph is all trained on)")
+                             + ": give --data course (the shipped corpus) or --data PATH; their "
+                               "last 10% is held out")
+        return train, None
+    try:
+        train = TokenData(cfg.data, "train", check=check)
+        val = TokenData(cfg.data, "val", check=False)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--data {cfg.data}: {e}") from None
+    vocab = cfg.model_config().vocab_size
+    if train.vocab_size > vocab:
+        raise ValueError(f"--data {cfg.data}: its token ids reach {train.vocab_size - 1}, beyond "
+                         f"the model's vocabulary of {vocab}")
+    if len(train) < cfg.seq + 2:
+        raise ValueError(f"--data {cfg.data}: its training split has {len(train)} tokens, too "
+                         f"few for --seq {cfg.seq}")
+    if cfg.eval_every and val.max_val_batches(cfg.batch, cfg.seq) < cfg.eval_batches:
+        raise ValueError(f"--data {cfg.data}: its held-out split ({len(val):,} tokens) holds "
+                         f"{val.max_val_batches(cfg.batch, cfg.seq)} batches of {cfg.batch}×"
+                         f"{cfg.seq} tokens, fewer than --eval-batches {cfg.eval_batches}")
+    return train, val
 
 
 def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):

@@ -1,9 +1,11 @@
 """Training and validation data, each data-parallel rank reading only its own share (lesson 10).
 
 A data source is a 1-D sequence of token ids:
-- a UTF-8 text file: its bytes are the tokens (vocabulary 256), as picolib has always used.
-  The default is the shipped corpus, picolib/data/course.txt (the course's own prose, about
-  half a megabyte; `tools/make_corpus.py` assembles it);
+- a UTF-8 text file: its bytes are the tokens (vocabulary 256), as picolib has always used,
+  read through `numpy.memmap` too. The default ("course") is the shipped corpus,
+  picolib/data/course.txt (the course's own prose, about half a megabyte;
+  `tools/make_corpus.py` assembles it); "text" is the original 2.5 KB paragraph (tiny.txt,
+  `model.TextData`'s, which the trainer's `--data text` trains on whole);
 - a prepared token file `*.bin`: a flat array of uint16 ids read through `numpy.memmap`, the
   layout nanoGPT's train.bin and Megatron-LM's .bin use. Write one from text with
 
@@ -44,13 +46,16 @@ __all__ = ["VAL_FRACTION", "COURSE", "TokenData", "val_batches", "mean_token_los
 
 VAL_FRACTION = 0.10                              # the last tenth of a source is held out
 COURSE = Path(__file__).parent / "data" / "course.txt"
+TINY = Path(__file__).parent / "data" / "tiny.txt"   # model.TextData's 2.5 KB paragraph
 SPLITS = ("train", "val", "all")
 _CHUNK = 1 << 24                                 # bytes per read when preparing or scanning
 
 
 def _source(path) -> Path:
-    if path is None or str(path) in ("text", "course"):
+    if path is None or str(path) == "course":
         return COURSE
+    if str(path) == "text":          # the trainer's --data text: the original paragraph
+        return TINY
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no data file at {p}: give a UTF-8 text file or a token file "
@@ -66,22 +71,34 @@ class TokenData:
     `np.memmap` view for token files, so opening reads nothing); only `len` and slices of it
     are used, one slice per window read."""
 
-    def __init__(self, path=None, split: str = "train", val_fraction: float = VAL_FRACTION):
+    def __init__(self, path=None, split: str = "train", val_fraction: float = VAL_FRACTION,
+                 check: bool = True):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must lie in (0, 1), not {val_fraction}")
         self.path, self.split = _source(path), split
-        if self.path.suffix == ".bin":
-            ids = np.memmap(self.path, dtype=np.uint16, mode="r")
-            self.vocab_size = _bin_vocab(self.path, ids)
-        else:
-            raw = self.path.read_bytes()
-            _check_utf8(raw, self.path)
-            ids, self.vocab_size = np.frombuffer(raw, dtype=np.uint8), 256
+        # both kinds through numpy.memmap: opening reads nothing, a window reads its own bytes.
+        # `check`: read the whole file once to check it (UTF-8 text; a token file's largest
+        # id when no OUT.bin.json says its vocabulary); the trainer checks once, before any
+        # rank starts, and its ranks open with check=False
+        token_file = self.path.suffix == ".bin"
+        ids = _memmap(self.path, np.uint16 if token_file else np.uint8)
+        self._vocab = None if token_file else 256
+        if check:
+            if token_file:
+                self._vocab = _bin_vocab(self.path, ids)
+            else:
+                _check_utf8(self.path)
         n = len(ids)
         cut = n - int(n * val_fraction)
         self.tokens = {"train": ids[:cut], "val": ids[cut:], "all": ids}[split]
+
+    @property
+    def vocab_size(self) -> int:
+        if self._vocab is None:
+            self._vocab = _bin_vocab(self.path, _memmap(self.path, np.uint16))
+        return self._vocab
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -92,10 +109,19 @@ class TokenData:
                 "vocab_size": self.vocab_size}
 
     # ------------------------------------------------------------------ reading windows
-    def _windows(self, starts, seq: int):
-        rows = [np.asarray(self.tokens[s:s + seq + 1], dtype=np.int64) for s in starts]
-        w = torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, seq + 1, dtype=torch.long)
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+    def _windows(self, starts, seq: int, columns=None):
+        if columns is None:
+            rows = [np.asarray(self.tokens[s:s + seq + 1], dtype=np.int64) for s in starts]
+            w = torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, seq + 1, dtype=torch.long)
+            return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        cols = np.asarray(columns, dtype=np.int64)   # only these positions (and the next ones)
+        if cols.ndim != 1 or (len(cols) and (cols.min() < 0 or cols.max() >= seq)):
+            raise ValueError(f"columns must be positions in [0, {seq}), not {columns!r}")
+        x = [np.asarray(self.tokens[s:s + seq + 1][cols], dtype=np.int64) for s in starts]
+        y = [np.asarray(self.tokens[s:s + seq + 1][cols + 1], dtype=np.int64) for s in starts]
+        if not x:
+            return (torch.empty(0, len(cols), dtype=torch.long),) * 2
+        return torch.from_numpy(np.stack(x)), torch.from_numpy(np.stack(y))
 
     @staticmethod
     def _rows(batch: int, dp_rank: int, dp: int) -> range:
@@ -115,30 +141,39 @@ class TokenData:
         return torch.randint(0, len(self) - seq - 1, (batch,), generator=g).tolist()
 
     def batch_for_rank(self, step: int, batch: int, seq: int, seed: int = 0,
-                       dp_rank: int = 0, dp: int = 1):
+                       dp_rank: int = 0, dp: int = 1, columns=None):
         """(tokens, targets), each (batch/dp, seq) long: rank `dp_rank`'s rows of step
-        `step`'s global batch, reading only those rows' windows."""
+        `step`'s global batch, reading only those rows' windows. `columns`: the positions of
+        each sequence this rank holds (context parallelism: `context_parallel.positions`);
+        then only those tokens are read, (batch/dp, len(columns)) each."""
         rows = self._rows(batch, dp_rank, dp)
         starts = self.global_starts(step, batch, seq, seed)
-        return self._windows([starts[i] for i in rows], seq)
+        return self._windows([starts[i] for i in rows], seq, columns)
 
     def batch(self, batch: int, seq: int, step: int = 0, seed: int = 0):
         """The whole global batch of `step` (one process); model.TextData's signature."""
         return self.batch_for_rank(step, batch, seq, seed)
 
-    def val_batch_for_rank(self, k: int, batch: int, seq: int, dp_rank: int = 0, dp: int = 1):
-        """Rank `dp_rank`'s rows of the k-th batch of consecutive windows of this split."""
+    def val_batch_for_rank(self, k: int, batch: int, seq: int, dp_rank: int = 0, dp: int = 1,
+                           columns=None):
+        """Rank `dp_rank`'s rows of the k-th batch of consecutive windows of this split
+        (`columns`: as in `batch_for_rank`)."""
         rows = self._rows(batch, dp_rank, dp)
         need = ((k + 1) * batch) * seq + 1
         if need > len(self):
             raise ValueError(f"{k + 1} batches of {batch}x{seq} need {need} tokens; the "
                              f"{self.split} split of {self.path.name} has {len(self)} "
                              f"(at most {(len(self) - 1) // (batch * seq)} batches)")
-        return self._windows([(k * batch + i) * seq for i in rows], seq)
+        return self._windows([(k * batch + i) * seq for i in rows], seq, columns)
 
-    def val_batches(self, K: int, batch: int, seq: int, dp_rank: int = 0, dp: int = 1):
+    def val_batches(self, K: int, batch: int, seq: int, dp_rank: int = 0, dp: int = 1,
+                    columns=None):
         """The first K batches of consecutive windows (this rank's rows), always the same."""
-        return [self.val_batch_for_rank(k, batch, seq, dp_rank, dp) for k in range(K)]
+        return [self.val_batch_for_rank(k, batch, seq, dp_rank, dp, columns) for k in range(K)]
+
+    def max_val_batches(self, batch: int, seq: int) -> int:
+        """How many batches of `batch` × `seq` consecutive windows this split holds."""
+        return max(0, (len(self) - 1) // (batch * seq))
 
 
 def val_batches(K: int, batch: int, seq: int, path=None, dp_rank: int = 0, dp: int = 1):
@@ -171,12 +206,32 @@ def global_mean_loss(loss_sum: float, token_count: int, group=None) -> float:
 
 # ---------------------------------------------------------------------- token files
 
-def _check_utf8(raw: bytes, path: Path) -> None:
+def _memmap(path: Path, dtype):
+    size, item = path.stat().st_size, np.dtype(dtype).itemsize
+    if size == 0:
+        raise ValueError(f"{path} is empty")
+    if size % item:
+        raise ValueError(f"{path} holds {size} bytes, not a whole number of {np.dtype(dtype).name} "
+                         "tokens: a token file (.bin) is written by `python -m picolib.data prepare`")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _check_utf8(path: Path) -> None:
+    """Read the file in chunks, decoding it; a ValueError naming the first bad byte."""
+    decoder, n = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path} is not UTF-8 text (byte {n + e.start}); a token file "
+                                 "must end in '.bin' (write one with `python -m picolib.data "
+                                 "prepare`)") from None
+            n += len(chunk)
     try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}); a token file must end in "
-                         "'.bin' (write one with `python -m picolib.data prepare`)") from None
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} ends inside a UTF-8 character: not UTF-8 text") from None
 
 
 def _bin_vocab(path: Path, ids) -> int:

@@ -190,7 +190,6 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
 
     from . import compose, train
     from .comm import Ledger
-    from .context_parallel import shard_sequence
     from .memory import SavedActivations
     from .mesh import Mesh
     compose.MODEL_PRESETS.update(LARGE_PRESETS)   # this process is the dry run's own rank
@@ -210,12 +209,10 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
             if not t.is_meta:
                 raise RuntimeError(f"{name} was allocated on {t.device}: the dry run allocates nothing")
     tokens, targets = [], []
-    for out in (tokens, targets):
-        t = torch.empty(cfg.batch, cfg.seq, dtype=torch.long, device=meta)
-        t = t.chunk(cfg.dp)[mesh.coordinate("dp")]
-        if cfg.cp > 1:
-            t = shard_sequence(t, cfg.cp_layout, mesh.coordinate("cp"), cfg.cp)
-        out.extend(t.chunk(cfg.micro_batches))
+    for out in (tokens, targets):    # the rank's own rows and positions, one tensor per
+        # micro-batch (train._batch)
+        out.extend(torch.empty(cfg.batch // cfg.dp // cfg.micro_batches, cfg.seq // cfg.cp,
+                               dtype=torch.long, device=meta) for _ in range(cfg.micro_batches))
     held = lambda: sum(w.memory()["grads"] for w in wrappers.values())  # noqa: E731
     grads_peak = [0]                 # gradients held before each backward (accumulated ones)
     for w in wrappers.values():      # the pipeline executor sets it before each backward

@@ -10,6 +10,13 @@ how lesson 10 checks a configuration. The transforms run in the documented order
 (docs/design.md): tensor (+ sequence) parallel, context parallel, pipeline stages, then DDP
 or ZeRO over the ranks that hold the same weights (dp × cp).
 
+Data (`--data`): the shipped paragraph (text, the default), the shipped corpus (course), random
+tokens, or any UTF-8 text file or prepared token file (picolib.data); each rank reads only its
+own rows (dp) and positions (cp) of a step's batch, and global batch number k is the same on
+every layout. For course and files the last 10% is held out: `--eval-every N` logs `val_loss`,
+the mean loss over every token of `--eval-batches K` held-out batches, computed forward-only on
+every layout (the pipeline's last stage; summed over dp and cp by tokens).
+
 Each step logs the global mean loss, the learning rate, tokens/s, MFU and HFU against a stated
 peak, the memory of the busiest rank and the bytes it sent by collective and by kind (DP, TP,
 PP, CP, EP);
@@ -35,11 +42,13 @@ import torch.distributed as dist
 from . import checkpoint
 from .clipping import clip_grad_norm_
 from .comm import Ledger
-from .compose import LR_SCHEDULES, MODEL_PRESETS, TrainConfig, build, check_config, lr_factor
-from .context_parallel import ALGORITHMS, LAYOUTS, shard_sequence
+from . import comm
+from .compose import LR_SCHEDULES, MODEL_PRESETS, TrainConfig, build, check_config, lr_factor, open_data
+from .context_parallel import ALGORITHMS, LAYOUTS, positions
+from .data import global_mean_loss
 from .memory import SavedActivations, hardware_flops, model_flops
 from .mesh import Mesh
-from .model import TextData, param_count, random_tokens
+from .model import param_count, random_tokens
 from .pipeline_parallel import run_schedule
 from .pipeline_schedules import SCHEDULES
 from .planner import Plan
@@ -58,20 +67,76 @@ KINDS = ("DP", "TP", "PP", "CP", "EP", "other")
 
 # --------------------------------------------------------------------------- a step
 
+def _columns(cfg: TrainConfig, mesh: Mesh):
+    """The positions of each sequence this rank holds: all, or its context-parallel chunks."""
+    return positions(cfg.cp_layout, mesh.coordinate("cp"), cfg.cp, cfg.seq) if cfg.cp > 1 else None
+
+
 def _batch(cfg: TrainConfig, data, step: int, mesh: Mesh):
-    """This rank's micro-batches of step `step`'s global batch: its dp share, its cp slice."""
+    """This rank's micro-batches of global batch number `step` of the data: it reads only its
+    dp share's windows, and of them only its cp positions (picolib.data.TokenData)."""
     if data is None:
         tokens, targets = random_tokens(cfg.batch, cfg.seq, cfg.model_config().vocab_size,
                                         seed=cfg.seed * 100_003 + step)
-    else:
-        tokens, targets = data.batch(cfg.batch, cfg.seq, step, cfg.seed)
-    out = []
-    for t in (tokens, targets):
-        t = t.chunk(cfg.dp)[mesh.coordinate("dp")]
+        tokens, targets = (t.chunk(cfg.dp)[mesh.coordinate("dp")] for t in (tokens, targets))
         if cfg.cp > 1:
-            t = shard_sequence(t, cfg.cp_layout, mesh.coordinate("cp"), cfg.cp)
-        out.append([m.to(device()) for m in t.chunk(cfg.micro_batches)])
-    return out
+            tokens, targets = (t[:, _columns(cfg, mesh)] for t in (tokens, targets))
+    else:
+        tokens, targets = data.batch_for_rank(step, cfg.batch, cfg.seq, cfg.seed,
+                                              mesh.coordinate("dp"), cfg.dp, _columns(cfg, mesh))
+    # each micro-batch its own tensor (a copy), as on a GPU: a view would keep the rank's whole
+    # batch alive in every micro-batch's saved tensors (and in their measured bytes)
+    return [[m.to(device(), copy=True) for m in t.chunk(cfg.micro_batches)] for t in (tokens, targets)]
+
+
+# --------------------------------------------------------------------------- validation
+
+@torch.no_grad()
+def _evaluate(cfg, stages, sched, mesh, batches) -> float:
+    """The mean loss over every token of the held-out `batches` (this rank's rows and
+    positions of each): forward only, through the pipeline's stages in order; the last
+    stage's ranks of tp coordinate 0 (tp ranks hold the same loss) add loss × tokens and
+    tokens, which one sum over all ranks turns into the mean over tokens — the dp and cp
+    ranks weighed by the tokens they held, not counted as ranks. The same on every rank."""
+    loss_sum, count = 0.0, 0
+    for tokens, targets in batches:
+        with torch.autocast(device().type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            loss = _forward_loss(cfg, stages, sched, mesh, tokens, targets)
+        if loss is not None and (cfg.tp == 1 or mesh.coordinate("tp") == 0):
+            loss_sum += float(loss) * targets.numel()
+            count += targets.numel()
+    return global_mean_loss(loss_sum, count)
+
+
+def _forward_loss(cfg, stages, sched, mesh, tokens, targets):
+    """The loss of one batch, forward only (None off the last stage). With a pipeline each
+    rank runs its stages in stage order, receiving each one's input from the previous
+    stage's rank and sending its output on: a chain, so blocking sends cannot deadlock."""
+    if sched is None:
+        return stages[0].loss(tokens, targets)
+    peers, x = mesh.peers("pp"), None
+    me = mesh.coordinate("pp")
+    for s in range(sched.n_stages):
+        if s not in stages:
+            x = None
+            continue
+        stage = stages[s]
+        if sched.is_first(s):
+            x = tokens
+        elif x is None:                                    # the previous stage is elsewhere
+            like = next(stage.parameters())
+            x = torch.empty(stage.hidden_shape(*tokens.shape), dtype=like.dtype, device=like.device)
+            comm.recv(x, peers[sched.stage_ranks[s - 1]])
+        y = stage(x)
+        if sched.is_last(s):
+            return stage.loss_fn(y, targets)
+        nxt = sched.stage_ranks[s + 1]
+        if nxt != me:
+            comm.send(y.to(next(stage.parameters()).dtype).contiguous(), peers[nxt])
+            x = None
+        else:
+            x = y
+    return None
 
 
 def _step(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline):
@@ -184,15 +249,22 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     With `cfg.progress`, rank 0 draws a progress bar and prints a summary; given
     `progress_to` (a file), it appends each step's record and the summary there as JSON lines
     instead, for the process that owns the terminal to draw (`main` does)."""
-    check_config(cfg, dist.get_world_size())
+    check_config(cfg, dist.get_world_size(), read_data=False)   # main read the file through
     mesh = Mesh(device().type, **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
     stages, wrappers, optimizers, sched, replicas = build(cfg, mesh)
+    resumed = {"data_position": 0}
     start = checkpoint.load_into(checkpoint.latest(cfg.resume), cfg, stages, wrappers,
-                                 optimizers) if cfg.resume else 0
+                                 optimizers, into=resumed) if cfg.resume else 0
+    # where this run is in its data: global batch number `position + (step - start)`
+    data_at = resumed["data_position"] - start
     # the learning rate of each step, on every wrapper's torch optimizer (all its groups)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: lr_factor(cfg, s + start))
                   for w in wrappers.values()]
-    data = TextData() if cfg.data == "text" else None
+    data, held_out = open_data(cfg, check=False)
+    val = None
+    if cfg.eval_every:                 # this rank's rows and positions, read once
+        val = [tuple(t.to(device()) for t in b) for b in held_out.val_batches(
+            cfg.eval_batches, cfg.batch, cfg.seq, mesh.coordinate("dp"), cfg.dp, _columns(cfg, mesh))]
     peak, peak_text = _peak_flops(cfg)
     n_params, tokens_per_step = param_count(cfg.model_config()), cfg.batch * cfg.seq
     hw_recompute = "full" if cfg.recompute == "full" else "none"
@@ -208,7 +280,7 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     records, log, kinds = [], open(cfg.log, "w") if rank0 and cfg.log else None, {}
     try:
         for step in range(start, cfg.steps):
-            tokens, targets = _batch(cfg, data, step, mesh)
+            tokens, targets = _batch(cfg, data, data_at + step, mesh)
             tl = Timeline() if cfg.trace and step == cfg.steps - 1 else None
             dist.barrier()
             t0 = time.perf_counter()
@@ -248,6 +320,8 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
                    "state_bytes": int(busiest[1]), "activation_bytes": int(busiest[2]),
                    "sent_bytes": {op: int(b) for op, b in zip(OPS, busiest[3:3 + len(OPS)]) if b},
                    "sent_bytes_by_kind": {k: int(b) for k, b in zip(KINDS, busiest[3 + len(OPS):]) if b}}
+            if val is not None and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
+                rec["val_loss"] = _evaluate(cfg, stages, sched, mesh, val)   # after this update
             records.append(rec)
             if log:
                 log.write(json.dumps(rec) + "\n")
@@ -256,10 +330,11 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
                 report.write(json.dumps(rec) + "\n")
                 report.flush()
             if bar:
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                bar.set_postfix(_postfix(rec))
                 bar.update()
             if cfg.save and (step == cfg.steps - 1 or cfg.save_every and (step + 1) % cfg.save_every == 0):
-                checkpoint.save(cfg.save, cfg, stages, wrappers, optimizers, step + 1, keep=cfg.keep)
+                checkpoint.save(cfg.save, cfg, stages, wrappers, optimizers, step + 1, keep=cfg.keep,
+                                data_position=data_at + step + 1)
             if tl is not None:
                 events = gather(tl)
                 if rank0:
@@ -274,13 +349,21 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     if rank0 and cfg.progress and records:
         last = records[-1]
         summary = (f"{n_params:,} parameters; peak {peak_text}; last step: loss {last['loss']:.4f}, "
-                   f"{last['tokens_per_s']:,.0f} tokens/s, MFU {last['mfu']:.3f}, HFU {last['hfu']:.3f}")
+                   + (f"val_loss {last['val_loss']:.4f}, " if "val_loss" in last else "")
+                   + f"{last['tokens_per_s']:,.0f} tokens/s, MFU {last['mfu']:.3f}, HFU {last['hfu']:.3f}")
         if report:
             report.write(json.dumps({"summary": summary}) + "\n")
             report.close()
         else:
             print(summary, flush=True)
     return records
+
+
+def _postfix(rec: dict) -> dict:
+    out = {"loss": f"{rec['loss']:.4f}", "tok_s": f"{rec['tokens_per_s']:.0f}"}
+    if "val_loss" in rec:
+        out["val_loss"] = f"{rec['val_loss']:.4f}"
+    return out
 
 
 def _describe(cfg: TrainConfig) -> str:
@@ -311,7 +394,15 @@ HELP = {
     "top_k": "experts per token", "ep": "expert-parallel ranks (a block of the dp ranks)",
     "cp_algorithm": "context-parallel attention",
     "cp_layout": "who holds which tokens",
-    "data": "text (the shipped text, byte tokens) or random tokens",
+    "data": "text: the shipped 2.5 KB paragraph, all trained on; course: the shipped corpus "
+            "(picolib/data/course.txt, 0.5 MB); random: uniform tokens; or PATH: a UTF-8 text "
+            "file (byte tokens) or a token file NAME.bin (numpy.memmap of uint16, written by "
+            "`python -m picolib.data prepare IN.txt OUT.bin`). For course and PATH the last 10%% "
+            "is held out (never trained on); each dp rank reads only its own sequences",
+    "eval_every": "every this many steps (and after the last) log val_loss: the mean loss over "
+                  "all tokens of --eval-batches held-out batches (0: never)",
+    "eval_batches": "batches of --batch × --seq held-out tokens each evaluation reads (always "
+                    "the first ones of the held-out split)",
     "lr": "AdamW's peak learning rate", "seed": "seed of the weights and the data",
     "warmup": "steps of linear warmup from lr/warmup to lr",
     "lr_schedule": "the learning rate after warmup, from lr to --min-lr at the last step "
@@ -336,9 +427,12 @@ HELP = {
 # the enumerated options: argparse refuses anything else and --help lists them
 CHOICES = {"schedule": list(SCHEDULES), "recompute": ["none", "selective", "full"],
            "precision": ["fp32", "bf16"], "cp_algorithm": list(ALGORITHMS),
-           "cp_layout": list(LAYOUTS), "data": ["text", "random"], "preset": list(MODEL_PRESETS),
+           "cp_layout": list(LAYOUTS), "preset": list(MODEL_PRESETS),
            "lr_schedule": list(LR_SCHEDULES),
            "zero": [0, 1, 2, 3]}
+
+
+METAVARS = {"data": "{text,course,random,PATH}"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
             p.add_argument(*flags, type=kind, default=f.default, help=HELP[f.name],
-                           choices=CHOICES.get(f.name))
+                           choices=CHOICES.get(f.name), metavar=METAVARS.get(f.name))
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="run this plan (picolib.planner.Plan.to_json, e.g. a plan_search result): "
                         "its model and layout; the options given beside it set the rest and "
@@ -463,7 +557,7 @@ class _ProgressBar:
             elif "summary" in rec:
                 self.summary = rec["summary"]
             elif self.bar is not None:
-                self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                self.bar.set_postfix(_postfix(rec))
                 self.bar.update()
 
 

@@ -131,7 +131,7 @@ MORE = [(["--zero", "4"], r"argument --zero: invalid choice: 4 \(choose from 0, 
         (["--recompute", "some"], r"argument --recompute: invalid choice: 'some'"),
         (["--cp", "2", "--cp-algorithm", "tree"], r"argument --cp-algorithm: invalid choice"),
         (["--cp", "2", "--cp-layout", "striped"], r"argument --cp-layout: invalid choice"),
-        (["--data", "wiki"], r"argument --data: invalid choice: 'wiki'"),
+        (["--data", "wiki"], r"--data wiki: no data file at wiki"),
         (["--backend", "mpi"], r"argument --backend: invalid choice: 'mpi'"),
         (["--dp", "0"], r"dp must be a positive int, not 0"),
         (["--nproc", "0"], r"--nproc must be at least 1, not 0"),
@@ -165,7 +165,7 @@ def test_help_lists_the_choices_of_every_enumerated_option(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     for option, values in [("--zero", "{0,1,2,3}"), ("--precision", "{fp32,bf16}"),
-                           ("--recompute", "{none,selective,full}"), ("--data", "{text,random}"),
+                           ("--recompute", "{none,selective,full}"), ("--data", "{text,course,random,PATH}"),
                            ("--preset", "{tiny,small,base,150m}"), ("--backend", "{auto,gloo,nccl}"),
                            ("--cp-algorithm", "{ring,allgather,ulysses}"),
                            ("--cp-layout", "{contiguous,zigzag}"), ("--schedule", "{afab,1f1b,")]:
