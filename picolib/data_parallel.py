@@ -140,10 +140,10 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
       span "all_reduce" on lane "comm" (meta: bucket, issued), from issue to the first
       moment the rank saw it complete (polled at each gradient hook and at the wait: an
       upper bound). If the timeline has a cost for "all_reduce" (`emulate={"all_reduce":
-      s}`), the link is emulated instead: each all-reduce occupies it for s seconds from
-      its issue or the end of the previous one, whichever is later; the span shows that
-      time, and the wait sleeps until the emulated link is idle (the real all-reduces
-      are waited for too).
+      s}`), the timeline's emulated link (lane "comm") carries them instead: each
+      all-reduce occupies it for s seconds from its issue or the end of the previous one,
+      whichever is later; the span shows that time, and the wait sleeps until the link is
+      done with it (the real all-reduces are waited for too).
     - `groups`: {parameter: process group} for parameters replicated on only some of the
       ranks (experts: their edp group, `picolib.expert_parallel.expert_gradient_groups`).
       Their buckets all-reduce over that group, still divided by the size of `group`
@@ -210,7 +210,6 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         self.syncs = 0                # synchronised backward passes so far (steps)
         self._in_backward = False     # a synchronised backward is under way
         self._next = 0                # the next bucket to issue (same order on every rank)
-        self._link_free = 0.0         # emulated link: when the previous all-reduce ends
         if optimizer is None and optimizer_kwargs:
             raise TypeError(f"{sorted(optimizer_kwargs)} are optimizer settings: pass optimizer=")
         self.optimizer = (None if optimizer is None else make_optimizer(
@@ -267,23 +266,13 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
                     view.zero_()
                     p.grad = view
             self._issue(b)
-        emulate = self.timeline.emulate.get("all_reduce") if self.timeline is not None else None
-        for b in self.buckets:
-            b.work.wait()
-            if b.done is None:
-                b.done = time.perf_counter()
-            if self.timeline is not None:
-                start, end = b.issued, b.done
-                if emulate is not None:  # the emulated link, one all-reduce after the other
-                    start = max(b.issued, self._link_free)
-                    end = self._link_free = start + emulate
-                ev = self.timeline.add("all_reduce", start, end, lane="comm", bucket=b.index,
-                                       issued=b.issued, label=f"AR{b.index}")
-                ev["emulated"] = emulate is not None
+        for b in self.buckets:          # in the order they were issued
+            if self.timeline is None:
+                b.work.wait()
+            else:   # measured: issue → first seen done; emulated: the link's slot (timeline)
+                self.timeline.wait("all_reduce", b.work, b.issued, done=b.done, bucket=b.index,
+                                   issued=b.issued, label=f"AR{b.index}")
             b.work, b.done, b.pending = None, None, len(b.params)
-        if emulate is not None:
-            while (left := self._link_free - time.perf_counter()) > 0:
-                time.sleep(left)
         self._next, self._in_backward, self.syncs = 0, False, self.syncs + 1
         if self._partial:   # buckets reduced over sub-groups: agree on the verdict first
             bad = torch.stack([~is_finite(b.buffer) for b in self.buckets]).any().float().view(1)

@@ -38,7 +38,7 @@ from .pipeline_simulator import simulate, validate
 from .terapipe_slicer import check_slices
 
 __all__ = ["TeraPipePlan", "KVCache", "CachedAttentionCore", "use_kv_cache", "terapipe_stage",
-           "run_terapipe", "plan_costs", "simulate_plan", "measure_costs", "FORWARD_SHARE"]
+           "run_terapipe", "emulated_costs", "plan_costs", "simulate_plan", "measure_costs", "FORWARD_SHARE"]
 
 FORWARD_SHARE = 1 / 3     # emulated costs: forward ⅓ of t(l, c), backward ⅔ (backward ≈ 2× forward)
 
@@ -227,8 +227,10 @@ def run_terapipe(plan: TeraPipePlan, stage: TinyLlama, tokens, targets, timeline
     """This rank's part of one TeraPipe step. `tokens`, `targets`: the whole batch (B, S),
     given on every rank; B is cut into n_micro micro-batches, S into the plan's slices.
     The loss is the mean over all B·S tokens, so gradients equal one process's (they
-    accumulate in the stage's `.grad`). `cost(l, c)`: seconds of a slice for cost emulation
-    on `timeline` (forward FORWARD_SHARE of it, backward the rest). `group_ranks[r]`:
+    accumulate in the stage's `.grad`). Its ops are spans "F" and "BW" with meta length and
+    context (the slice's start), priced by the timeline's `emulate`, e.g.
+    `Timeline(emulate=emulated_costs(cost))`; `cost(l, c)` here does the same for this run
+    (forward FORWARD_SHARE of it, backward the rest). `group_ranks[r]`:
     the global rank of pipeline rank r. Returns {"loss": the loss on the last rank, else None}."""
     me = dist.get_rank()
     me = group_ranks.index(me) if group_ranks else me
@@ -245,15 +247,15 @@ def run_terapipe(plan: TeraPipePlan, stage: TinyLlama, tokens, targets, timeline
     toks, tgts = tokens.chunk(plan.n_micro), targets.chunk(plan.n_micro)
     like = next(stage.parameters())
     runner, saved, pending, total = _SliceRunner(stage, plan.n_micro), {}, [], None
+    own = None if cost is None else emulated_costs(cost)
 
     def span(kind, u):
         if timeline is None:
             return contextlib.nullcontext()
-        t = None if cost is None else cost(u.length, u.start)
-        share = None if t is None else (FORWARD_SHARE if kind == "F" else 1 - FORWARD_SHARE) * t
         label = str(u.index) if plan.n_micro == 1 else f"{u.mb}.{u.index}"
-        return timeline.span(kind, cost=share, stage=me, mb=u.number, slice=u.index,
-                             micro=u.mb, label=label)
+        meta = dict(stage=me, mb=u.number, slice=u.index, micro=u.mb, label=label,
+                    length=u.length, context=u.start)
+        return timeline.span(kind, cost=None if cost is None else own[kind](**meta), **meta)
 
     def receive(u, src):
         buf = torch.empty(stage.hidden_shape(toks[u.mb].shape[0], u.length),
@@ -291,11 +293,18 @@ def run_terapipe(plan: TeraPipePlan, stage: TinyLlama, tokens, targets, timeline
 
 # --------------------------------------------------------------------------- costs
 
+def emulated_costs(cost) -> dict:
+    """The timeline's `emulate` for TeraPipe's ops from a slice cost t(l, c) in seconds:
+    {"F": FORWARD_SHARE · t, "BW": the rest}, functions of an op's length and context."""
+    return {"F": lambda length, context, **_: FORWARD_SHARE * float(cost(length, context)),
+            "BW": lambda length, context, **_: (1 - FORWARD_SHARE) * float(cost(length, context))}
+
+
 def plan_costs(plan: TeraPipePlan, cost) -> dict:
     """{"F": {unit: seconds}, "BW": {...}}: the emulated op costs of the plan's units."""
-    t = {u.number: float(cost(u.length, u.start)) for u in plan.units}
-    return {"F": {k: FORWARD_SHARE * v for k, v in t.items()},
-            "BW": {k: (1 - FORWARD_SHARE) * v for k, v in t.items()}}
+    ops = emulated_costs(cost)
+    return {kind: {u.number: fn(length=u.length, context=u.start) for u in plan.units}
+            for kind, fn in ops.items()}
 
 
 def simulate_plan(plan: TeraPipePlan, cost) -> list[dict]:

@@ -20,6 +20,17 @@ max(cost, real time), and sleeping ranks leave the cores to the others. Pick cos
 above the real compute time and the figure shows the schedule as it would be on
 dedicated devices; each event records `emulated` and `cost` (so a lesson can check that
 no body overran its cost), and a lesson says which mode a figure used. On a GPU, spans time the host: synchronise inside the span to time the kernels.
+
+The emulated link, the one mechanism every technique uses. Each lane is a resource: a
+span occupies the rank's own lane while it runs; an asynchronous operation (`issue`, then
+`complete` or `wait`) occupies its lane's link for its cost, from its issue or from the end
+of the previous operation on that link, whichever is later, and waiting for it sleeps until
+the link is done with it (and the real operation is done too). The operation is drawn in
+its slot on the link, longer only when the real one was still running at the slot's end
+(a late peer; the link is then busy until it ends).
+A technique only names its ops (and their lane and size); the costs come from `emulate`:
+a number is seconds per op (times the op's `size`, default 1), a function takes the op's
+meta as keyword arguments and returns seconds.
 """
 from __future__ import annotations
 
@@ -51,22 +62,51 @@ class Timeline:
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank, self.emulate, self._events = rank, dict(emulate or {}), []
+        self._link_free = {}   # the emulated link of each lane: when it is free
+
+    def cost(self, name: str, size: float = 1, **meta) -> float | None:
+        """The emulated cost of op `name` in seconds, None when it is not emulated:
+        `emulate[name]` × size for a number, `emulate[name](**meta)` for a function."""
+        c = self.emulate.get(name)
+        if c is None:
+            return None
+        return float(c(**meta)) if callable(c) else c * size
+
+    def _event(self, name, lane, start, cost, size, meta):
+        if cost is None:
+            cost = self.cost(name, size, **meta)
+        if size != 1:
+            meta = dict(meta, size=size)
+        return {"rank": self.rank, "name": name, "lane": lane, "start": float(start),
+                "end": None, "emulated": cost is not None, "cost": cost, "meta": dict(meta)}
+
+    def begin(self, name: str, lane: str = "compute", cost: float | None = None,
+              size: float = 1, start: float | None = None, **meta) -> dict:
+        """Open a span now (or at `start`): this rank works on its lane. Close it with `end`."""
+        return self._event(name, lane, time.perf_counter() if start is None else start,
+                           cost, size, meta)
+
+    def end(self, ev: dict) -> dict:
+        """Close a span from `begin`: with a cost, sleep until start + cost; record it."""
+        if ev["cost"] is not None:
+            _sleep_until(ev["start"] + ev["cost"])
+        ev["end"] = time.perf_counter()
+        self._events.append(ev)
+        return ev
 
     @contextmanager
     def span(self, name: str, lane: str = "compute", cost: float | None = None, **meta):
-        """Time the body as event `name`. With a cost (argument, else `emulate[name]`) the
-        span sleeps until start + cost. Yields the event dict; the body may add to its meta."""
-        if cost is None:
-            cost = self.emulate.get(name)
-        ev = {"rank": self.rank, "name": name, "lane": lane, "start": time.perf_counter(),
-              "end": None, "emulated": cost is not None, "cost": cost, "meta": dict(meta)}
+        """Time the body as event `name`. With a cost (argument, else `self.cost(name)`; a
+        `size=` scales it) the span sleeps until start + cost. Yields the event dict; the
+        body may add to its meta."""
+        ev = self.begin(name, lane, cost, **meta)
         try:
             yield ev
-            if cost is not None:
-                _sleep_until(ev["start"] + cost)
-        finally:
+        except BaseException:          # recorded as far as it got, without the sleep
             ev["end"] = time.perf_counter()
             self._events.append(ev)
+            raise
+        self.end(ev)
 
     def add(self, name: str, start: float, end: float, lane: str = "compute", **meta):
         """Record an interval measured elsewhere (e.g. an async all-reduce: issue → wait)."""
@@ -77,19 +117,47 @@ class Timeline:
         self._events.append(ev)
         return ev
 
-    def wait(self, name: str, work, start: float, lane: str = "comm", cost: float | None = None,
-             **meta):
-        """`work.wait()` for an async operation issued at `start`, recorded as a span from
-        `start` to its end; with a cost (argument, else `emulate[name]`) it lasts at least
-        that long, as `span` does (lesson 06: K/V hops hidden under attention blocks)."""
-        if cost is None:
-            cost = self.emulate.get(name)
-        work.wait()
-        if cost is not None:
-            _sleep_until(start + cost)
-        ev = self.add(name, start, time.perf_counter(), lane, **meta)
-        ev.update(emulated=cost is not None, cost=cost)
+    def issue(self, name: str, lane: str = "comm", cost: float | None = None, size: float = 1,
+              start: float | None = None, **meta) -> dict:
+        """An asynchronous operation issued now (or at `start`) on `lane`'s link. Emulated,
+        it occupies the link for its cost from its issue or the end of the previous one,
+        whichever is later. Returns the pending event: pass it to `complete`."""
+        issued = time.perf_counter() if start is None else start
+        ev = self._event(name, lane, issued, cost, size, meta)
+        if ev["cost"] is not None:
+            ev["start"] = max(issued, self._link_free.get(lane, 0.0))
+            self._link_free[lane] = ev["start"] + ev["cost"]
         return ev
+
+    def complete(self, ev: dict, work=None, done: float | None = None) -> dict:
+        """Wait for an operation from `issue` (`work.wait()`) and record it. Not emulated: it
+        ends when the wait returns (or at `done`, when the caller saw it finish earlier).
+        Emulated: the wait sleeps until the link is done with it; it is drawn in its slot,
+        ending later only if the real operation was still running at the slot's end (a late
+        peer): then it holds the link until it ends."""
+        running = work is not None and not getattr(work, "is_completed", lambda: False)()
+        if work is not None:
+            work.wait()
+        now = time.perf_counter()
+        if ev["cost"] is None:
+            ev["end"] = now if done is None else done
+        else:
+            slot_end = ev["start"] + ev["cost"]
+            if running and now > slot_end:   # the real operation was still running at its end:
+                ev["end"] = now                # drawn to its end, and it held the link till then
+                self._link_free[ev["lane"]] = max(self._link_free.get(ev["lane"], 0.0), now)
+            else:
+                _sleep_until(slot_end)
+                ev["end"] = slot_end
+        self._events.append(ev)
+        return ev
+
+    def wait(self, name: str, work, start: float, lane: str = "comm", cost: float | None = None,
+             done: float | None = None, **meta):
+        """`work.wait()` for an async operation issued at `start`: `issue` and `complete` in
+        one call, so a lane's link takes its operations in the order they are waited for
+        (DDP's buckets, ZeRO's collectives, lesson 06's K/V hops: their issue order)."""
+        return self.complete(self.issue(name, lane, cost, start=start, **meta), work, done)
 
     @property
     def events(self) -> list[dict]:

@@ -91,7 +91,8 @@ class ZeRO(GradientSyncSwitch):
     bucket, and in stage 3 what is gathered at once (default: `model.blocks`; the
     leftover parameters form the root unit). Frozen parameters and buffers are copied
     from the group's first rank. `timeline`: a picolib Timeline that gets F, B (stage 3),
-    all_gather and reduce_scatter spans; a cost in `timeline.emulate` is slept.
+    all_gather and reduce_scatter spans (lanes gather, reduce: one emulated link each, see
+    picolib.timeline); a cost in `timeline.emulate` is slept.
     `groups`: {parameter: process group} for parameters replicated on only some of the
     ranks (module docstring; stages 1-2). `reduce_every_micro_batch` (stages 2-3): every
     backward reduce-scatters, even inside `no_sync()`, and accumulates into the shards.
@@ -214,7 +215,7 @@ class ZeRO(GradientSyncSwitch):
 
     def _post_forward(self, i, out):
         if not self._is_root(i):
-            self._record("F", self._t, None, unit=i)
+            self._record("F", self._t, unit=i)
         self.units[i].free()
         t = next((x for x in _tensors(out) if x.requires_grad), None)
         if torch.is_grad_enabled() and t is not None:   # runs when backward reaches the unit
@@ -246,7 +247,7 @@ class ZeRO(GradientSyncSwitch):
         if u.complete():    # this unit's backward is over
             if self.stage == 3:
                 if not self._is_root(i):
-                    self._record("B", self._t, None, unit=i)
+                    self._record("B", self._t, unit=i)
                 u.free()
             if self._sync or self.reduce_every_micro_batch:
                 self._reduce_in_order()
@@ -441,27 +442,19 @@ class ZeRO(GradientSyncSwitch):
 
     # ------------------------------------------------------------------ timeline
     def _wait(self, handle, name, t0, i):
-        entered = time.perf_counter()
-        handle.wait()
-        self._record(name, t0, entered, unit=i)
+        """Wait for unit i's collective issued at t0. With a timeline: on the emulated link of
+        its lane (gather, reduce), which carries a lane's collectives one after the other in
+        the order they are waited for — here always the order they were issued."""
+        if self.timeline is None:
+            handle.wait()
+        else:
+            lane = {"all_gather": "gather", "reduce_scatter": "reduce"}[name]
+            self.timeline.wait(name, handle, t0, lane=lane, unit=i)
 
-    def _record(self, name, t0, entered, **meta):
-        """Span `name` from t0 to now (lanes: compute, gather, reduce). With an emulated
-        cost it lasts max(cost, real time): sleep until t0 + cost — unless the wait began
-        after t0 + cost: then the collective is drawn ending at t0 + cost."""
-        tl = self.timeline
-        if tl is None:
-            return
-        cost, end = tl.emulate.get(name), time.perf_counter()
-        if cost is not None:
-            if entered is not None and entered >= t0 + cost:
-                end = t0 + cost
-            else:
-                while (left := t0 + cost - time.perf_counter()) > 0:
-                    time.sleep(left)
-                end = time.perf_counter()
-        lane = {"all_gather": "gather", "reduce_scatter": "reduce"}.get(name, "compute")
-        tl.add(name, t0, end, lane=lane, **meta)["emulated"] = cost is not None
+    def _record(self, name, t0, **meta):
+        """Span `name` (a unit's forward or backward) from t0 to now, at least its cost."""
+        if self.timeline is not None:
+            self.timeline.end(self.timeline.begin(name, start=t0, **meta))
 
 
 def _param_groups(model, param_groups):

@@ -227,7 +227,74 @@ def test_wait_records_an_async_operation_and_pads_it_to_its_cost():
     work = _Work(0.0)
     ev = tl.wait("kv", work, t0, hop=1)
     assert work.waited and ev["emulated"] and ev["cost"] == 0.05 and ev["lane"] == "comm"
-    assert 0.05 <= ev["end"] - ev["start"] < 0.5 and ev["meta"] == {"hop": 1}
+    assert 0.05 - 1e-9 <= ev["end"] - ev["start"] < 0.5 and ev["meta"] == {"hop": 1}
     slow = tl.wait("recv", _Work(0.03), time.perf_counter())      # not emulated: as it was
     assert not slow["emulated"] and 0.03 <= slow["end"] - slow["start"] < 0.5
     assert [e["name"] for e in tl.events] == ["kv", "recv"]
+
+
+class _Flag:
+    """A finished (or, with running=True, never-finished-until-waited) async operation."""
+
+    def __init__(self, running=False, seconds=0.0):
+        self.running, self.seconds = running, seconds
+
+    def is_completed(self):
+        return not self.running
+
+    def wait(self):
+        time.sleep(self.seconds)
+
+
+def test_the_emulated_link_carries_one_operation_at_a_time():
+    """Issue two ops at once on one lane and one on another: the lane's link runs them one
+    after the other, the other lane's at once; each wait sleeps until its slot ends."""
+    tl = Timeline(emulate={"ag": 0.04, "rs": 0.04})
+    t0 = time.perf_counter()
+    first, second = tl.issue("ag", "gather", unit=0), tl.issue("ag", "gather", unit=1)
+    other = tl.issue("rs", "reduce")
+    assert second["start"] == first["start"] + 0.04 and other["start"] < first["start"] + 0.01
+    for e in (first, second, other):
+        tl.complete(e, _Flag())
+    waited = time.perf_counter() - t0
+    assert waited >= 0.08 - 1e-9                        # the second op's slot ends at 2 × cost
+    a, b, c = tl.events
+    assert a["end"] == b["start"] and b["end"] == b["start"] + 0.04    # drawn in their slots
+    assert c["end"] - c["start"] == pytest.approx(0.04) and c["lane"] == "reduce"
+    third = tl.issue("ag", "gather")                   # the link is free again: starts now
+    assert third["start"] >= b["end"]
+
+
+def test_an_operation_that_outlasts_its_slot_is_drawn_to_its_end():
+    tl = Timeline(emulate={"ag": 0.01})
+    ev = tl.complete(tl.issue("ag", "gather"), _Flag(running=True, seconds=0.05))
+    assert ev["emulated"] and ev["end"] - ev["start"] >= 0.05      # the real op, not the slot
+    ev = tl.complete(tl.issue("ag", "gather"), _Flag(running=False, seconds=0.0))
+    assert ev["end"] - ev["start"] == pytest.approx(0.01)
+
+
+def test_costs_come_from_emulate_by_name_size_or_function():
+    tl = Timeline(emulate={"attn": 0.2, "F": lambda length, context, **_: length + context / 10})
+    assert tl.cost("attn") == 0.2 and tl.cost("attn", size=0.5) == 0.1 and tl.cost("W") is None
+    assert tl.cost("F", length=3, context=20, label="x") == 5.0
+    ev = tl.begin("attn", size=0.0, step=1)             # a step with no unmasked scores
+    assert ev["cost"] == 0.0 and ev["meta"] == {"step": 1, "size": 0.0}
+    assert tl.begin("F", cost=0.01, length=3, context=20)["cost"] == 0.01   # an explicit cost wins
+
+
+def test_only_the_timeline_sleeps_for_an_emulated_cost():
+    """One emulated link: the techniques name their ops; none sleeps or keeps a link itself."""
+    import pathlib
+
+    import picolib
+    root = pathlib.Path(picolib.__file__).parent
+    for name in ("data_parallel", "zero", "pipeline_parallel", "context_parallel", "terapipe"):
+        text = (root / f"{name}.py").read_text()
+        assert "sleep(" not in text and "emulate.get" not in text and "_link_free" not in text, name
+
+
+def test_an_overrun_holds_the_link_until_it_ends():
+    tl = Timeline(emulate={"ag": 0.01})
+    late = tl.wait("ag", _Flag(running=True, seconds=0.05), time.perf_counter(), "gather")
+    after = tl.wait("ag", _Flag(), time.perf_counter() - 0.05, "gather")   # issued meanwhile
+    assert after["start"] == late["end"] and after["end"] == pytest.approx(late["end"] + 0.01)
