@@ -173,7 +173,10 @@ def _patch_for_meta():
     global _LIB      # PyTorch's meta add/sub/mul are Python (~0.5 ms a call): a shape rule
     _LIB = torch.library.Library("aten", "IMPL")
     for op in ("add.Tensor", "sub.Tensor", "mul.Tensor"):
-        _LIB.impl(op, _broadcast, "Meta")
+        try:
+            _LIB.impl(op, _broadcast, "Meta")
+        except RuntimeError:   # torch 2.11 keeps its own Python meta kernel: slower, same shapes
+            pass
 
 
 def _broadcast(a, b, *_, **__):
