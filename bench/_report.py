@@ -177,7 +177,8 @@ def _model(data):
                              ("transformers `LlamaForCausalLM`", data["transformers"]))]
     rows.append(["**ratio** picolib / transformers", f"**{data['ratio']:.2f}**", "", "",
                  f"{data['memory_ratio']:.2f}"])
-    where = data["device"] if data["cuda"] else "CPU, one thread"
+    where = (f"{data['device']} (torch {data['torch']}, transformers {data['transformers_version']})"
+             if data["cuda"] else "CPU, one thread")
     head = (f"{where}: h = {c['hidden']}, {c['n_layers']} layers, {c['n_heads']} heads / "
             f"{c['n_kv_heads']} KV heads, FFN {c['ffn_hidden']}, vocabulary {c['vocab_size']:,}, "
             f"batch {z['batch']} × {z['seq']}, {z['dtype'].replace('torch.', '')}, SDPA, AdamW, "
@@ -188,6 +189,6 @@ def _model(data):
               f"{data['peak_source']} peak ({data['peak_flops'] / 1e12:,.2f} TFLOP/s).")
 
 
-RENDERERS = {"model": _model, "launch": _launch, "dp_zero": _dp_zero, "tp_sp": _tp_sp, "pipeline": _pipeline,
+RENDERERS = {"model": _model, "model_gpu": _model, "launch": _launch, "dp_zero": _dp_zero, "tp_sp": _tp_sp, "pipeline": _pipeline,
              "context_parallel": _context_parallel, "terapipe": _terapipe, "moe": _moe,
              "train_5d": _train_5d}

@@ -1,7 +1,7 @@
 """picolib's model against transformers' Llama: one training step, side by side (issue 26).
 
     pip install -e ".[bench]"                    # transformers: this benchmark only
-    .venv/bin/python bench/model.py              # writes bench/results/model.json
+    .venv/bin/python bench/model.py              # writes bench/results/model.json (model_gpu.json on CUDA)
 
 Both sides are the same network at the same shapes with the same weights: picolib's
 `TinyLlama` and transformers' `LlamaForCausalLM` (SDPA attention, untied head), the
@@ -203,7 +203,7 @@ def main():
         print(name, {k: v for k, v in rows[name].items() if k != "steps"}, flush=True)
     ratio = rows["picolib"]["step_s"] / rows["transformers"]["step_s"]
     data = {"device": gpu or "cpu", "cuda": CUDA, "torch": torch.__version__,
-            "transformers": transformers.__version__,
+            "transformers_version": transformers.__version__,
             "sizes": {"cfg": CFG.__dict__, "batch": BATCH, "seq": SEQ, "dtype": str(DTYPE),
                       "params": n},
             "peak_flops": peak, "peak_source": peak_src,
@@ -211,7 +211,7 @@ def main():
             "picolib": rows["picolib"], "transformers": rows["transformers"],
             "ratio": round(ratio, 3),
             "memory_ratio": round(rows["picolib"]["peak_bytes"] / rows["transformers"]["peak_bytes"], 3)}
-    name = "model"
+    name = "model_gpu" if CUDA else "model"     # each has its README table
     try:
         from _report import write
     except ImportError:   # before bench/_report.py exists
