@@ -115,8 +115,11 @@ def my_group(split: bool):
     rank creates every group, as torch.distributed requires)."""
     if not split:
         return None
-    groups = [dist.new_group(ranks) for ranks in SUBGROUPS]
-    return next(g for g, ranks in zip(groups, SUBGROUPS) if dist.get_rank() in ranks)
+    from ..mesh import Mesh
+    from ..rank import device
+    group = Mesh(device().type, dp=2, tp=2).group("dp")      # SUBGROUPS: the dp groups of 2×2
+    assert dist.get_process_group_ranks(group) == members(dist.get_rank())
+    return group
 
 
 def members(rank: int) -> list[int]:
