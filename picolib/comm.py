@@ -299,6 +299,9 @@ class _Exchange:
     def __init__(self, works, records, t0, copy_back=()):
         self._works, self._records, self._t0, self._copy_back = works, records, t0, copy_back
 
+    def is_completed(self):
+        return all(w.is_completed() for w in self._works)
+
     def wait(self):
         for w in self._works:
             w.wait()

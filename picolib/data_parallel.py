@@ -22,9 +22,10 @@ Two versions, as in the lesson:
      gradients add up in the buckets and the next synchronised backward averages the sum;
   6. a NaN or inf gradient makes every rank raise FloatingPointError at the end of that
      backward, naming the ranks whose own gradient it was (picolib/flat.py);
-  7. `groups={param: group}`: parameters whose replicas are only some of the ranks (the
-     experts under expert parallelism, lesson 09) are summed over their own group and
-     still divided by the size of the whole group.
+  7. `groups={param: group}`: parameters whose holders are another set of ranks than
+     `group` — an expert's edp ranks (fewer, lesson 09), a DualPipe stage's pair × dp × cp
+     (more, lesson 07) — are summed over their own group and still divided by the size of
+     `group` (the data shards): one rule for both.
 
 The data-parallel contract, shared with ZeRO (picolib/zero.py), so that a training loop,
 the trainer and checkpoints never ask which one they hold: `step()`, `zero_grad()`,

@@ -42,9 +42,10 @@ all-gathers: any other interleaving could deadlock a rank that visits the units 
 another order (the price: a unit finished before the last all-gather keeps its full
 gradient until then).
 
-Parameters replicated on only some of the ranks (experts under expert parallelism: their
-edp group) get `groups={param: group}` (stages 1-2): they form units of their own, sharded
-and reduced over their group, and still averaged over `group`'s size like the rest.
+Parameters whose holders are another set of ranks than `group` — an expert's edp ranks
+(fewer), a DualPipe stage's pair × dp × cp (more) — get `groups={param: group}` (stages 1-2):
+they form units of their own, sharded and reduced over their group, and still divided by
+`group`'s size (the data shards) like the rest.
 
 Accumulation: inside `no_sync()` (or after `set_requires_gradient_sync(False)`) backward
 only accumulates, through autograd, into full gradients (stages 2-3 too, until the
