@@ -67,7 +67,8 @@ def all_reduce_gradients(model: nn.Module, group=None) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         p.grad.div_(n)
-        comm.all_reduce(p.grad, group=group)
+        with comm.tagged(purpose="gradients"):
+            comm.all_reduce(p.grad, group=group)
 
 
 # --------------------------------------------------------------------------- buckets
@@ -245,7 +246,8 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         bucket.buffer.div_(self.world)  # sum of (grad / N) = mean
         bucket.issued = time.perf_counter()
         group = self.group if bucket.group is None else bucket.group
-        bucket.work = comm.all_reduce(bucket.buffer, group=group, async_op=True)
+        with comm.tagged(purpose="gradients"):
+            bucket.work = comm.all_reduce(bucket.buffer, group=group, async_op=True)
         self._next += 1
 
     def _poll(self):
@@ -287,7 +289,8 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         self._next, self._in_backward, self.syncs = 0, False, self.syncs + 1
         if self._partial:   # buckets reduced over sub-groups: agree on the verdict first
             bad = torch.stack([~is_finite(b.buffer) for b in self.buckets]).any().float().view(1)
-            comm.all_reduce(bad, op="max", group=self.group)
+            with comm.tagged(purpose="gradients"):
+                comm.all_reduce(bad, op="max", group=self.group)
             if bad.item():
                 raise FloatingPointError(f"step {self.syncs}: a gradient is NaN or inf after the "
                                          "all-reduce (on this rank or another). Nothing was "
