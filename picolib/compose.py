@@ -134,9 +134,15 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
                              "(lesson 07 runs it): choose another --schedule")
         v = cfg.chunks if cfg.schedule == "interleaved" else 1
         sched = make_schedule(cfg.schedule, cfg.pp, cfg.micro_batches, v)
-        if len(sched.stage_ranks) > mcfg.n_layers:
-            raise ValueError(f"{len(sched.stage_ranks)} pipeline stages need at least as many "
+        n_stages = len(sched.stage_ranks)
+        if n_stages > mcfg.n_layers:
+            raise ValueError(f"{n_stages} pipeline stages need at least as many "
                              f"layers; the {cfg.preset} preset has {mcfg.n_layers}")
+        if mcfg.n_layers % n_stages:   # pipeline_parallel.partition: equal stages only
+            raise ValueError(f"{mcfg.n_layers} layers do not split evenly into {n_stages} stages "
+                             f"(--pp {cfg.pp}" + (f" × --chunks {v}" if v > 1 else "") + "): the "
+                             "trainer gives every stage the same number of layers; choose a "
+                             f"pipeline whose stages divide {mcfg.n_layers}")
         if cfg.zero == 3:
             raise ValueError("ZeRO-3 × pipeline parallelism is not supported: ZeRO-3 frees a "
                              "stage's parameters after each forward while a schedule keeps "
