@@ -210,6 +210,7 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         self._sync = True
         self.syncs = 0                # synchronised backward passes so far (steps)
         self._in_backward = False     # a synchronised backward is under way
+        self._unsynced = False        # gradients arrived without sync since the last one
         self._next = 0                # the next bucket to issue (same order on every rank)
         self._link_free = 0.0         # emulated link: when the previous all-reduce ends
         if optimizer is None and optimizer_kwargs:
@@ -230,6 +231,7 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
             view.copy_(p.grad)
             p.grad = view
         if not self._sync:
+            self._unsynced = True
             return
         if not self._in_backward:
             self._in_backward = True
@@ -260,9 +262,14 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
 
     def finish_gradient_sync(self):
         """Issue the buckets not yet issued, wait for every all-reduce, reset for the next
-        backward. Runs by itself at the end of a synchronised backward."""
+        backward. Runs by itself at the end of a synchronised backward; `step` calls it too,
+        which syncs gradients accumulated without sync when the step's last backward produced
+        none (a pipeline's split backward whose W op had no weight left to compute: under
+        tensor parallelism every Linear's gradient came in B)."""
         if not self._in_backward:
-            return
+            if not (self._sync and self._unsynced):
+                return
+            self._in_backward = True
         for b in self.buckets[self._next:]:
             for p, view in zip(b.params, b.views):
                 if p.grad is None:  # a parameter that got no gradient this step
@@ -287,6 +294,7 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
             while (left := self._link_free - time.perf_counter()) > 0:
                 time.sleep(left)
         self._next, self._in_backward, self.syncs = 0, False, self.syncs + 1
+        self._unsynced = False
         if self._partial:   # buckets reduced over sub-groups: agree on the verdict first
             bad = torch.stack([~is_finite(b.buffer) for b in self.buckets]).any().float().view(1)
             with comm.tagged(purpose="gradients"):
@@ -318,6 +326,7 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradient buckets (the .grads stay views into them, as torch's DDP keeps
         them); `set_to_none=True` drops the .grads instead (nn.Module's way)."""
+        self._unsynced = False
         if set_to_none:
             super().zero_grad(set_to_none=True)
             return

@@ -146,6 +146,9 @@ GRID = {
     "ZeRO-2, TP8+SP, ZB-H1 PP4, 2,048 ranks": (dict(
         preset="llama3-8b", dp=64, tp=8, sp=True, pp=4, schedule="zb_h1", zero=2,
         micro_batches=8, batch=512, seq=4096, **B16), [0, 3]),
+    "DDP fp32, TP8, ZB-H1 PP4 (W with no weight left)": (dict(
+        preset="llama3-8b", dp=2, tp=8, pp=4, schedule="zb_h1", micro_batches=8, batch=16,
+        seq=1024), [3]),
     "DDP fp32, TP8, 1F1B PP2, 16,384 ranks": (dict(
         preset="llama3-8b", dp=1024, tp=8, pp=2, micro_batches=2, batch=2048, seq=2048), [0, 1]),
     "MoE 8×top-2, EP8, TP4+SP, ZeRO-1": (dict(
@@ -177,8 +180,10 @@ def test_planner_is_exact_at_real_shapes(name):
     for r in reports:
         assert _exact(r, *_planner(cfg, r["pp_rank"])) == {}, (name, r["pp_rank"])
         planned = _planner(cfg, r["pp_rank"], recompute="selective")[0]["activations"]
-        if cfg.experts or (cfg.schedule == "zb_h1" and r["pp_rank"] == cfg.pp - 1):
-            assert r["activations"] > 1.1 * planned, (name, r["pp_rank"])   # the known gaps
+        if cfg.experts:                                  # the known gaps: the planner counts less
+            assert r["activations"] > 1.1 * planned, (name, r["pp_rank"])
+        elif cfg.schedule == "zb_h1" and r["pp_rank"] == cfg.pp - 1:
+            assert r["activations"] > planned, (name, r["pp_rank"])
         else:
             assert abs(r["activations"] / planned - 1) < 0.06, (name, r["pp_rank"], r["activations"], planned)
     assert all(r["sent"][k] > 0 for r in reports for k in KINDS
@@ -211,3 +216,34 @@ def test_the_trainer_command_hands_dry_run_over_and_still_trains(tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         train.main(["--dry", "--steps", "1"])
     assert e.value.code == 2 and "write --dry-run in full" in capsys.readouterr().err
+
+
+def _step_sent_by_kind(cfg):
+    """One rank of a real run: the trainer's build and step (`train._step`, then the
+    wrappers' step, as `train.train` runs them), its bytes sent by kind."""
+    import torch
+    import torch.distributed as dist
+    from picolib import compose, train
+    from picolib.comm import Ledger
+    from picolib.mesh import Mesh
+    mesh = Mesh("cpu", **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
+    stages, wrappers, optimizers, sched, replicas = compose.build(cfg, mesh)
+    ids = torch.randint(0, 64, (cfg.batch, cfg.seq)).chunk(cfg.dp)[mesh.coordinate("dp")]
+    tokens = list(ids.chunk(cfg.micro_batches))
+    with Ledger() as led:
+        train._step(cfg, stages, wrappers, sched, mesh, tokens, tokens, None)
+        for opt in optimizers:
+            opt.step()
+    return mesh.coordinate("pp"), train._sent_by_kind(led, mesh, replicas, {})
+
+
+def test_zb_h1_under_tp_syncs_every_stage_on_real_ranks():
+    """ZB-H1 splits backward into B and W; under TP every Linear's weight gradient comes in
+    B, so a later stage's last W computes nothing and no DDP hook fires while sync is on.
+    The gradients accumulated without sync must still be all-reduced (DDP.step does it):
+    every rank sends the planner's DP bytes (before the fix the last stage sent none, and
+    its replicas drifted apart)."""
+    from picolib.launch import run
+    cfg = TrainConfig(dp=2, tp=2, pp=2, schedule="zb_h1", micro_batches=4, batch=8, seq=16)
+    for pp_rank, sent in run(_step_sent_by_kind, cfg.world_size, cfg):
+        assert sent.get("DP", 0) == _planner(cfg, pp_rank)[1]["dp"] > 0
