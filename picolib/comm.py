@@ -128,12 +128,32 @@ class Ledger:
 
     @staticmethod
     def _add(record: Record):
+        if _TAGS:
+            record.meta = {**record.meta, **_TAGS}
         for ledger in Ledger._open:
             ledger.records.append(record)
 
     @staticmethod
     def _on_rings() -> bool:
         return any(ledger.rings for ledger in Ledger._open)
+
+
+_TAGS: dict = {}
+
+
+@contextmanager
+def tagged(**meta):
+    """Every record made inside also carries `meta`: what a collective is for, which its
+    ranks alone may not tell. The data-parallel wrappers tag their gradient syncs
+    `purpose="gradients"` (an expert's replicas can be exactly the context-parallel ranks,
+    whose balancing statistics are all-reduced too); `train` counts those as DP."""
+    old = dict(_TAGS)
+    _TAGS.update(meta)
+    try:
+        yield
+    finally:
+        _TAGS.clear()
+        _TAGS.update(old)
 
 
 def ring_sent_bytes(op: str, nbytes: int, n: int, rank: int = 0, root: int = 0) -> int:

@@ -198,9 +198,11 @@ def check_config(cfg: TrainConfig, world_size: int | None = None, read_data: boo
             raise ValueError(f"{cut} pipeline stages need at least as many "
                              f"layers; the {cfg.preset} preset has {mcfg.n_layers}")
         pieces = len(sched.pipes[0][0])      # the model's pieces (DualPipe: two copies of p)
-        if mcfg.n_layers % pieces:           # what pipeline_parallel.partition would refuse on the ranks
+        if mcfg.n_layers % pieces:           # pipeline_parallel.partition: equal stages only
             raise ValueError(f"{mcfg.n_layers} layers do not split evenly into {pieces} stages "
-                             f"(the {cfg.preset} preset; the trainer's stages hold equal layers)")
+                             f"(--pp {cfg.pp}" + (f" × --chunks {v}" if v > 1 else "") + "): the "
+                             "trainer gives every stage the same number of layers; choose a "
+                             f"pipeline whose stages divide {mcfg.n_layers}")
         if cfg.zero == 3:
             raise ValueError("ZeRO-3 × pipeline parallelism is not supported: ZeRO-3 frees a "
                              "stage's parameters after each forward while a schedule keeps "

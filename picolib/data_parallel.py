@@ -68,7 +68,8 @@ def all_reduce_gradients(model: nn.Module, group=None) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         p.grad.div_(n)
-        comm.all_reduce(p.grad, group=group)
+        with comm.tagged(purpose="gradients"):
+            comm.all_reduce(p.grad, group=group)
 
 
 # --------------------------------------------------------------------------- buckets
@@ -210,6 +211,7 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         self._sync = True
         self.syncs = 0                # synchronised backward passes so far (steps)
         self._in_backward = False     # a synchronised backward is under way
+        self._unsynced = False        # gradients arrived without sync since the last one
         self._next = 0                # the next bucket to issue (same order on every rank)
         if optimizer is None and optimizer_kwargs:
             raise TypeError(f"{sorted(optimizer_kwargs)} are optimizer settings: pass optimizer=")
@@ -229,6 +231,7 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
             view.copy_(p.grad)
             p.grad = view
         if not self._sync:
+            self._unsynced = True
             return
         if not self._in_backward:
             self._in_backward = True
@@ -245,7 +248,8 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         bucket.buffer.div_(self.world)  # sum of (grad / N) = mean
         bucket.issued = time.perf_counter()
         group = self.group if bucket.group is None else bucket.group
-        bucket.work = comm.all_reduce(bucket.buffer, group=group, async_op=True)
+        with comm.tagged(purpose="gradients"):
+            bucket.work = comm.all_reduce(bucket.buffer, group=group, async_op=True)
         self._next += 1
 
     def _poll(self):
@@ -258,9 +262,14 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
 
     def finish_gradient_sync(self):
         """Issue the buckets not yet issued, wait for every all-reduce, reset for the next
-        backward. Runs by itself at the end of a synchronised backward."""
+        backward. Runs by itself at the end of a synchronised backward; `step` calls it too,
+        which syncs gradients accumulated without sync when the step's last backward produced
+        none (a pipeline's split backward whose W op had no weight left to compute: under
+        tensor parallelism every Linear's gradient came in B)."""
         if not self._in_backward:
-            return
+            if not (self._sync and self._unsynced):
+                return
+            self._in_backward = True
         for b in self.buckets[self._next:]:
             for p, view in zip(b.params, b.views):
                 if p.grad is None:  # a parameter that got no gradient this step
@@ -275,9 +284,11 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
                                    issued=b.issued, label=f"AR{b.index}")
             b.work, b.done, b.pending = None, None, len(b.params)
         self._next, self._in_backward, self.syncs = 0, False, self.syncs + 1
+        self._unsynced = False
         if self._partial:   # buckets reduced over sub-groups: agree on the verdict first
             bad = torch.stack([~is_finite(b.buffer) for b in self.buckets]).any().float().view(1)
-            comm.all_reduce(bad, op="max", group=self.group)
+            with comm.tagged(purpose="gradients"):
+                comm.all_reduce(bad, op="max", group=self.group)
             if bad.item():
                 raise FloatingPointError(f"step {self.syncs}: a gradient is NaN or inf after the "
                                          "all-reduce (on this rank or another). Nothing was "
@@ -305,6 +316,7 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradient buckets (the .grads stay views into them, as torch's DDP keeps
         them); `set_to_none=True` drops the .grads instead (nn.Module's way)."""
+        self._unsynced = False
         if set_to_none:
             super().zero_grad(set_to_none=True)
             return

@@ -15,16 +15,23 @@ optimizer) with the comm Ledger and `memory.SavedActivations` open, as `train.tr
 saved activations, and the ledger's bytes sent, classified by `train._sent_by_kind`.
 
 What meta tensors cannot do, the dry run does not do, and says so:
-- no values: the wrappers' NaN/inf check after the gradient sync is skipped (it reads a
-  value), and so is the loss (`None` in the report);
+- no values: the weights are not drawn, the wrappers' NaN/inf check after the gradient sync
+  is skipped (it reads a value; its all-reduce, where DDP makes one, is still sent), and so
+  is the loss (`None` in the report);
 - storage identity: picolib counts each storage once by its address; a meta storage has
   none (address 0), so inside the dry run a meta tensor's storage is told apart by the
   storage object itself — what a real run's address stands for;
 - kernels: on meta, PyTorch's fused attention takes its math path (which saves the s×s
   probabilities); the dry run calls the flash kernel that a CPU or GPU run takes. Meta
   add/sub/mul get a shape rule in place of PyTorch's Python one (same shapes, 5× faster);
-- routing: a mixture of experts sends each expert the tokens the router chose, a number
-  meta tensors do not have — refused (`NotImplementedError`), never guessed.
+- routing (an ASSUMPTION, the one number the dry run does not get from the code): a mixture
+  of experts sends each expert the tokens the router chose, which meta tensors do not have.
+  The dry run runs the router, the experts, the all-to-alls and the balancing loss as a real
+  run does, with a *balanced* routing: each expert receives tokens·top_k/n_experts of a
+  rank's tokens (`balanced_counts`; the first experts one more when it does not divide). Its
+  bytes are then the planner's even-routing figures; a real router's imbalance adds to the
+  all-to-alls and to the busiest expert's activations. The report says so (`assumptions`).
+  Dropping tokens past a capacity depends on the values too: refused (`NotImplementedError`).
 `fits` compares tensors only (state and saved activations) with the GPU's memory: no CUDA
 context, communication buffers, transient workspace or allocator reserve.
 """
@@ -39,7 +46,8 @@ import torch
 
 from .compose import TrainConfig, check_config
 
-__all__ = ["LARGE_PRESETS", "representatives", "dry_run", "refuse", "rank_report", "main"]
+__all__ = ["LARGE_PRESETS", "representatives", "dry_run", "refuse", "assumptions",
+           "balanced_counts", "rank_report", "main"]
 
 # Model shapes of published models, for the dry run (and later the trainer on GPUs). They
 # take fused attention (`sdpa`): nobody trains at 8k tokens with s×s score matrices saved.
@@ -116,13 +124,19 @@ def _worker(cfg: dict, world: int, ranks: list[int]) -> dict:
     return rank_report(cfg, world, ranks[i])
 
 
+def assumptions(cfg: TrainConfig) -> list[str]:
+    """What a report rests on besides the code (module docstring)."""
+    if not cfg.experts:
+        return []
+    return [f"balanced routing: each of the {cfg.experts} experts receives tokens × "
+            f"{cfg.top_k}/{cfg.experts} of a rank's tokens (a real router's imbalance sends more)"]
+
+
 def refuse(cfg: TrainConfig) -> None:
-    """What the dry run cannot compute (module docstring), refused before anything starts."""
-    if cfg.experts:
-        raise NotImplementedError(
-            "the dry run cannot run a mixture of experts: which tokens go to which expert "
-            "(moe: torch.nonzero over the router's choices, and with --ep the all-to-all's "
-            "sizes) are values, and meta tensors have none")
+    """What the dry run cannot compute (module docstring), refused before anything starts.
+    A mixture of experts runs under the balanced routing assumption, and the trainer's MoE is
+    dropless (capacity drops, which depend on values, are refused inside the rank if a model
+    has them)."""
     if cfg.pp > 1 and cfg.schedule == "dualpipe":
         raise NotImplementedError(
             "the dry run cannot run --schedule dualpipe: its pairs' gradients are reduced over "
@@ -163,6 +177,14 @@ def _patch_for_meta():
     memory._key = lambda t: (t.device, _meta_storage_key(t))
     skip = lambda *a, **k: None          # noqa: E731 — no values: nothing to check
     zero.check_finite = data_parallel.check_finite = skip
+    from . import model, moe                 # nor to draw (meta randn: ~2 ms a tensor)
+    for cls in (model.TinyLlama, moe.MoE, torch.nn.Linear):
+        init = cls.reset_parameters
+        cls.reset_parameters = lambda self, *seed, init=init: (
+            None if next(self.parameters()).is_meta else init(self, *seed))
+    finite = flat.is_finite                 # DDP with expert groups all-reduces the verdict
+    zero.is_finite = data_parallel.is_finite = \
+        lambda t: torch.tensor(True) if t.is_meta else finite(t)   # (sent) and reads it
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
@@ -177,6 +199,61 @@ def _patch_for_meta():
             _LIB.impl(op, _broadcast, "Meta")
         except RuntimeError:   # torch 2.11 keeps its own Python meta kernel: slower, same shapes
             pass
+
+
+def balanced_counts(assignments: int, n_experts: int) -> list[int]:
+    """The dry run's routing assumption: each expert receives assignments/n_experts of the
+    (token, choice) assignments — tokens·top_k/n_experts — the first `assignments mod
+    n_experts` experts one more when it does not divide."""
+    base, extra = divmod(assignments, n_experts)
+    return [base + (e < extra) for e in range(n_experts)]
+
+
+def _patch_moe_for_meta():
+    """Balanced routing in place of the router's choices (module docstring): which expert
+    each token goes to is a value, which meta tensors do not have. The router, the experts,
+    the dispatch and combine all-to-alls (with their real split sizes under the assumption)
+    and the balancing loss's collectives run as in a real run; only who-goes-where is
+    assumed. A capacity (dropping tokens) depends on the values too: refused."""
+    from . import expert_parallel, moe
+    keep_mask, sort, exchange, bincount = (moe.keep_mask, moe.sort_by_expert,
+                                           expert_parallel.exchange_counts, torch.bincount)
+    regroup = expert_parallel.group_by_local_expert
+
+    def meta_keep(choice, n_experts, cap):
+        if not choice.is_meta:
+            return keep_mask(choice, n_experts, cap)
+        if cap is not None:
+            raise NotImplementedError("the dry run cannot drop tokens past an expert's capacity: "
+                                      "which ones overflow depends on the router's values")
+        return torch.ones(choice.shape, dtype=torch.bool)   # dropless: every assignment kept
+
+    def meta_sort(choice, keep, n_experts):
+        if not choice.is_meta:
+            return sort(choice, keep, n_experts)
+        # expert order of the T·k assignments (stable: the kept ones, in order), and their counts
+        return (torch.arange(choice.numel(), device=choice.device),
+                torch.tensor(balanced_counts(choice.numel(), n_experts)))
+
+    def meta_exchange(counts, group=None):
+        out = exchange(counts, group)          # the real all-to-all of the counts (the ledger's)
+        ep, r = out.shape[0], torch.distributed.get_rank(group)
+        # the fake backend moved nothing: under balanced routing every rank of the group
+        # sends this rank's experts what this rank's own counts say
+        return out.copy_(counts.view(ep, -1)[r].expand(ep, -1))
+
+    def meta_bincount(x, weights=None, minlength=0):
+        if x.is_meta and weights is None and minlength:
+            return torch.empty(minlength, dtype=torch.long, device=x.device)
+        return bincount(x, weights, minlength)
+
+    def meta_regroup(recv_counts):   # the permutation lives where the rows do (the device)
+        return regroup(recv_counts).to("meta")
+
+    moe.keep_mask, moe.sort_by_expert = meta_keep, meta_sort
+    expert_parallel.group_by_local_expert = meta_regroup
+    expert_parallel.sort_by_expert, expert_parallel.exchange_counts = meta_sort, meta_exchange
+    torch.bincount = meta_bincount
 
 
 def _broadcast(a, b, *_, **__):
@@ -202,6 +279,8 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
     dist.init_process_group("cpu:fake,meta:fake", rank=rank, world_size=world, store=FakeStore())
     refuse(cfg)
     _patch_for_meta()
+    if cfg.experts:
+        _patch_moe_for_meta()
     meta = torch.device("meta")
     compose.device = lambda: meta             # build() moves the model to the rank's device
     mesh = Mesh("cpu", **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
@@ -241,7 +320,7 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
     return {"rank": rank, "pp_rank": mesh.coordinate("pp"), **state,
             "grads_peak": max(grads_peak + [state["grads"]]), "activations": act.peak, "sent": sent, "other": by_kind.get("other", 0),
             "by_op": {op: s["sent_bytes"] for op, s in led.summary().items()},
-            "stages": sorted(stages), "loss": None,
+            "stages": sorted(stages), "loss": None, "assumptions": assumptions(cfg),
             "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -281,6 +360,8 @@ def main(argv=None) -> list[dict]:
     if out:
         with open(out, "w") as f:
             json.dump(reports, f, indent=1)
+    for line in assumptions(cfg):
+        print("assumed:", line)
     gb = lambda b: f"{b / 1e9:9.2f}"  # noqa: E731
     print(f"{'rank':>6} {'pp':>3} {'params':>9} {'grads':>9} {'optim':>9} {'activ':>9} "
           + " ".join(f"{'sent ' + k:>9}" for k in KINDS) + "  GB" + ("  fits " + gpu if gpu else ""))

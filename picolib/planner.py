@@ -84,6 +84,7 @@ class Parallelism:
     recompute: str = "none"       # "none" | "selective" | "full"
     precision: str = "bf16"       # "fp32" | "bf16" (mixed, fp32 master) | "fp8" (bf16 states)
     activations: str = "korthikanti"   # or "picolib" (eager TinyLlama, exact)
+    cp_algorithm: str = "ring"    # "ring" | "allgather" (K/V, Llama 3) | "ulysses" (cp > 1)
     flash: bool = True            # korthikanti: no s×s scores saved
     fp32_grad_accum: bool = False
 
@@ -171,6 +172,11 @@ def check(cfg: LlamaConfig, par: Parallelism, moe: MoEShape | None = None) -> No
     if par.recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', not {par.recompute!r}")
     elem_bytes(par.precision)
+    if par.cp_algorithm not in ("ring", "allgather", "ulysses"):
+        raise ValueError(f"cp_algorithm must be 'ring', 'allgather' or 'ulysses', not {par.cp_algorithm!r}")
+    if par.cp_algorithm == "ulysses" and (cfg.n_heads // par.tp) % par.cp:
+        raise ValueError(f"Ulysses splits the {cfg.n_heads // par.tp} query heads of a tp rank "
+                         f"over cp={par.cp}: they must divide")
     if par.activations not in ("korthikanti", "picolib"):
         raise ValueError(f"activations must be 'korthikanti' or 'picolib', not {par.activations!r}")
     if par.sp and par.tp == 1:
@@ -508,8 +514,12 @@ def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoEShape 
     all-gathers and reduce-scatters, plus the embedding, the head and the vocab-parallel
     loss (3 all-reduces of (b, s) fp32). pp: one (b, s/sp, h) activation per forward of a
     stage that is not last and one gradient per backward of a stage that is not first,
-    counted on the schedule. cp (ring attention): K and V pass cp−1 hops forward; backward
-    passes K, V cp−1 hops and dK, dV cp hops. ep: dispatch and combine all-to-alls forward
+    counted on the schedule. cp (`cp_algorithm`): ring attention — K and V pass cp−1 hops
+    forward; backward passes K, V cp−1 hops and dK, dV cp hops (in fp32: the ring
+    accumulates them in fp32 whatever the compute dtype); allgather — K and V
+    all-gathered, dK and dV reduce-scattered; Ulysses — q, k, v (K/V repeated to the query
+    heads when cp does not divide them) all-to-all to head shards and the output back,
+    forward and backward. ep: dispatch and combine all-to-alls forward
     and backward, k·tokens·h each, (ep−1)/ep leaving the rank (even routing: exact when
     every token goes to every expert, an expectation otherwise), and the tokens-per-expert
     counts exchanged before each dispatch (int64, forward only)."""
@@ -540,7 +550,16 @@ def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoEShape 
     if par.cp > 1:
         kv_local, _ = kv_heads_per_rank(cfg.n_heads, cfg.n_kv_heads, par.tp)
         block = b * kv_local * s * cfg.head_dim * e         # one K (or V) block of s/cp tokens
-        cp = m * layers * (2 * (par.cp - 1) + 2 * (par.cp - 1) + 2 * par.cp) * block
+        if par.cp_algorithm == "ring":   # dK, dV travel as fp32 accumulators (context_parallel)
+            cp = m * layers * ((2 * (par.cp - 1) + 2 * (par.cp - 1)) * block + 2 * par.cp * block * 4 // e)
+        elif par.cp_algorithm == "allgather":   # K and V gathered; backward reduce-scatters dK, dV
+            cp = m * layers * 2 * ring_sent_bytes("all_gather", 2 * par.cp * block, par.cp)
+        else:   # Ulysses: q, k, v to head-sharded and the output back; backward the same
+            a = cfg.n_heads // par.tp
+            kv = kv_local if kv_local % par.cp == 0 else a   # K/V repeated to the query heads
+            qkv, out = b * (a + 2 * kv) * s * cfg.head_dim * e, b * a * s * cfg.head_dim * e
+            cp = m * layers * 2 * (ring_sent_bytes("all_to_all", qkv, par.cp)
+                                   + ring_sent_bytes("all_to_all", out, par.cp))
         if moe is not None:   # the balancing loss's statistics (2E floats) summed over cp
             cp += m * layers * ring_sent_bytes("all_reduce", 2 * moe.n_experts * 4, par.cp)
     ep = 0

@@ -225,7 +225,8 @@ class ShardedUnit:
     def start_gather(self, group):
         """Stage 3: give `full` its storage back and start filling it from all shards."""
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        return comm.all_gather(self.full, self.shard, group=group, async_op=True)
+        with comm.tagged(purpose="gradients"):   # ZeRO-3's weights: data parallelism's
+            return comm.all_gather(self.full, self.shard, group=group, async_op=True)
 
     def flat_grads(self) -> torch.Tensor:
         """The gradients in one padded flat buffer, to reduce-scatter. Stage 1: its

@@ -202,12 +202,12 @@ def traffic_kind(op: str, dims: tuple[str, ...], replicas: bool = False) -> str:
 
 def _sent_by_kind(ledger: Ledger, mesh: Mesh, replicas, known: dict) -> dict[str, int]:
     out: dict[str, int] = {}
-    replica_ranks = set(dist.get_process_group_ranks(replicas))
     for r in ledger.records:
-        key = (r.op, r.ranks)
-        if key not in known:   # no gradient is averaged by an all-to-all: with ep = dp the
-            # experts' exchange spans the replicas' ranks and is still EP's (Ulysses': CP's)
-            gradients = r.op not in ("send", "recv", "all_to_all") and set(r.ranks) == replica_ranks
+        key = (r.op, r.ranks, r.meta.get("purpose"))
+        if key not in known:   # `replicas` is kept for callers; the data-parallel wrappers tag their collectives (comm.tagged): ranks alone
+            # cannot tell them — with dp = 1 the replicas are the cp ranks (whose all-gather
+            # of K/V is CP's), and an expert's replicas (edp) can be the cp ranks exactly
+            gradients = r.meta.get("purpose") == "gradients"
             known[key] = traffic_kind(r.op, mesh.spanned(r.ranks), gradients)
         out[known[key]] = out.get(known[key], 0) + r.sent_bytes
     return out

@@ -294,7 +294,8 @@ class ZeRO(GradientSyncSwitch):
         # micro-batch with reduce_every_micro_batch) land in a buffer added to it
         out = torch.empty_like(u.grad) if i in self._reduced else u.grad
         self._reduced.add(i)
-        handle = comm.reduce_scatter(out, flat, op="avg", group=self._groups[i], async_op=True)
+        with comm.tagged(purpose="gradients"):
+            handle = comm.reduce_scatter(out, flat, op="avg", group=self._groups[i], async_op=True)
         self._pending.append((handle, time.perf_counter(), i, flat, out))
         if self.stage > 1:
             self._drain(keep=1)   # at most two full gradient buckets alive at once
@@ -334,8 +335,9 @@ class ZeRO(GradientSyncSwitch):
                 u.master.grad = None                         # and drop the fp32 gradient copy
                 u.set_piece_grads()
             if self.stage < 3:
-                gathers.append((comm.all_gather(u.full, u.shard, group=self._groups[i],
-                                                async_op=True), time.perf_counter(), i))
+                with comm.tagged(purpose="gradients"):   # the updated shards: DP's too
+                    gathers.append((comm.all_gather(u.full, u.shard, group=self._groups[i],
+                                                    async_op=True), time.perf_counter(), i))
         for handle, t0, i in gathers:
             self._wait(handle, "all_gather", t0, i)
         self._rs_next = 0

@@ -26,7 +26,10 @@ their traffic recorded by a `comm.Ledger` — on picolib's rings for ZeRO and TP
 bytes are counted as sent); `fake_pg_traffic` runs DDP and ZeRO as rank 5 of 1,024 on
 PyTorch's fake process group (11b §1); `trainer_vs_planner` trains layouts with
 `picolib.train` on real ranks and sets the busiest rank's bytes beside the planner's (11b §1);
-`plot_all_reduce` (11 §2) and `plot_candidates` (11b §2) draw.
+`plot_all_reduce` (11 §2) and `plot_candidates` (11b §2) draw. `dry_vs_planner` dry-runs a
+trainer configuration (`picolib.dry_run`: the trainer's own step on meta tensors over a fake
+process group of the full world size) and puts the planner's bytes for the same pipeline
+positions beside it; `show_dry_vs_planner` prints the two (lesson 11 §4).
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ from ..planner import LLAMA3_70B, LLAMA3_405B, Parallelism, memory
 from . import rank_bars
 
 __all__ = ["plan_of", "MODELS", "HINTS", "ROOFLINE_HINTS", "rooflines", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
-           "pipeline_step", "fake_pg_traffic", "plot_all_reduce", "plot_candidates", "trainer_vs_planner"]
+           "pipeline_step", "fake_pg_traffic", "plot_all_reduce", "plot_candidates", "trainer_vs_planner",
+           "dry_vs_planner", "show_dry_vs_planner"]
 
 MODELS = {"Llama-3-70B": LLAMA3_70B, "Llama-3-405B": LLAMA3_405B}
 
@@ -345,8 +349,9 @@ def trainer_vs_planner(layouts: list[dict], seq: int = 16, batch: int = 8) -> li
     size) for one step on real ranks, in one launch, and return per layout the busiest
     rank's state bytes and bytes sent by kind, the trainer's and the planner's (fp32,
     picolib's counts): [{"layout", "trainer", "planner"}] with each side {"state", "sent"}.
-    The trainer files the experts' gradients over their (dp/ep)·cp copies, which span dp
-    and cp, as "other"; they are DP's, and are added to it here."""
+    The trainer files the experts' gradients over their (dp/ep)·cp copies under DP (the
+    data-parallel wrappers tag their collectives); anything it files as "other" is added to
+    DP here, as before that tag existed."""
     from ..launch import run
     from ..planner import traffic
     from ..train import TrainConfig
@@ -369,3 +374,52 @@ def trainer_vs_planner(layouts: list[dict], seq: int = 16, batch: int = 8) -> li
         out.append({"layout": kw, "trainer": {"state": rec["state_bytes"], "sent": measured},
                     "planner": {"state": state, "sent": {k: v for k, v in kinds.items() if v}}})
     return out
+
+
+KINDS = ("dp", "tp", "pp", "cp", "ep")
+
+
+def dry_vs_planner(cfg, world: int, gpu: str = "H100-SXM", pp_ranks=None) -> list[dict]:
+    """Dry-run trainer configuration `cfg` as `world` ranks (`picolib.dry_run`: one process
+    per pipeline position asked for — default all — as its rank at dp = cp = tp = 0) and
+    compute the planner's bytes for the same positions: [{"pp_rank", "dry": the dry run's
+    report, "planner": {"params", "grads", "optimizer", "activations", "total", "sent":
+    {kind: bytes}}}]. The planner counts Llama's block as picolib runs it with the s×s
+    scores dropped (`activations="picolib", recompute="selective"`: what a flash kernel
+    keeps), in the configuration's precision; its gradients are their peak (the dry run's
+    `grads_peak`)."""
+    from ..dry_run import _with_presets, dry_run
+    from ..layout import rank_at
+    from ..planner import MoE, traffic
+    positions = range(cfg.pp) if pp_ranks is None else pp_ranks
+    reports = dry_run(cfg, world, gpu, ranks=[rank_at(cfg, pp=p, dp=0, cp=0, tp=0) for p in positions])
+    with _with_presets():
+        mcfg = cfg.model_config()
+    moe = MoE(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
+    par = Parallelism(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp,
+                      schedule=cfg.schedule, v=cfg.chunks if cfg.schedule == "interleaved" else 1,
+                      micro_batches=cfg.micro_batches, micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches),
+                      seq=cfg.seq, precision=cfg.precision, cp_algorithm=cfg.cp_algorithm,
+                      activations="picolib", recompute="selective" if cfg.recompute == "none" else cfg.recompute)
+    out = []
+    for r in reports:
+        plan = memory(mcfg, par, r["pp_rank"], moe)
+        sent = traffic(mcfg, par, r["pp_rank"], moe)
+        out.append({"pp_rank": r["pp_rank"], "dry": r,
+                    "planner": {**plan, "sent": {k: sent[k] for k in KINDS}}})
+    return out
+
+
+def show_dry_vs_planner(rows: list[dict]) -> None:
+    """One line per pipeline position and side: GB held (parameters, gradients at their
+    peak, optimizer state, saved activations, their sum) and GB sent by kind."""
+    gb = lambda b: f"{b / 1e9:7.2f}"  # noqa: E731
+    print(f"{'pp':>3} {'':8s}{'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} | sent "
+          + " ".join(f"{k:>7}" for k in KINDS) + "   (GB)")
+    for row in rows:
+        d, p = row["dry"], row["planner"]
+        held = [d["params"], d["grads_peak"], d["optimizer"], d["activations"]]
+        for name, vals, sent in (("dry run", held + [sum(held)], d["sent"]),
+                                 ("planner", [p[k] for k in ("params", "grads", "optimizer", "activations", "total")], p["sent"])):
+            print(f"{row['pp_rank']:>3} {name:8s}" + " ".join(gb(v) for v in vals) + " |      "
+                  + " ".join(gb(sent[k]) for k in KINDS))
