@@ -96,7 +96,7 @@ def _planner(cfg, pp_rank, recompute=None):
         activations="picolib", cp_algorithm=cfg.cp_algorithm)
     with _with_presets():
         mcfg = cfg.model_config()
-    moe = planner.MoE(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
+    moe = planner.MoEShape(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
     return planner.memory(mcfg, par, pp_rank, moe), planner.traffic(mcfg, par, pp_rank, moe)
 
 

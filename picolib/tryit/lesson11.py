@@ -390,12 +390,12 @@ def dry_vs_planner(cfg, world: int, gpu: str = "H100-SXM", pp_ranks=None) -> lis
     `grads_peak`)."""
     from ..dry_run import _with_presets, dry_run
     from ..layout import rank_at
-    from ..planner import MoE, traffic
+    from ..planner import MoEShape, traffic
     positions = range(cfg.pp) if pp_ranks is None else pp_ranks
     reports = dry_run(cfg, world, gpu, ranks=[rank_at(cfg, pp=p, dp=0, cp=0, tp=0) for p in positions])
     with _with_presets():
         mcfg = cfg.model_config()
-    moe = MoE(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
+    moe = MoEShape(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
     par = Parallelism(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp,
                       schedule=cfg.schedule, v=cfg.chunks if cfg.schedule == "interleaved" else 1,
                       micro_batches=cfg.micro_batches, micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches),
