@@ -11,6 +11,8 @@ against the trainer's measured `state_bytes` and the activations against a measu
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -22,7 +24,8 @@ from ..planner import Parallelism, memory
 from . import rank_bars
 
 __all__ = ["memory_budget", "zero_under_micro_batches", "plot_loss_curves", "layout_table",
-           "plot_bytes_by_kind"]
+           "plot_bytes_by_kind", "norms_on_ranks", "plot_train_val", "samples", "known_words",
+           "held_out_loss", "one_thread", "plain_share"]
 
 
 def zero_under_micro_batches(variants, ms=(1, 2, 4), n_layers: int = 8, rows: int = 2, seq: int = 32):
@@ -62,6 +65,56 @@ def zero_under_micro_batches(variants, ms=(1, 2, 4), n_layers: int = 8, rows: in
                             weights=torch.cat([p.detach().flatten() for p in model.parameters()]))
     return out
 
+
+def norms_on_ranks(cfg) -> dict:
+    """Lesson 10 §9, on each rank of `cfg`'s mesh (call it through `picolib.launch.run`): one
+    forward and backward of this rank's share of the trainer's first batch (no update), the
+    gradients reduced by the data-parallel wrappers, then the gradient norm three ways:
+    - "local": `torch.nn.utils.clip_grad_norm_` over this rank's parameters (max_norm = inf,
+      so it only measures) — what a single-process clipping call sees on this rank;
+    - "squares": the sum of squares behind it, and "shared": the part of it in tensors other
+      tp ranks hold too (norm weights, KV heads copied over tp), each weighted by
+      1 − 1/(tp ranks sharing the box) — what a sum over tp counts too often; read from
+      `picolib.layout.placements`, not from `picolib.clipping`;
+    - "global": `picolib.clipping.clip_grad_norm_(max_norm=0)`, every element counted once.
+    Returns {"rank", "coords", "local", "squares", "shared", "global"} (floats)."""
+    from ..clipping import clip_grad_norm_
+    from ..compose import build, open_data
+    from ..layout import coordinates, placements
+    from ..mesh import Mesh
+    from ..pipeline_parallel import run_schedule
+    from ..rank import device
+
+    rank = dist.get_rank()
+    mesh = Mesh(device().type, **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
+    stages, wrappers, _, sched, _ = build(cfg, mesh)
+    rows = open_data(cfg, check=False)[0].batch_for_rank(0, cfg.batch, cfg.seq, cfg.seed,
+                                                         mesh.coordinate("dp"), cfg.dp)
+    x, y = ([m.to(device()) for m in t.chunk(cfg.micro_batches)] for t in rows)   # step 0's
+    if sched is not None:
+        run_schedule(sched, stages, x, y, group_ranks=mesh.peers("pp"), data_parallel=wrappers)
+    else:
+        for i, (a, b) in enumerate(zip(x, y)):
+            with wrappers[0].no_sync() if i < len(x) - 1 else contextlib.nullcontext():
+                (stages[0].loss(a, b) / len(x)).backward()
+    for w in wrappers.values():
+        w.finish_gradient_sync()
+    place = {(p.stage, p.local): p for p in placements(cfg, rank)}
+    params, squares, shared = [], 0.0, 0.0
+    for s, module in stages.items():
+        for name, p in module.named_parameters():
+            if p.grad is None:
+                continue
+            params.append(p)
+            sq = p.grad.double().pow(2).sum().item()
+            where = place[s, name]
+            sharing = len(where.copies) // len(where.replicas)          # tp ranks with this box
+            squares += sq
+            shared += sq * (1 - 1 / sharing)
+    local = torch.nn.utils.clip_grad_norm_(params, max_norm=float("inf")).item()
+    norm = clip_grad_norm_(cfg, wrappers, max_norm=0).item()
+    return dict(rank=rank, coords=coordinates(cfg, rank), local=local, squares=squares,
+                shared=shared, **{"global": norm})
 
 
 def memory_budget(dp: int = 2, tp: int = 2, pp: int = 2, zero: int = 1, micro_batches: int = 4,
@@ -203,3 +256,90 @@ def plot_bytes_by_kind(table: dict, kinds=("DP", "TP", "PP", "CP", "EP")):
     plt.show()
     return fig
 
+
+
+# ----------------------------------------------------------- lesson 10 §10: a longer run
+
+def plot_train_val(records: list[dict], title: str):
+    """Lesson 10 §10: the training loss of every step and the held-out loss where it was
+    evaluated (top), the learning rate each step used (bottom), against the step. Shows the
+    figure; returns it."""
+    import matplotlib.pyplot as plt
+
+    from ..style import rank_color
+
+    steps = [r["step"] for r in records]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    fig, (ax, lx) = plt.subplots(2, 1, figsize=(9, 5.6), sharex=True, layout="constrained",
+                                 gridspec_kw={"height_ratios": [3, 1.3]})
+    ax.plot(steps, [r["loss"] for r in records], lw=1, color=rank_color(0), alpha=0.8,
+            label="training loss (this step's batch)")
+    ax.plot(*zip(*val), "o-", ms=5, lw=1.5, color="#EE7733",
+            label="validation loss (held-out text, every token)")
+    ax.set(ylabel="loss (nats per byte)", title=title)
+    ax.legend(fontsize=9, frameon=False)
+    ax.grid(alpha=0.3)
+    lx.plot(steps, [r["lr"] for r in records], color="black", lw=1.5)
+    lx.set(xlabel="step", ylabel="learning rate", title="the rate each step used: warmup, then cosine")
+    lx.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    lx.grid(alpha=0.3)
+    plt.show()
+    return fig
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside (restored after): one token's forward of these models is too
+    small for a second thread to help, and on a loaded machine a second one costs many times
+    the work (measured: 64 ms a token on two threads against 4 ms on one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def samples(model, prompts: list[str], tokens: int = 60, temperature: float = 0.8,
+            top_k: int = 20, seed: int = 0) -> list[str]:
+    """Lesson 10 §10: each prompt continued by `tokens` bytes sampled from `model`
+    (`picolib.generate.generate`, K/V cache), as text (undecodable bytes show as �)."""
+    from ..generate import generate
+
+    out = []
+    with one_thread():
+        for i, p in enumerate(prompts):
+            ids = generate(model, list(p.encode()), tokens, temperature, top_k, seed=seed + i)
+            out.append(bytes(ids).decode("utf-8", errors="replace"))
+    return out
+
+
+@torch.no_grad()
+def held_out_loss(model, cfg) -> float:
+    """The mean loss per token of `model` (one process) over the held-out batches the trainer
+    evaluates for `cfg` (its data's validation split, the first cfg.eval_batches batches of
+    cfg.batch × cfg.seq tokens): what the trainer logs as val_loss, computed here again."""
+    from ..data import TokenData
+
+    batches = TokenData(cfg.data, "val").val_batches(cfg.eval_batches, cfg.batch, cfg.seq)
+    with one_thread():
+        return sum(model.loss(x, y).item() for x, y in batches) / len(batches)   # equal sizes
+
+
+def known_words(texts: list[str], corpus) -> float:
+    """The share of the words (runs of 3 or more ASCII letters, lower-cased) in `texts` that
+    occur as words in `corpus` (a string or bytes): how much of a sample is real vocabulary."""
+    import re
+
+    if isinstance(corpus, (bytes, bytearray)):
+        corpus = corpus.decode("utf-8", errors="replace")
+    vocabulary = set(re.findall(r"[a-z]{3,}", corpus.lower()))
+    words = [w for t in texts for w in re.findall(r"[a-z]{3,}", t.lower())]
+    return sum(w in vocabulary for w in words) / max(len(words), 1)
+
+
+def plain_share(texts: list[str]) -> float:
+    """The share of the characters of `texts` that are plain ASCII text (printable, or a
+    newline); a byte that is not UTF-8 counts as one � character."""
+    chars = "".join(texts)
+    return sum(c.isascii() and (c.isprintable() or c == "\n") for c in chars) / max(len(chars), 1)
