@@ -94,9 +94,11 @@ def group_by_local_expert(recv_counts: torch.Tensor) -> torch.Tensor:
     flat = recv_counts.reshape(-1)
     starts = torch.cumsum(flat, 0) - flat
     ep, local = recv_counts.shape
-    pieces = [torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + flat[s * local + e]))
+    at = recv_counts.device
+    pieces = [torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + flat[s * local + e]),
+                           device=at)
               for e in range(local) for s in range(ep)]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=at)
 
 
 class ExpertParallelMoE(MoE):

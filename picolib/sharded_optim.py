@@ -66,6 +66,11 @@ def check_elementwise(optimizer, kwargs: dict, device="cpu") -> str:
     factored moments, Muon's orthogonalisation, LAMB's trust ratio) gives other numbers or
     raises (LBFGS needs a closure, SparseAdam sparse gradients), and is refused. The user's
     hyperparameters are checked by the optimizer itself on the first construction."""
+    with torch.device(device):    # also what the optimizer makes (its step counters), under
+        return _probe(optimizer, kwargs, device)   # a caller's `with torch.device("meta")`
+
+
+def _probe(optimizer, kwargs: dict, device) -> str:
     w = torch.linspace(-1.0, 1.0, 24, device=device).reshape(4, 6)
     whole = nn.Parameter(w.clone())
     parts = [nn.Parameter(w.reshape(-1)[:10].clone()), nn.Parameter(w.reshape(-1)[10:].clone())]
