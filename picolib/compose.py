@@ -27,7 +27,6 @@ from .model import LlamaConfig, TinyLlama
 from .moe import apply_moe, aux_loss_in_backward, check_moe
 from .pipeline_parallel import pair_gradient_groups, schedule_stages
 from .pipeline_schedules import SCHEDULES, make_schedule
-from .rank import device
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from .zero import ZeRO
 
@@ -302,12 +301,12 @@ def build_stages(cfg: TrainConfig, mesh: Mesh):
     """This rank's part of the model: the model is created on the `meta` device (no
     storage), transformed there, and then only the parameters this rank holds get storage
     on its device, with the values the one-process model has there (`materialize`: a rank
-    holds at most its part plus one whole tensor while it builds). On a meta `device()` (the
+    holds at most its part plus one whole tensor while it builds). On a meta `mesh.device` (the
     dry run) nothing is materialized. Returns `transform`'s (stages, schedule, expert groups)."""
     with torch.device("meta"):     # what the transforms create (experts) too
         stages, sched, expert_groups = transform(TinyLlama(cfg.model_config()), cfg, mesh)
-    if device().type != "meta":
-        materialize(stages, cfg, dist.get_rank(), device())
+    if mesh.device.type != "meta":
+        materialize(stages, cfg, dist.get_rank(), mesh.device)
     return stages, sched, expert_groups
 
 

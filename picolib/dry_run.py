@@ -282,8 +282,7 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
     if cfg.experts:
         _patch_moe_for_meta()
     meta = torch.device("meta")
-    compose.device = lambda: meta             # build() moves the model to the rank's device
-    mesh = Mesh("cpu", **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
+    mesh = Mesh("cpu", device=meta, **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
     with meta:
         stages, wrappers, optimizers, sched, replicas = compose.build(cfg, mesh)
     for m in stages.values():

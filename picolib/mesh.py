@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -77,9 +78,17 @@ class Mesh:
         print(mesh.describe())   # every group this rank talks over
     """
 
-    def __init__(self, device_type: str = "cpu", **sizes: int):
+    def __init__(self, device_type: str = "cpu", *, device: str | torch.device | None = None,
+                 **sizes: int):
+        """`device_type`: the DeviceMesh's ("cpu", or "cuda" under NCCL). `device`: where this
+        rank's tensors live, handed to whatever builds or moves them (`mesh.device`); by
+        default the current GPU for "cuda", else the CPU (the dry run passes "meta")."""
         if not dist.is_initialized():
             raise RuntimeError("Mesh needs a process group: build it inside a rank")
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
+                      else torch.device(device_type))
+        self.device = torch.device(device)
         self.sizes = check_mesh(dist.get_world_size(), **sizes)
         self.device_mesh: DeviceMesh = init_device_mesh(
             device_type, tuple(self.sizes.values()), mesh_dim_names=DIMS)

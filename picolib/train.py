@@ -86,7 +86,7 @@ def _batch(cfg: TrainConfig, data, step: int, mesh: Mesh):
                                               mesh.coordinate("dp"), cfg.dp, _columns(cfg, mesh))
     # each micro-batch its own tensor (a copy), as on a GPU: a view would keep the rank's whole
     # batch alive in every micro-batch's saved tensors (and in their measured bytes)
-    return [[m.to(device(), copy=True) for m in t.chunk(cfg.micro_batches)] for t in (tokens, targets)]
+    return [[m.to(mesh.device, copy=True) for m in t.chunk(cfg.micro_batches)] for t in (tokens, targets)]
 
 
 # --------------------------------------------------------------------------- validation
@@ -100,7 +100,7 @@ def _evaluate(cfg, stages, sched, mesh, batches) -> float:
     ranks weighed by the tokens they held, not counted as ranks. The same on every rank."""
     loss_sum, count = 0.0, 0
     for tokens, targets in batches:
-        with torch.autocast(device().type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+        with torch.autocast(mesh.device_mesh.device_type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
             loss = _forward_loss(cfg, stages, sched, mesh, tokens, targets)
         if loss is not None and (cfg.tp == 1 or mesh.coordinate("tp") == 0):
             loss_sum += float(loss) * targets.numel()
@@ -144,7 +144,7 @@ def _step(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline):
     `--precision bf16`: forward and loss under torch's bf16 autocast, on every layout (the
     weights DDP averages gradients for stay fp32; ZeRO computes on bf16 copies of fp32
     masters); backward follows the dtypes autocast chose."""
-    with torch.autocast(device().type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+    with torch.autocast(mesh.device_mesh.device_type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
         return _forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline)
 
 
@@ -172,12 +172,12 @@ def _state_bytes(wrappers) -> int:
     return sum(sum(w.memory().values()) for w in wrappers.values())
 
 
-def _peak_flops(cfg: TrainConfig) -> tuple[float, str]:
+def _peak_flops(cfg: TrainConfig, device: torch.device) -> tuple[float, str]:
     """The peak MFU is measured against: given, an H100's dense BF16 on a GPU, or this core's
     measured fp32 matmul rate on a CPU."""
     if cfg.peak_tflops:
         return cfg.peak_tflops * 1e12, f"{cfg.peak_tflops:g} TFLOP/s (given)"
-    if device().type == "cuda":
+    if device.type == "cuda":
         return 989e12, "989 TFLOP/s (H100 SXM dense BF16)"
     a = torch.randn(256, 256)
     a @ a
@@ -250,7 +250,8 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     `progress_to` (a file), it appends each step's record and the summary there as JSON lines
     instead, for the process that owns the terminal to draw (`main` does)."""
     check_config(cfg, dist.get_world_size(), read_data=False)   # main read the file through
-    mesh = Mesh(device().type, **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
+    mesh = Mesh(device().type, device=device(),     # the rank's device, from here on the mesh's
+                **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
     stages, wrappers, optimizers, sched, replicas = build(cfg, mesh)
     resumed = {"data_position": 0}
     start = checkpoint.load_into(checkpoint.latest(cfg.resume), cfg, stages, wrappers,
@@ -263,9 +264,9 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     data, held_out = open_data(cfg, check=False)
     val = None
     if cfg.eval_every:                 # this rank's rows and positions, read once
-        val = [tuple(t.to(device()) for t in b) for b in held_out.val_batches(
+        val = [tuple(t.to(mesh.device) for t in b) for b in held_out.val_batches(
             cfg.eval_batches, cfg.batch, cfg.seq, mesh.coordinate("dp"), cfg.dp, _columns(cfg, mesh))]
-    peak, peak_text = _peak_flops(cfg)
+    peak, peak_text = _peak_flops(cfg, mesh.device)
     n_params, tokens_per_step = param_count(cfg.model_config()), cfg.batch * cfg.seq
     hw_recompute = "full" if cfg.recompute == "full" else "none"
     rank0 = dist.get_rank() == 0
