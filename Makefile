@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed
 NOTEBOOKS := $(wildcard notebooks/*.ipynb solutions/*.ipynb)
 NBVAL  := --nbval-lax --nbval-current-env
 # JupyterLab serves the whole repository (lessons, exercises, docs), on this machine only,
-# and opens on lesson 00 (tests/test_lab.py starts exactly this).
+# and opens on lesson 00 (tests/repo/test_lab.py starts exactly this).
 LAB_ARGS := --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_collectives.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: lab test test-lib test-notebooks exercises bench clean site slides

@@ -5,7 +5,7 @@
 
 `render(name, data)` turns a result file into the Markdown block that the README shows
 between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; `tools/bench_tables.py` rewrites
-those blocks from bench/results/*.json and tests/test_bench_tables.py fails when a block
+those blocks from bench/results/*.json and tests/repo/test_bench_tables.py fails when a block
 and its JSON disagree. So a number in the README's benchmark tables is never typed by hand:
 change a renderer here, never the README's table.
 """

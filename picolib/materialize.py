@@ -14,7 +14,7 @@ its weights from one seeded generator, one whole tensor after another in paramet
 buffer the size of the largest tensor it must draw, copies out its box and draws the next
 into the same buffer, stopping after the last tensor it holds. So while it builds, a rank
 holds its own part plus one whole tensor (`allocation_peak` measures it;
-tests/test_materialize.py on 8 ranks), and the values are bitwise those of
+tests/lib/test_materialize.py on 8 ranks), and the values are bitwise those of
 `TinyLlama(cfg)` — the initialisation every lesson's numbers come from is unchanged.
 
 What it costs instead: time. A generator cannot jump ahead, so a rank draws every tensor

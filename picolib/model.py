@@ -106,7 +106,7 @@ def init_tensor(name: str, shape, generator: torch.Generator, out: torch.Tensor 
     `generator`, one whole tensor at a time — written into `out` (a tensor of `shape`) where
     given. The one rule of the model's initialisation: `TinyLlama.reset_parameters`,
     `moe.MoE.reset_parameters` and `picolib.materialize` (a rank building only its part)
-    all call it, so they give the same values (tests/test_materialize.py)."""
+    all call it, so they give the same values (tests/lib/test_materialize.py)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape) if out is None else out.fill_(1.0)
     return torch.randn(shape, generator=generator, out=out).mul_(INIT_STD)
@@ -152,7 +152,7 @@ def apply_rope(x, cos, sin):
     We chose it over the rotate-half form (x·cos + rotate_half(x)·sin, Hugging Face's)
     because rotate-half turns the pairs (x[i], x[i + d/2]): the same weights would then be
     a different model, while the complex multiply keeps the pairs this model always used
-    (losses and gradients equal the two-slice form it replaced, tests/test_model.py) and
+    (losses and gradients equal the two-slice form it replaced, tests/lib/test_model.py) and
     is one kernel where two slices, four products and a stack were seven (measured on one
     CPU thread: forward + backward 3× faster or more)."""
     return _Rotate.apply(x, cos, sin)

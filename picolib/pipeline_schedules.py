@@ -262,7 +262,7 @@ def dualpipev(p: int, m: int) -> Schedule:
     needs m ≥ 2p.
 
     Idle time per rank at F = B = W = c per op of its (half-size) stages, counted on the op
-    lists (tests/test_pipeline_dualpipe_bubble.py): (p−1)c when each op starts as soon as its
+    lists (tests/lib/test_pipeline_dualpipe_bubble.py): (p−1)c when each op starts as soon as its
     own input is there (picolib's executor runs a pair so); 2(p−1)c when an F&B pair waits
     for both inputs (DeepSeek's overlapped chunk) — (p−1)(F&B + B+W − 3W), DeepSeek's formula
     with PP = 2p. With c half of a p-stage cut's op, the second is ZB-H1's (p−1)(F+B−W)."""

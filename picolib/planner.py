@@ -14,8 +14,9 @@ Why: each formula is one the earlier lessons measured — ZeRO's bytes
 (`picolib.sharded_optim.zero_memory_bytes`, lesson 03), saved activations per layer
 (`picolib.sequence_parallel`, lessons 01 and 05), the ring's bytes (`picolib.comm`, lesson
 00). Put together they size a run on thousands of GPUs; on the configurations picolib runs,
-tests/test_planner_measured.py and tests/test_planner_trainer.py (the trainer: dense and MoE,
-dp ≠ ep, DDP and ZeRO-1/2, with pp, tp, sp and cp) check them byte for byte against real ranks.
+tests/lib/test_planner_measured.py and tests/lib/test_planner_trainer.py (the trainer: dense
+and MoE, dp ≠ ep, DDP and ZeRO-1/2, with pp, tp, sp and cp) check them byte for byte against
+real ranks.
 The pipeline is read off picolib's schedule: which stages a rank holds (DualPipe: two
 copies; DualPipeV: the V, head and embedding on rank 0), what it keeps in flight, what it
 sends; a schedule `make_schedule` refuses, the planner refuses.

@@ -1,8 +1,16 @@
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from helpers import child_pids
+# tests/ is split into lib/, lessons/ and repo/; helpers.py stays here, so every folder's
+# tests can say `from helpers import ...`
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+from helpers import child_pids  # noqa: E402
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@
 
 `bucket_plan` is the arithmetic (no ranks, no plot): the gradient sizes of a tiny Llama
 with `n_layers` blocks, in the order backward produces them, packed by
-`picolib.data_parallel.assign_buckets`. tests/test_tryit_02.py checks it against the
+`picolib.data_parallel.assign_buckets`. tests/lessons/test_tryit_02.py checks it against the
 buckets and the all-reduce calls of a real `DDP` on two ranks.
 """
 from __future__ import annotations

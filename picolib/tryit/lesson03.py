@@ -5,7 +5,7 @@
     knobs(zero_bars, stage=[3, 1, 2], n=(1, 64, 1), model=["7.5B (ZeRO paper)", "tiny Llama"])
 
 `per_rank` is the arithmetic (picolib.zero.zero_memory_bytes, padding included);
-tests/test_tryit_03.py checks it against the bytes real ZeRO ranks hold
+tests/lessons/test_tryit_03.py checks it against the bytes real ZeRO ranks hold
 (`ZeRO(...).memory()`). `plot_groups` draws the lesson's grouped, stacked bars.
 
 The lesson's rank functions live here too, so that its cells show what is measured and the

@@ -7,7 +7,7 @@
 SwiGLU gate, up, down; the two norms) and the bytes it *sends* for the block's
 activation all-reduces in one training step (two forward — g after attention and after
 the MLP — and two backward — f before each), each a ring all-reduce of the (tokens, hidden)
-activation (`picolib.comm.ring_sent_bytes`). tests/test_tryit_04.py checks both against a
+activation (`picolib.comm.ring_sent_bytes`). tests/lessons/test_tryit_04.py checks both against a
 real tensor-parallel TinyLlama block on gloo ranks, its bytes counted as sent on picolib's
 rings (`comm.Ledger(rings=True)`).
 

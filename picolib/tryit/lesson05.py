@@ -8,7 +8,7 @@ sequence parallelism.
     max_seq(tp, sp, ...), max_micro_batch_size(tp, sp, seq, ...)   # §8: what fits in 0.9 × 80 GB
 
 Both use `picolib.sequence_parallel.activation_bytes_per_layer` (fp32, eager attention, the
-TinyLlama block); tests/test_tryit_05.py checks `saved_bytes` against bytes measured with
+TinyLlama block); tests/lessons/test_tryit_05.py checks `saved_bytes` against bytes measured with
 `picolib.memory.SavedActivations` on tensor-parallel ranks.
 """
 from __future__ import annotations

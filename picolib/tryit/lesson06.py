@@ -4,7 +4,7 @@
     score_grid(n, layout)            # the knob cell: the matrix, blocks coloured by rank
 
 Both read the layout from `picolib.context_parallel.chunk_ids` and the mask from
-`picolib.blockwise_attention.visible`; tests/test_tryit_06.py checks `work_per_rank`
+`picolib.blockwise_attention.visible`; tests/lessons/test_tryit_06.py checks `work_per_rank`
 against the blocks a real ring counts on its ranks.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ the all-to-all and with the all-gather dispatcher, as top-k and the EP size chan
 
 Evenly routed tokens (every rank sends k·T/ep rows to every rank), one forward, the
 collectives of `picolib.expert_parallel` as `picolib.comm` counts them; backward sends the
-same again. tests/test_tryit_09.py checks `dispatch_bytes` against a `Ledger` on real ranks.
+same again. tests/lessons/test_tryit_09.py checks `dispatch_bytes` against a `Ledger` on real ranks.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ takes a configuration of picolib's trainer (fp32, AdamW, 1F1B; the same checks a
 `python -m picolib.train`) and draws each pipeline rank's bytes — parameters, gradients,
 optimizer state and the activations its schedule keeps in flight — from the planner in its
 exact mode (`picolib.planner.memory`, activations="picolib"), against a budget. The busiest
-rank decides whether the configuration fits. tests/test_tryit_10.py checks the state bytes
+rank decides whether the configuration fits. tests/lessons/test_tryit_10.py checks the state bytes
 against the trainer's measured `state_bytes` and the activations against a measured forward.
 """
 from __future__ import annotations

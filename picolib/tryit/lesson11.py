@@ -3,7 +3,7 @@
 Lesson 11: `rooflines(hw, n_gpus, ffn_hidden, hidden, n_experts, top_k, ep)` draws the tokens
 per GPU each kind of parallelism needs to hide its communication (the critical batch) on a
 chosen GPU and network, and prints TP's largest degree and PP's smallest stage;
-`ROOFLINE_HINTS` are its hint's settings (tests/test_tryit_11.py runs them).
+`ROOFLINE_HINTS` are its hint's settings (tests/lessons/test_tryit_11.py runs them).
 
 Lesson 11b: a memory-and-throughput calculator for a Llama 3 on a cluster.
 
@@ -16,7 +16,7 @@ picolib runs it (`activations="picolib"`, measured): recompute "selective" recom
 s×s attention scores in backward, as a flash-attention kernel does; "none" is eager
 attention that keeps them; "full" keeps each block's input only.
 `HINTS` are the settings the lesson's hint suggests, with what each shows;
-tests/test_tryit_11.py runs every one, checks the calculator's bytes against a TinyLlama
+tests/lessons/test_tryit_11.py runs every one, checks the calculator's bytes against a TinyLlama
 measured in one process and runs every knob combination.
 `measured_block_bytes` measures the bytes a Llama block saves for backward (lesson 11b §2).
 

@@ -16,7 +16,7 @@ import nbformat
 import pytest
 from nbconvert import SlidesExporter
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LESSON = ROOT / "notebooks" / "04_tensor_parallel.ipynb"   # the shortest lesson (~10 s), no timing asserts
 PAGE = LESSON.stem + ".html"
 

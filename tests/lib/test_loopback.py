@@ -14,7 +14,7 @@ import pytest
 
 from picolib.rank import loopback_interface
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROBE = textwrap.dedent('''
     import os, socket, sys

@@ -2,7 +2,7 @@
 implicitly on the CPU in fp32. On this CPU the device cannot differ, so the test moves the
 tiny Llama to float64: a shard, a norm or a receive buffer made in fp32 would show as a
 dtype mismatch, or as a loss that agrees with the float64 reference only to fp32 precision
-(atol 1e-10 here; fp32 would be off by ~1e-7). tests/test_gpu.py does the same on CUDA."""
+(atol 1e-10 here; fp32 would be off by ~1e-7). tests/lib/test_gpu.py does the same on CUDA."""
 import pytest
 import torch
 import torch.distributed as dist

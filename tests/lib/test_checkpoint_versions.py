@@ -19,7 +19,7 @@ from picolib.compose import TrainConfig, check_config
 from picolib.launch import run
 from picolib.train import main, train
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = dict(dp=2, zero=1, micro_batches=2)      # the configuration the user ran
 STEPS = 8
 

@@ -80,7 +80,7 @@ def test_every_knob_combination_runs(monkeypatch):
 def _lesson_text():
     import json
     from pathlib import Path
-    nb = json.loads((Path(__file__).parents[1] / "notebooks/10_5d_parallelism.ipynb").read_text())
+    nb = json.loads((Path(__file__).parents[2] / "notebooks/10_5d_parallelism.ipynb").read_text())
     return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
 
 

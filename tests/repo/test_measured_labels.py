@@ -46,7 +46,7 @@ import torch.distributed as dist
 from picolib import comm
 from picolib.launch import run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))     # 11 and 11b
 
 # "measured", not "not measured", "unmeasured", nor a pointer elsewhere ("lesson 00 measures",

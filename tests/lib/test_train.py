@@ -16,7 +16,7 @@ from picolib.launch import WorkerError, run
 from picolib.train import TrainConfig, build_parser, check_config, main, train
 
 STEPS = 5
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _losses(nproc, **options):

@@ -1,6 +1,6 @@
 """Expert parallelism equals one process holding all experts (fp32; atol 1e-6 on outputs,
 aux loss and gradients of the layer — the values are O(1e-2) — and 1e-5 on the weights
-after 3 Adam steps, as in tests/test_composition.py).
+after 3 Adam steps, as in tests/lib/test_composition.py).
 
 Layer: ep = 1, 2, 4; top-1 and top-2; dropless and capacity 1.0 (tokens dropped); shared
 expert on and off; both dispatchers. The reference is `MoE(token_groups=ep)`: each rank's

@@ -18,7 +18,7 @@ from picolib.compose import TrainConfig
 from picolib.memory import SavedActivations
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device here: the GPU tests need one")

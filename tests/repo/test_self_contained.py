@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([*ROOT.glob("notebooks/*.ipynb"), *ROOT.glob("solutions/*.ipynb"),
                 *ROOT.glob("exercises/*.ipynb"), ROOT / "README.md", ROOT / "CONTRIBUTING.md",
                 *ROOT.glob("docs/*.md")])

@@ -89,7 +89,7 @@ def test_a_try_it_cell_shows_only_its_live_output(setup):
              "echoing (the old knobs)": "import picolib.tryit as t; t._not_echoed = lambda v: v\n"}
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(first[setup] + CELLS[0])]
                                   + [nbformat.v4.new_code_cell(c) for c in CELLS[1:]])
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     NotebookClient(nb, timeout=120, kernel_name="python3",
                    resources={"metadata": {"path": str(root)}}).execute()
     results = [[o.data["text/plain"] for o in c.outputs if o.output_type == "execute_result"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from nbconvert.filters.markdown import markdown2html_mistune as markdown2html
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GLOSSARY = ROOT / "docs" / "glossary.md"
 LINK = re.compile(r"\]\((?:\.\./)*(?:docs/)?glossary\.md#([^)\s]*)\)")
 

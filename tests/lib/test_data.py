@@ -16,7 +16,7 @@ from picolib.data import (COURSE, VAL_FRACTION, TokenData, global_mean_loss, mai
                           mean_token_loss, prepare, val_batches)
 from picolib.model import TextData
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class CountingReads:

@@ -14,7 +14,7 @@ from picolib.memory import SavedActivations, grad_bytes, optimizer_state_bytes, 
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.planner import Parallelism, layer_activation_bytes, memory, traffic
 
-# Odd sizes: units that do not divide by 4 ranks, so ZeRO pads (as in tests/test_zero.py)
+# Odd sizes: units that do not divide by 4 ranks, so ZeRO pads (as in tests/lib/test_zero.py)
 ODD = LlamaConfig(vocab_size=61, hidden=18, n_layers=2, n_heads=3, n_kv_heads=1,
                   ffn_hidden=23, max_seq=16, seed=3)
 TPC = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)

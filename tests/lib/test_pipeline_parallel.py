@@ -160,7 +160,8 @@ def test_simulator_reproduces_the_bubble_formulas(p):
                 ev = simulate(interleaved_1f1b(p, m, v), {"F": tf / v, "B": tb / v, "W": 0.0})
                 assert bubble_ratio(ev) == pytest.approx(bubble_formula(p, m, v), abs=1e-12)
         # the greedy zero-bubble order with F = B = W: the W's fill the cool-down only, each
-        # rank idles (p−1)(F+B) instead of 1F1B's (p−1)(F+B+W) (ZB-H1: tests/test_zero_bubble.py)
+        # rank idles (p−1)(F+B) instead of 1F1B's (p−1)(F+B+W)
+        # (ZB-H1: tests/lib/test_zero_bubble.py)
         ev = simulate(zb_greedy(p, m), {"F": 1.0, "B": 1.0, "W": 1.0})
         assert bubble_ratio(ev) == pytest.approx(2 * (p - 1) / (3 * m), abs=1e-12)
 
