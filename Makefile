@@ -32,7 +32,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests $(NOTEBOOKS) $(NBVAL) -p no:cacheprovider
 
 test-lib: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests/lib
 
 test-notebooks: $(STAMP)
 	$(PY) -m pytest -q $(NOTEBOOKS) $(NBVAL)
