@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import alive, child_pids
 
 from picolib import checkpoint
 from picolib.compose import TrainConfig, check_config
@@ -77,6 +78,22 @@ def test_a_checkpoint_of_another_model_names_the_tensor_and_both_shapes(tmp_path
         check_config(TrainConfig(preset="base", resume=str(ckpt), progress=False), 1)
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (children, their children, ...)."""
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = set().union(*(child_pids(p) for p in frontier)) - out
+        out |= frontier
+    return out
+
+
+def _wait_gone(pids: set[int], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not left, f"processes of the killed run still alive after {timeout} s: {sorted(left)}"
+
+
 def _trainer(save: Path, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "picolib.train", "--nproc", "2", "--dp", "2", "--zero", "1",
            "--micro-batches", "2", "--steps", str(STEPS), "--save", str(save), "--save-every", "1",
@@ -103,8 +120,11 @@ def test_a_kill_at_any_moment_of_periodic_saves_never_loses_the_run(tmp_path, st
                 break
             time.sleep(0.005)
         time.sleep(rng.uniform(0.0, 0.4))
+        family = _descendants(p.pid)      # its fork server and ranks (each rank its own group)
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+        _wait_gone(family)   # a rank dies a moment after its server: a rename it had begun
+        # may still land then, and is part of what the kill left (read nothing before)
         for step in checkpoint.step_folders(ckpt):        # nothing half-written is ever named step-N
             checkpoint.check_resume(step, TrainConfig().model_config())
         newest = checkpoint.latest(ckpt) if ckpt.exists() else None
