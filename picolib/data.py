@@ -198,8 +198,8 @@ def global_mean_loss(loss_sum: float, token_count: int, group=None) -> float:
     holding different tokens — dp and cp, `mesh.group("dp", "cp")` — on the stage that computes
     the loss; tp ranks hold the same loss and must not be added again."""
     from . import comm
-    t = torch.tensor([float(loss_sum), float(token_count)], dtype=torch.float64)  # CPU: over gloo,
-    # also in an NCCL run's groups (cpu:gloo,cuda:nccl)
+    # a CPU tensor: gloo carries it, in an NCCL run's groups too (cpu:gloo,cuda:nccl)
+    t = torch.tensor([float(loss_sum), float(token_count)], dtype=torch.float64)
     comm.all_reduce(t, group=group)
     return mean_token_loss([t[0].item()], [t[1].item()])
 
