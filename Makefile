@@ -71,4 +71,5 @@ site: $(EXECUTED)
 slides: $(EXECUTED)
 	$(VENV)/bin/jupyter nbconvert --to slides --output-dir build/slides \
 	  --SlidesExporter.reveal_url_prefix=$(REVEAL_PREFIX) --SlidesExporter.reveal_scroll=True \
+	  --TagRemovePreprocessor.enabled=True --TagRemovePreprocessor.remove_input_tags=prose \
 	  $(SLIDES_FLAGS) $(EXECUTED)

@@ -61,3 +61,34 @@ def pytest_runtest_call(item):
             raise AssertionError(text)
         print("\n[figures] " + text)
     return result
+
+
+# What each lesson cell printed, kept for tests/repo/test_prose_numbers.py: the prose of a
+# lesson is checked against the outputs of the very run nbval just made (issue 44).
+def _printed(outputs) -> str:
+    parts = []
+    for out in outputs or []:
+        if out.get("output_type") == "stream":
+            parts.append(out.get("text", ""))
+        elif out.get("output_type") in ("display_data", "execute_result"):
+            data = out.get("data", {})
+            if "text/markdown" not in data:          # rendered prose (say) is prose, not a result
+                parts.append(data.get("text/plain", ""))
+    return "".join(parts)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_makereport(item, call):
+    if call.when != "call" or type(item).__name__ != "IPyNbCell":
+        return
+    index = next((i for i, c in enumerate(item.parent.nb.cells) if c is item.cell), None)
+    if index is not None:
+        store = item.config.__dict__.setdefault("_picolib_outputs", {})
+        store.setdefault(os.path.realpath(str(item.parent.fspath)), {})[index] = _printed(
+            getattr(item, "test_outputs", None))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The prose check reads what the lessons printed: it runs after every notebook."""
+    last = [it for it in items if "test_prose_numbers.py::test_every_lesson" in it.nodeid]
+    items[:] = [it for it in items if it not in last] + last

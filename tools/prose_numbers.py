@@ -96,11 +96,10 @@ class Number:
         if self.approx:
             tol = max(tol, 0.1 * abs(self.value))
         mine = abs(self.value)
-        candidates = [abs(other)]
-        if other_percent and self.unit != "%":
-            candidates.append(abs(other) / 100)
-        if self.unit == "%" and not other_percent:
-            candidates.append(abs(other) * 100)
+        if self.unit == "%":             # 18 % is printed as 18% or as the fraction 0.18
+            candidates = [abs(other)] if other_percent else [abs(other) * 100]
+        else:                            # 0.18 or 18 may be printed as 18%
+            candidates = [abs(other), abs(other) / 100] if other_percent else [abs(other)]
         return any(abs(c - mine) <= tol for c in candidates)
 
 
@@ -137,10 +136,10 @@ def numbers_in(text: str) -> list[Number]:
             elif unit == "x":
                 unit = "×"
             approx = bool(m.group("approx"))
-            if (not approx and not unit and not m.group("exp") and "." not in m.group("num")
+            phys = PHYSICAL.match(after)
+            if (not approx and not unit and not phys and not m.group("exp") and "." not in m.group("num")
                     and value <= 10 and "," not in m.group("num") and not m.group("sign")):
                 continue                                      # a bare count: two, 4 ranks
-            phys = PHYSICAL.match(after)
             out.append(Number(m.group(0).strip(), value, unit, half, approx, sentence.strip(), block,
                               phys.group(1) if phys and not unit else ""))
     return out
@@ -390,7 +389,8 @@ def output_text(outputs: list) -> str:
             parts.append(out.get("text", ""))
         elif out.get("output_type") in ("display_data", "execute_result"):
             data = out.get("data", {})
-            parts.append(data.get("text/markdown", "") or data.get("text/plain", ""))
+            if "text/markdown" not in data:          # rendered prose binds nothing: it is prose
+                parts.append(data.get("text/plain", ""))
     text = "".join(p if isinstance(p, str) else "".join(p) for p in parts)
     return text.replace(_MINUS, "-")
 

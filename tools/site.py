@@ -47,6 +47,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellControlSignal, DeadKernelError
 from nbconvert import HTMLExporter
+from traitlets.config import Config
 from nbconvert.filters.markdown import markdown2html_mistune as markdown2html
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -393,7 +394,11 @@ machine with {", ".join(str(c) for c in sorted(cpus, key=str))} CPU cores (also 
 
 
 def export(nb, resources: dict, mathjax_url: str | None = None) -> str:
-    exporter = HTMLExporter(template_name="picolib_site",
+    # a cell tagged `prose` speaks through its output (picolib.prose.say): the page shows the text only
+    config = Config()
+    config.TagRemovePreprocessor.enabled = True
+    config.TagRemovePreprocessor.remove_input_tags = {"prose"}
+    exporter = HTMLExporter(config=config, template_name="picolib_site",
                             extra_template_basedirs=[str(TEMPLATES)], embed_images=True)
     if mathjax_url:
         exporter.mathjax_url = mathjax_url

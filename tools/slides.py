@@ -53,6 +53,8 @@ def slide_type(cell, index: int) -> str:
         return "slide" if SECTION.search(source) else "subslide"
     if cell.cell_type != "code":
         return "-"
+    if "prose" in cell.metadata.get("tags", []):
+        return "fragment"                    # rendered prose (picolib.prose.say): shown like text
     if FIGURE.search(source) or ASSERT.search(source):
         return "fragment"
     if imports_only(source):

@@ -1,0 +1,176 @@
+"""Every number a lesson's text states is bound to the lesson (tools/prose_numbers.py, issue 44).
+
+Under `make test` the lessons run first (nbval) and the root conftest keeps what each cell
+printed; the checks below that read the lessons run after them (conftest orders them last).
+Run alone, they use the outputs tools/prose_numbers.py kept in build/prose-outputs/ for the
+current lesson and picolib, or run the lesson once to make them.
+
+The rules themselves are tested on small made-up cells first, then on the real lessons: each
+lesson must have no unbound number, and each drift a reader found (issue 44's examples) must be
+reported again if it is put back into the lesson it came from.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import prose_numbers as pn  # noqa: E402
+
+LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
+SOURCES = ["Korthikanti et al.", "H100 datasheet"]
+
+
+def md(text):
+    return {"cell_type": "markdown", "source": text, "metadata": {}}
+
+
+def code(text):
+    return {"cell_type": "code", "source": text, "metadata": {}, "outputs": []}
+
+
+def unbound(cells, outputs=None):
+    return [u.text for u in pn.check(Path("99_made_up.ipynb"), outputs or {}, sources=SOURCES, cells=cells)]
+
+
+# --- the rules, on made-up cells ----------------------------------------------------------------
+
+def test_a_printed_number_binds_and_a_retyped_one_does_not():
+    cells = [md("## 1 · A"), code("print(ratio)"), md("The step takes 1.23× as long.")]
+    assert unbound(cells, {1: "1.2345\n"}) == []
+    cells[2] = md("The step takes 1.25× as long.")
+    assert unbound(cells, {1: "1.2345\n"}) == ["1.25×"]
+
+
+def test_only_the_same_section_binds():
+    cells = [md("## 1 · A"), code("print(x)"), md("## 2 · B"), md("It gives 0.173 s.")]
+    assert unbound(cells, {1: "0.173 s"}) == ["0.173"]
+    cells[3] = md("It gives 0.173 s (§1).")
+    assert unbound(cells, {1: "0.173 s"}) == []
+
+
+def test_precision_about_sign_and_percent():
+    cells = [md("## 1 · A"), code("print(change)"), md("SP costs −3 %, about 30 %, and 1.7 here.")]
+    assert unbound(cells, {1: "-0.031 -0.29 1.71"}) == []
+    cells[2] = md("SP costs −2 %, about 30 %, and about 1.5 here.")
+    assert unbound(cells, {1: "-0.031 -0.29 1.71"}) == ["−2 %", "about 1.5"]
+
+
+def test_a_unit_binds_only_its_own_kind():
+    cells = [md("## 1 · A"), code("print(t)"), md("It takes 9 ms.")]
+    assert unbound(cells, {1: "9 ms"}) == []
+    assert unbound(cells, {1: "9 GB"}) == ["9"]
+
+
+def test_code_literals_bind_comments_do_not():
+    cells = [md("## 1 · A"), code("gpus = 640  # 2048 would not fit\nassert ratio < 1.5"),
+             md("On 640 GPUs the gain stays under 1.5; 2048 would not fit.")]
+    assert unbound(cells) == ["2048"]
+
+
+def test_citations_quotes_and_structure():
+    cells = [md("## 1 · A"),
+             md("The H100 datasheet gives 989 TFLOP/s. Korthikanti et al. count $sbh(34 + 5as/h)$.\n\n"
+                "Notes say \"the spine carries 25 GB/s\": not so.\n\n"
+                "ZeRO-3 on 8 H100s in fp32 and 1F1B, Llama-3-70B, §6 and lesson 05, a 2-core CPU "
+                "(Korthikanti et al. 2022), Table 4.\n\n"
+                "An unnamed blog gives 989 TFLOP/s.")]
+    assert unbound(cells) == ["989"]
+
+
+def test_vague_amounts_are_flagged():
+    cells = [md("## 1 · A"), md("The slicer gains a few per cent, below the noise. "
+                                "SwiGLU gains about what its bytes predict.")]
+    assert unbound(cells) == ["a few per cent", "below the noise", "about what its bytes predict"]
+
+
+def test_a_summary_names_its_section():
+    cells = [md("## 1 · A"), code("print(x)"), md("## Takeaways\n\n- TP16 loses 30 % (§1).\n- And 0.49×.")]
+    assert unbound(cells, {1: "-30%, 0.49"}) == ["0.49×"]
+    cells[2] = md("## Takeaways\n\n- TP16 loses 78 % (§1).")
+    assert unbound(cells, {1: "-30%, 0.49"}) == ["78 %"]
+
+
+def test_rendered_prose_is_checked_for_what_it_types_by_hand():
+    cells = [md("## 1 · A"), code("x = 0.3\nsay(f'SP costs {x:.0%}, TP16 loses 78 %.')")]
+    said = [{"output_type": "display_data",
+             "data": {"text/markdown": "SP costs 30%, TP16 loses 78 %.", "text/plain": "<Markdown>"}}]
+    assert pn.output_text(said) == ""            # what say() shows is prose: it binds nothing
+    assert unbound(cells, {1: pn.output_text(said)}) == ["78 %"]
+
+
+# --- the real lessons ---------------------------------------------------------------------------
+
+def _outputs(config, lesson: Path) -> dict[int, str]:
+    captured = getattr(config, "_picolib_outputs", {}).get(os.path.realpath(lesson))
+    if captured:
+        return captured
+    cached = pn.cached_outputs(lesson)
+    return cached if cached is not None else pn.run_lesson(lesson)
+
+
+def _sections(config) -> dict[str, list]:
+    """Every lesson's sections with what it printed, for a sentence that names another lesson."""
+    out = {}
+    for lesson in LESSONS:
+        captured = getattr(config, "_picolib_outputs", {}).get(os.path.realpath(lesson))
+        outputs = captured or pn.cached_outputs(lesson) or {}
+        out[lesson.stem] = pn.sections_of(json.loads(lesson.read_text(encoding="utf-8"))["cells"], outputs)
+    return out
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_every_lesson_states_only_bound_numbers(lesson, request):
+    outputs = _outputs(request.config, lesson)
+    found = pn.check(lesson, outputs, other_lessons=_sections(request.config))
+    print(f"{lesson.stem}: {pn.count_numbers(lesson)} numbers in the prose, {len(found)} unbound")
+    assert not found, f"{len(found)} number(s) in {lesson.name}'s text are not bound to the lesson:\n" + \
+        "\n".join(f"  {u}" for u in found)
+
+
+# Each drift issue 44 lists, as a reader found it: (lesson, where it stood, the old text).
+# `where` is the section it was in ("6" for "## 6 · ...") or "Takeaways".
+EXAMPLES = [
+    ("05", "Takeaways", "- TP16 across nodes loses 78 % (§8)."),
+    ("05", "Takeaways", "- A 70B layer's four collectives take ~9 ms over InfiniBand (§6)."),
+    ("05", "Takeaways", "- SP costs TP8 −2 % of its throughput (§8)."),
+    ("05", "Takeaways", "- SP without recomputation runs 1.25× the tokens/s at 16k (§8)."),
+    ("06", "5", "The zig-zag forward ends first, here by about 1.5."),
+    ("11b", "Takeaways", "- At 131k tokens the planner's step changes by −17 % (§3)."),
+    ("11b", "Takeaways", "- The 131k plan needs 440–585 GB (§3)."),
+    ("11", "Takeaways", "- The planner assumes 60 % of peak (§5)."),
+    ("08", "Takeaways", "- The slicer's gain over uniform slices is a few per cent, below the noise."),
+    ("12", "Takeaways", "- SwiGLU gains about what its bytes predict."),
+    ("01", "Takeaways", "- Full recomputation buys little, 0.85–1.1 in our runs."),
+    ("10", "Takeaways", "- The spine carries 25 GB/s per GPU, so 70B at m = 2 leaves DP traffic exposed (§6)."),
+]
+
+
+def _with_sentence(cells: list[dict], where: str, text: str) -> tuple[list[dict], int]:
+    cells = copy.deepcopy(cells)
+    titles = [(i, "".join(c["source"])) for i, c in enumerate(cells) if c["cell_type"] == "markdown"]
+    heads = [(i, s) for i, s in titles if s.lstrip().startswith("## ")]
+    starts = [i for i, s in heads if (where.lower() in s.split("\n")[0].lower() if not where[0].isdigit()
+                                      else pn.section_number(s.split("\n")[0][3:]) == where)]
+    assert starts, f"no section {where!r}"
+    nxt = [i for i, _ in heads if i > starts[0]]
+    at = nxt[0] if nxt else len(cells)
+    cells.insert(at, md(text))
+    return cells, at
+
+
+@pytest.mark.parametrize("lesson_no, where, text", EXAMPLES, ids=[f"{e[0]}-{i}" for i, e in enumerate(EXAMPLES)])
+def test_every_lesson_reports_issue_44s_examples_if_put_back(lesson_no, where, text, request):
+    lesson = next(p for p in LESSONS if p.stem.split("_")[0] == lesson_no)
+    cells = json.loads(lesson.read_text(encoding="utf-8"))["cells"]
+    outputs = _outputs(request.config, lesson)
+    planted, at = _with_sentence(cells, where, text)
+    shifted = {(i if i < at else i + 1): v for i, v in outputs.items()}
+    found = pn.check(lesson, shifted, other_lessons=_sections(request.config), cells=planted)
+    assert [u for u in found if u.cell == at], f"{lesson.stem}: the old text was not reported: {text}"
