@@ -369,6 +369,63 @@ def check(notebook: Path, outputs: dict[int, str], other_lessons: dict[str, list
     return found
 
 
+LESSON_HEADING = re.compile(r"^#{2,3}\s+(\d\d[a-z]?)\s*·", re.M)
+LESSON_ROW = re.compile(r"^\|\s*(\d\d[a-z]?)\s*\|")
+
+
+def doc_chunks(text: str) -> list[tuple[str, int, str]]:
+    """(lesson, line, text) of each part of a page that speaks for one lesson: a `## NN ·`
+    or `### NN ·` section, or a table row that starts with the lesson's number."""
+    out, lesson, start, buf, plan = [], None, 0, [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.startswith("#"):          # the course plan's run and class times are the
+            plan = bool(re.match(r"#+\s*Course plan", line))   # guide's own, not a lesson's
+        if plan or line.startswith("Builds on:"):
+            continue
+        head = LESSON_HEADING.match(line)
+        if head or (line.startswith("#") and lesson):
+            if lesson and buf:
+                out.append((lesson, start, "\n".join(buf)))
+            lesson, start, buf = (head.group(1), n, []) if head else (None, n, [])
+            continue
+        row = LESSON_ROW.match(line)
+        if row and not lesson:
+            out.append((row.group(1), n, line))
+        elif lesson:
+            buf.append(line)
+    if lesson and buf:
+        out.append((lesson, start, "\n".join(buf)))
+    return out
+
+
+def check_doc(path: Path, lessons: dict[str, list[Section]], sources: list[str] | None = None) -> list[Unbound]:
+    """A page that quotes the lessons (README, docs/teaching.md, docs/claims.md): every number
+    in a lesson's part binds to that lesson's code or outputs (any section), or to a lesson its
+    sentence names, or is cited, quoted or structure."""
+    sources = load_sources() if sources is None else sources
+    source_re = re.compile("|".join(re.escape(s) for s in sorted(sources, key=len, reverse=True)), re.I) if sources else None
+    by_no = {name.split("_")[0]: secs for name, secs in lessons.items()}
+    found = []
+    for lesson, line, text in doc_chunks(path.read_text(encoding="utf-8")):
+        if lesson not in by_no:
+            continue
+        own = [v for s in by_no[lesson] for v in s.values]
+        prose, _ = strip_markdown(text)
+        for vague in VAGUE.finditer(prose):
+            found.append(Unbound(path.name, line, f"lesson {lesson}", vague.group(0), prose[max(0, vague.start() - 60):vague.end() + 40],
+                                 "a vague amount: state the value"))
+        for n in numbers_in(prose):
+            if source_re and source_re.search(n.sentence):
+                continue
+            pool = list(own)
+            for ref in re.findall(r"\blessons?\s+(\d\d[a-z]?)\b", n.block, re.I):
+                pool += [v for s in by_no.get(ref, []) for v in s.values]
+            if not any(n.matches(*v) for v in pool):
+                found.append(Unbound(path.name, line, f"lesson {lesson}", n.text, n.sentence,
+                                     f"not printed or used by lesson {lesson}, not cited, not quoted"))
+    return found
+
+
 def count_numbers(notebook: Path) -> int:
     cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
     total = 0

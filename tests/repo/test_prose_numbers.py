@@ -119,8 +119,7 @@ def _sections(config) -> dict[str, list]:
     """Every lesson's sections with what it printed, for a sentence that names another lesson."""
     out = {}
     for lesson in LESSONS:
-        captured = getattr(config, "_picolib_outputs", {}).get(os.path.realpath(lesson))
-        outputs = captured or pn.cached_outputs(lesson) or {}
+        outputs = _outputs(config, lesson)
         out[lesson.stem] = pn.sections_of(json.loads(lesson.read_text(encoding="utf-8"))["cells"], outputs)
     return out
 
@@ -174,3 +173,19 @@ def test_every_lesson_reports_issue_44s_examples_if_put_back(lesson_no, where, t
     shifted = {(i if i < at else i + 1): v for i, v in outputs.items()}
     found = pn.check(lesson, shifted, other_lessons=_sections(request.config), cells=planted)
     assert [u for u in found if u.cell == at], f"{lesson.stem}: the old text was not reported: {text}"
+
+
+def test_a_page_binds_each_lesson_part_to_its_lesson(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Intro\n\n3.14 is not a lesson's.\n\n### 05 · SP\n\nTP8 costs 18 %.\n\n"
+                    "| 06 | ring attention, 1.71× |\n")
+    lessons = {"05_sp": [pn.Section("1 · A", 1, printed=[(0.183, False, "")])],
+               "06_cp": [pn.Section("1 · A", 1, printed=[(1.5, False, "")])]}
+    assert [u.text for u in pn.check_doc(page, lessons, sources=[])] == ["1.71×"]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/teaching.md", "docs/claims.md"])
+def test_every_lesson_number_the_docs_quote_is_bound(page, request):
+    found = pn.check_doc(ROOT / page, _sections(request.config))
+    assert not found, f"{len(found)} number(s) in {page} that no lesson prints or uses:\n" + \
+        "\n".join(f"  {u}" for u in found)
