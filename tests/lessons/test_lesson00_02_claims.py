@@ -17,6 +17,10 @@ from picolib.launch import run
 
 
 def test_the_books_switch_figure_gives_the_preset_and_infiniband_switches_a_non_blocking_spine():
+    # the preset is the scaling book's pod: 450 GB/s per GPU in a node (NVLink 4's 900 GB/s
+    # counts both directions, H100 datasheet), a 50 GB/s NIC (ConnectX-7, 400 Gb/s) to the
+    # leaf, and a spine of 16 switches at NVSwitch's 1.6 TB/s for 1,024 GPUs: 25 GB/s each
+    assert [lv.per_gpu for lv in GPUS["H100-SXM"].levels] == [450e9, 50e9, 16 * 1.6e12 / 1024]
     assert superpod_levels(ib_switch=64 * 25e9) == GPUS["H100-SXM"].levels
     node, leaf, spine = superpod_levels()
     assert (node.per_gpu, leaf.per_gpu, spine.per_gpu) == (450e9, 50e9, 50e9)

@@ -66,9 +66,14 @@ def test_playbook_all_reduce_bandwidth_holds_in_direction_only():
 
 
 def test_dp_of_the_640_gpu_proposals():
-    for pp in (4, 8):                 # world = dp·tp·pp: the ranks left for DP at TP 8
-        par = Parallelism(dp=640 // (8 * pp), tp=8, pp=pp)
-        assert par.dp * par.tp * par.pp == 640 and par.dp in (10, 20) and par.dp not in (80, 160)
+    """Lesson 11: at TP 8 on 640 GPUs, PP 4 leaves DP 20 and PP 8 leaves DP 10, not the notes'
+    80 and 160. The mesh's own check of a world size (what refuses a run before any rank
+    starts) accepts the first and refuses the second, naming the ranks it would need."""
+    from picolib.mesh import check_mesh
+    for pp, dp, notes in ((4, 20, 80), (8, 10, 160)):
+        assert check_mesh(640, pp=pp, dp=dp, tp=8)["dp"] == dp
+        with pytest.raises(ValueError, match=f"has {notes * 8 * pp} ranks, but the world has 640"):
+            check_mesh(640, pp=pp, dp=notes, tp=8)
 
 
 def test_zero3_latency_crossing_by_closed_form_and_by_ring_time():

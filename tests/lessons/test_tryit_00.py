@@ -46,7 +46,13 @@ def test_one_rank_sends_nothing_and_bad_knobs_are_errors():
 
 def test_draws_without_a_display():
     import matplotlib.pyplot as plt
+    before = set(plt.get_fignums())
     ring_cost(4, 1e6)
+    (fig,) = [plt.figure(n) for n in set(plt.get_fignums()) - before]
+    traffic, time = fig.axes[:2]
+    heights = [p.get_height() for p in traffic.patches]       # bytes per rank / B, per collective
+    assert sorted(heights) == pytest.approx([3 / 4, 3 / 4, 2 * 3 / 4])  # (N−1)/N twice, 2(N−1)/N
+    assert len(time.patches) == 2 * len(heights)             # latency and bandwidth, stacked
     plt.close("all")
 
 

@@ -37,7 +37,12 @@ def test_io_plot_picks_the_largest_block_that_fits_and_refuses_one_that_does_not
 
 def test_io_plot_draws():
     import matplotlib.pyplot as plt
-    io_plot(head_dim=64, block=64)
+    before = set(plt.get_fignums())
+    numbers = io_plot(head_dim=64, block=64)
+    (fig,) = [plt.figure(n) for n in set(plt.get_fignums()) - before]
+    naive, tiled = fig.axes[0].get_lines()[:2]
+    assert list(naive.get_ydata()) == pytest.approx([numbers["naive"][s] / 2**30 for s in naive.get_xdata()])
+    assert all(t < n for t, n in zip(tiled.get_ydata(), naive.get_ydata()))
     plt.close("all")
 
 
