@@ -9,6 +9,8 @@ The rule, one slide type per cell (`cell.metadata.slideshow.slide_type`):
   (at its top or further down, after the last words of the section before): "slide" — a new
   section is a new horizontal slide;
 - any other markdown (a paragraph, a `### ` figure title, a claim): "subslide", below its section;
+- a code cell tagged `prose` (text rendered from computed values, `picolib.prose.say`; the
+  deck shows its output only): "fragment", like the number it states;
 - a code cell that draws a figure or holds an `assert`: "fragment" — it appears on the next
   click, so the room can guess the figure or the number before it shows;
 - a code cell of imports only: "skip" (it still runs; the deck need not show it);
