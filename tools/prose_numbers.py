@@ -72,7 +72,7 @@ QUOTE = re.compile(r"\"(?:[^\"\n]|\n(?!\s*\n))*\"|“[^”]*”|«[^»]*»")
 CODE_SPAN = re.compile(r"`[^`\n]*`")
 FENCE = re.compile(r"```.*?```", re.S)
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
-HTML = re.compile(r"<[^>]+>")
+HTML = re.compile(r"</?[A-Za-z][^<>]*>")           # a tag, not "< 1e-6 … > 2"
 URL = re.compile(r"https?://\S+")
 HEADING_NUMBER = re.compile(r"^(#+\s*)[\d.]+[a-z]?\s*[·.:]", re.M)
 MATH_COMMAND = re.compile(r"\\[A-Za-z]+")
@@ -346,7 +346,7 @@ def check(notebook: Path, outputs: dict[int, str], other_lessons: dict[str, list
                                          prose[max(0, vague.start() - 60):vague.end() + 40],
                                          "a vague amount: state the value"))
                 for n in numbers_in(prose):
-                    if source_re and source_re.search(n.sentence):
+                    if source_re and source_re.search(" ".join(n.sentence.split())):
                         continue
                     refs = [by_number[r].values for r in re.findall(r"§\s*(\d+[a-z]?)", n.block) if r in by_number]
                     pool = [v for r in refs for v in r]
@@ -415,7 +415,7 @@ def check_doc(path: Path, lessons: dict[str, list[Section]], sources: list[str] 
             found.append(Unbound(path.name, line, f"lesson {lesson}", vague.group(0), prose[max(0, vague.start() - 60):vague.end() + 40],
                                  "a vague amount: state the value"))
         for n in numbers_in(prose):
-            if source_re and source_re.search(n.sentence):
+            if source_re and source_re.search(" ".join(n.sentence.split())):
                 continue
             pool = list(own)
             for ref in re.findall(r"\blessons?\s+(\d\d[a-z]?)\b", n.block, re.I):
