@@ -66,15 +66,12 @@ def pytest_runtest_call(item):
 # What each lesson cell printed, kept for tests/repo/test_prose_numbers.py: the prose of a
 # lesson is checked against the outputs of the very run nbval just made (issue 44).
 def _printed(outputs) -> str:
-    parts = []
-    for out in outputs or []:
-        if out.get("output_type") == "stream":
-            parts.append(out.get("text", ""))
-        elif out.get("output_type") in ("display_data", "execute_result"):
-            data = out.get("data", {})
-            if "text/markdown" not in data:          # rendered prose (say) is prose, not a result
-                parts.append(data.get("text/plain", ""))
-    return "".join(parts)
+    import sys
+    tools = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    from prose_numbers import output_text
+    return output_text(outputs)
 
 
 @pytest.hookimpl(trylast=True)

@@ -65,7 +65,7 @@ SCALE = {"k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 WORDS_BEFORE_STRUCTURE = re.compile(
     r"(?:§|\blessons?|\bsections?|\bcells?|\bEx(?:ercise)?s?\.?|\bTables?|\bFig(?:ure)?s?\.?|"
     r"\bEq(?:uation)?s?\.?|\bstep-|\bchapters?|\bpart|\bappendix|\bAlgorithm|\bversion|"
-    r"\bPython|\btorch|\bv)\s*(?:\d+[a-z]?\s*(?:,|and|or|–|-|to)\s*)*$", re.I)
+    r"\bPython|\btorch|\bv)\s*(?:\d+(?:\.\d+)?[a-z]?\s*(?:,|and|or|–|-|to)\s*)*$", re.I)
 VAGUE = re.compile(r"\ba few per ?cent|\ba few %|\bbelow (?:the )?noise|\bwithin (?:the )?noise|"
                    r"\bbuys? little\b|\bnegligibl[ey]|\babout what [^.]{0,60}\bpredicts?\b", re.I)
 QUOTE = re.compile(r"\"(?:[^\"\n]|\n(?!\s*\n))*\"|“[^”]*”|«[^»]*»")
@@ -208,6 +208,7 @@ class Section:
     cells: list[int] = field(default_factory=list)
     code: list[Value] = field(default_factory=list)      # literals of the section's code
     printed: list[Value] = field(default_factory=list)   # numbers its cells printed
+    rendered: list[Value] = field(default_factory=list)  # numbers in its rendered prose (say)
     kind: str = "section"          # "section", "open" (goals, try it, next) or "summary"
 
     @property
@@ -276,7 +277,9 @@ def sections_of(cells: list[dict], outputs: dict[int, str]) -> list[Section]:
         sections[-1].cells.append(i)
         if cell["cell_type"] == "code":
             sections[-1].code += _code_literals(src)[0]
-            sections[-1].printed += _loose_values(outputs.get(i, ""))
+            printed, _, rendered = outputs.get(i, "").partition(RENDERED)
+            sections[-1].printed += _loose_values(printed)
+            sections[-1].rendered += _loose_values(rendered)
     return sections
 
 
@@ -376,11 +379,15 @@ LESSON_ROW = re.compile(r"^\|\s*(\d\d[a-z]?)\s*\|")
 def doc_chunks(text: str) -> list[tuple[str, int, str]]:
     """(lesson, line, text) of each part of a page that speaks for one lesson: a `## NN ·`
     or `### NN ·` section, or a table row that starts with the lesson's number."""
-    out, lesson, start, buf, plan = [], None, 0, [], False
+    out, lesson, start, buf, plan, meta = [], None, 0, [], False, False
     for n, line in enumerate(text.splitlines(), 1):
         if line.startswith("#"):          # the course plan's run and class times are the
             plan = bool(re.match(r"#+\s*Course plan", line))   # guide's own, not a lesson's
-        if plan or line.startswith("Builds on:"):
+        if line.startswith("Builds on:"):
+            meta = True               # the guide's run and class times for the lesson: its own
+        elif not line.strip():
+            meta = False
+        if plan or meta:
             continue
         head = LESSON_HEADING.match(line)
         if head or (line.startswith("#") and lesson):
@@ -389,8 +396,8 @@ def doc_chunks(text: str) -> list[tuple[str, int, str]]:
             lesson, start, buf = (head.group(1), n, []) if head else (None, n, [])
             continue
         row = LESSON_ROW.match(line)
-        if row and not lesson:
-            out.append((row.group(1), n, line))
+        if row:                       # a table row that starts with a lesson's number speaks for it
+            out.append((row.group(1), n, line[row.end():]))
         elif lesson:
             buf.append(line)
     if lesson and buf:
@@ -409,7 +416,7 @@ def check_doc(path: Path, lessons: dict[str, list[Section]], sources: list[str] 
     for lesson, line, text in doc_chunks(path.read_text(encoding="utf-8")):
         if lesson not in by_no:
             continue
-        own = [v for s in by_no[lesson] for v in s.values]
+        own = [v for s in by_no[lesson] for v in s.values + s.rendered]
         prose, _ = strip_markdown(text)
         for vague in VAGUE.finditer(prose):
             found.append(Unbound(path.name, line, f"lesson {lesson}", vague.group(0), prose[max(0, vague.start() - 60):vague.end() + 40],
@@ -419,7 +426,7 @@ def check_doc(path: Path, lessons: dict[str, list[Section]], sources: list[str] 
                 continue
             pool = list(own)
             for ref in re.findall(r"\blessons?\s+(\d\d[a-z]?)\b", n.block, re.I):
-                pool += [v for s in by_no.get(ref, []) for v in s.values]
+                pool += [v for s in by_no.get(ref, []) for v in s.values + s.rendered]
             if not any(n.matches(*v) for v in pool):
                 found.append(Unbound(path.name, line, f"lesson {lesson}", n.text, n.sentence,
                                      f"not printed or used by lesson {lesson}, not cited, not quoted"))
@@ -439,17 +446,25 @@ def count_numbers(notebook: Path) -> int:
 # ---------------------------------------------------------------------------------------------
 # A lesson's outputs: captured by the test session, or run here
 
+RENDERED = "\x1e"     # what a cell printed, then (after this mark) the prose it rendered
+
+
 def output_text(outputs: list) -> str:
-    parts = []
-    for out in outputs:
+    """A cell's outputs as text: what it printed, and after RENDERED what `say` rendered. In
+    its own lesson rendered prose binds nothing (it is prose, checked as such); a page that
+    quotes the lesson (README, docs) may quote it."""
+    printed, rendered = [], []
+    for out in outputs or []:
         if out.get("output_type") == "stream":
-            parts.append(out.get("text", ""))
+            printed.append(out.get("text", ""))
         elif out.get("output_type") in ("display_data", "execute_result"):
             data = out.get("data", {})
-            if "text/markdown" not in data:          # rendered prose binds nothing: it is prose
-                parts.append(data.get("text/plain", ""))
-    text = "".join(p if isinstance(p, str) else "".join(p) for p in parts)
-    return text.replace(_MINUS, "-")
+            if "text/markdown" in data:
+                rendered.append(data["text/markdown"])
+            else:
+                printed.append(data.get("text/plain", ""))
+    join = lambda parts: "".join(p if isinstance(p, str) else "".join(p) for p in parts).replace(_MINUS, "-")
+    return join(printed) + (RENDERED + join(rendered) if rendered else "")
 
 
 def _fingerprint(notebook: Path) -> str:
