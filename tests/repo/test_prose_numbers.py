@@ -66,6 +66,7 @@ def test_a_unit_binds_only_its_own_kind():
     cells = [md("## 1 · A"), code("print(t)"), md("It takes 9 ms.")]
     assert unbound(cells, {1: "9 ms"}) == []
     assert unbound(cells, {1: "9 GB"}) == ["9"]
+    assert unbound(cells, {1: "8.9%"}) == ["9"]
 
 
 def test_code_literals_bind_comments_do_not():
