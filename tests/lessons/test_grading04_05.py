@@ -519,3 +519,22 @@ def test_vocab_parallel_loss_needs_the_max_and_the_mean():
     with fails("the sum over the b·s = 18 tokens — return the mean") as info:
         check_vocab_parallel_loss(loss_summed_over_tokens)
     assert "ranks" not in info.value.details.split("tokens")[0]
+
+
+def norm_grad_without_eps(x, grad_out, eps, group=None):
+    """Wrong: no eps under the square root (inside the old check's tolerance: eps 1e-5 on
+    inputs of size ~1)."""
+    return norm_grad_right(x, grad_out, 0.0, group)
+
+
+def norm_grad_eps_written_in(x, grad_out, eps, group=None):
+    """Wrong: eps fixed at 1e-5 instead of the argument."""
+    return norm_grad_right(x, grad_out, 1e-5, group)
+
+
+def test_sp_norm_weight_grad_needs_the_argument_eps():
+    with fails("weight gradient: eps left out — x̂ = x·rsqrt") as info:
+        check_sp_norm_weight_grad(norm_grad_without_eps)
+    assert "or " not in info.value.details.split("eps left out")[0]
+    with fails("weight gradient: eps taken as 1e-5, not the argument eps = 0.001"):
+        check_sp_norm_weight_grad(norm_grad_eps_written_in)
