@@ -20,7 +20,7 @@ from __future__ import annotations
 from ..hardware import (GPUS, Hardware, Level, all_reduce_bandwidth, critical_tokens_dp,
                         ring_time, superpod_levels)
 from ..sharded_optim import zero_memory_bytes
-from ._core import call_student, compare, report
+from ._core import call_student, compare, explain, fits, report
 
 __all__ = ["check_all_reduce_time", "check_critical_tokens", "check_fits", "check_sharded_all_reduce",
            "check_spine_batch", "BOOK_LEVELS", "LINK_LEVELS"]
@@ -91,51 +91,82 @@ def _fits_reference(n_params, tp, pp, dp, zero, act, hbm):
     return total, total <= hbm
 
 
+def _bytes_slips(n, tp, pp, dp, zero, act, hbm) -> dict:
+    """The bytes the common slips give in one case, each with its diagnosis (None where the
+    slip gives the right answer here)."""
+    psi = n // (tp * pp)
+    right = _fits_reference(n, tp, pp, dp, zero, act, hbm)[0]
+    out = {
+        "that is plain DP: ZeRO-1 shards the optimizer state (12 bytes per parameter with the "
+        "fp32 master), ZeRO-2 the gradients too, ZeRO-3 all": 16 * psi + act if zero else None,
+        "the activations are missing": right - act if act else None,
+        "4 bytes per parameter short: Adam's state is 12 bytes (fp32 master 4 + two fp32 moments "
+        "8), not 8": right - 4 * (psi if zero == 0 else psi / dp),
+    }
+    for z in (zero - 1, zero + 1):
+        if 1 <= z <= 3:
+            out[f"ZeRO-{z}'s count, not ZeRO-{zero}'s: ZeRO-1 shards the optimizer state, ZeRO-2 "
+                "also the gradients, ZeRO-3 also the weights"] = _fits_reference(n, tp, pp, dp, z, act, hbm)[0]
+    return out
+
+
+# how a verdict goes wrong when the bytes are right, each as the rule it follows instead
+_VERDICT_SLIPS = {
+    "exactly hbm bytes fit: use ≤, not <": lambda total, hbm: total < hbm,
+    "compared with 80·10⁹ bytes whatever hbm is: compare with the argument hbm (the check "
+    "passes several memory sizes)": lambda total, hbm: total <= 80e9,
+    "compared with 80 GiB (85.9·10⁹ bytes) whatever hbm is: compare with the argument hbm, "
+    "in bytes as given": lambda total, hbm: total <= 80 * 2**30,
+    "hbm read as GB and turned into GiB: it is in bytes already (80 GB = 80·10⁹)":
+        lambda total, hbm: total <= hbm / 1e9 * 2**30,
+}
+
+
 def check_fits(fn) -> None:
     """Llama-3-70B-sized and 405B-sized cases, ZeRO 0-3, one that just fits and one that just
-    does not (80 GB is 80·10⁹ bytes, as the datasheet counts)."""
+    does not, on memories of 80·10⁹ bytes (an H100, as the datasheet counts), 40·10⁹, 141·10⁹
+    and 192·10⁹ — so a size written into the function shows."""
     cases = ((70_553_706_496, 8, 4, 20, 1, 11_408_506_880, 80e9),
              (70_553_706_496, 8, 1, 80, 0, 2_852_126_720, 80e9),
              (405_853_388_800, 8, 16, 128, 1, 63_896_993_792, 80e9),
              (405_853_388_800, 8, 16, 128, 3, 0, 80e9),
              (8_000_000_000, 1, 1, 8, 2, 20_000_000_000, 80e9),
              (8_000_000_000, 1, 1, 8, 2, 50_000_000_000, 80e9),      # exactly 80 GB: fits
-             (8_000_000_000, 1, 1, 8, 2, 50_000_000_001, 80e9))
-    problems = []
+             (8_000_000_000, 1, 1, 8, 2, 50_000_000_001, 80e9),
+             (8_000_000_000, 1, 1, 8, 2, 20_000_000_000, 40e9),      # 50 GB: not in 40
+             (70_553_706_496, 8, 1, 80, 0, 2_852_126_720, 141e9),    # 144 GB: not in 141
+             (70_553_706_496, 8, 1, 32, 1, 50_000_000_000, 141e9),   # 89 GB: fits 141, not 80
+             (405_853_388_800, 8, 8, 64, 3, 100_000_000_000, 192e9))  # 102 GB: fits 192, not 80
+    problems, verdicts = [], []
     for n, tp, pp, dp, zero, act, hbm in cases:
         n -= n % (tp * pp * dp)                     # keep the shards whole: no padding
         expected = _fits_reference(n, tp, pp, dp, zero, act, hbm)
         got = call_student(fn, n, tp, pp, dp, zero, act, hbm)
-        what = f"N={n:,}, tp={tp}, pp={pp}, dp={dp}, ZeRO-{zero}, activations {act / 1e9:g} GB"
+        what = (f"N={n:,}, tp={tp}, pp={pp}, dp={dp}, ZeRO-{zero}, activations {act / 1e9:g} GB, "
+                f"hbm={hbm:.4g}")
         if not isinstance(got, (tuple, list)) or len(got) != 2:
             problems.append(f"{what}: return (bytes, fits), got {got!r}")
             continue
-        wrong = compare(what + ": bytes", got[0], float(expected[0]), atol=0.5, rtol=0) + \
-            compare(what + ": fits", bool(got[1]), expected[1])
+        wrong = compare(what + ": bytes", got[0], float(expected[0]), atol=0.5, rtol=0)
         try:
             float(got[0])
         except (TypeError, ValueError):
             problems += wrong
             continue
-        psi = n // (tp * pp)
-        if wrong and abs(float(got[0]) - (16 * psi + act)) < 1 and zero:
-            wrong = [wrong[0] + " — that is plain DP: ZeRO-1 shards the optimizer state (12 bytes "
-                     "per parameter with the fp32 master), ZeRO-2 the gradients too, ZeRO-3 all"]
-        elif wrong and abs(float(got[0]) - (expected[0] - act)) < 1:
-            wrong = [wrong[0] + " — the activations are missing"]
-        elif wrong and abs(float(got[0]) - expected[0] + 4 * (psi if zero == 0 else psi / dp)) < 1:
-            wrong = [wrong[0] + " — 4 bytes per parameter short: Adam's state is 12 bytes "
-                     "(fp32 master 4 + two fp32 moments 8), not 8"]
-        elif wrong and zero and any(abs(float(got[0]) - _fits_reference(n, tp, pp, dp, z, act, hbm)[0]) < 1
-                                    for z in (zero - 1, zero + 1) if 0 <= z <= 3):
-            wrong = [wrong[0] + " — another stage's count: ZeRO-1 shards the optimizer state, "
-                     "ZeRO-2 also the gradients, ZeRO-3 also the weights"]
-        elif len(wrong) == 1 and ": fits" in wrong[0]:      # the bytes are right, the verdict not
-            wrong = [wrong[0] + (" — exactly hbm bytes fit: use ≤, not <" if expected[0] == hbm else
-                                 f" — compare with hbm as given ({hbm:,.0f} bytes; 80 GB is 80·10⁹ "
-                                 "bytes, not 80 GiB)")]
-        problems += wrong
-    report("does it fit in 80 GB", problems, len(cases))
+        if wrong:
+            hint = explain([why for why, value in _bytes_slips(n, tp, pp, dp, zero, act, hbm).items()
+                            if value is not None and abs(float(got[0]) - value) < 1])
+            problems += [wrong[0] + f" — {hint}"] if hint else wrong
+            continue
+        verdicts.append(((float(got[0]), hbm), bool(got[1])))
+        problems += compare(what + ": fits", bool(got[1]), expected[1])
+    if any(": fits" in p for p in problems):        # the bytes right, some verdicts not
+        hint = explain([why for why, rule in _VERDICT_SLIPS.items()
+                        if fits(rule, verdicts, lambda got, value: got == bool(value))])
+        if hint:
+            first = next(p for p in problems if ": fits" in p)
+            problems = [p for p in problems if ": fits" not in p] + [f"{first} — {hint}"]
+    report("does it fit in hbm bytes", problems, len(cases))
 
 
 # ------------------------------------------- the GPU chapter's problems 1 and 2 (scaling)
@@ -211,12 +242,46 @@ def _spine_reference(peak, levels, X, Y):
     return per_replica / Y, per_replica
 
 
+def _level_bandwidths(levels, X, Y, share=lambda Y, below: max(Y, below)) -> list[float]:
+    """Each level the X·Y GPUs reach: its all-reduce bandwidth per GPU, share·W_i/S_i."""
+    below, out = 1, []
+    for gpus, total in levels:
+        if X * Y > below:
+            out.append(share(Y, below) * total / gpus)
+        below = gpus
+    return out
+
+
+def _spine_slips(peak, levels, X, Y) -> dict:
+    """What each common slip returns in one case: (tokens per GPU, tokens per replica), the
+    replica's count None where the slip says nothing about it."""
+    per_gpu, per_replica = _spine_reference(peak, levels, X, Y)
+    return {
+        "you rounded tokens per GPU first, then multiplied by Y (the book's 77·256 = 19,712): "
+        "round at the end, if at all": (per_gpu, round(per_gpu) * Y),
+        "per GPU is the replica's count — a model replica's Y GPUs share its tokens: divide "
+        "by Y": (per_replica, per_replica * Y),
+        "2× too large: backward is 4 FLOPs per weight per token against 2 bytes of bf16 "
+        "gradient, so C/(2W), not C/W": (2 * per_gpu, None),
+        "2× too small: with in-network reduction the gradient crosses the switch once — "
+        "T = 2DF/W, not 4DF/W": (per_gpu / 2, None),
+        "W of the fastest level the group reaches, not the slowest: the slowest sets W (the spine at "
+        "256-way)": (peak / (2 * max(_level_bandwidths(levels, X, Y))), None),
+        "Y is missing from W: a unit of S_(i−1) GPUs holds min(S_(i−1), Y) shards — level i "
+        "gives max(Y, S_(i−1))·W_i/S_i per GPU": (
+            peak / (2 * min(_level_bandwidths(levels, X, Y, lambda Y, below: below))), None),
+        "the book's levels whatever `levels` is given: read W from the argument": (
+            _spine_reference(peak, BOOK_LEVELS, X, Y)[0], None),
+    }
+
+
 def check_spine_batch(fn) -> None:
     """256-way model parallelism on 1,024 H100s (the book's spine and the link-derived one),
-    64-way, and a GB200-like peak."""
+    64-way, 8-way and a GB200-like peak. A slip is named when it alone reproduces every answer."""
     cases = ((989e12, BOOK_LEVELS, 4, 256), (989e12, LINK_LEVELS, 4, 256),
-             (989e12, BOOK_LEVELS, 16, 64), (2.5e15, BOOK_LEVELS, 4, 256), (989e12, BOOK_LEVELS, 128, 8))
-    problems = []
+             (989e12, BOOK_LEVELS, 16, 64), (2.5e15, BOOK_LEVELS, 4, 256), (989e12, BOOK_LEVELS, 128, 8),
+             (989e12, LINK_LEVELS, 16, 64))
+    problems, answers = [], []
     for peak, levels, X, Y in cases:
         per_gpu, per_replica = _spine_reference(peak, levels, X, Y)
         got = call_student(fn, peak, levels, X, Y)
@@ -225,35 +290,16 @@ def check_spine_batch(fn) -> None:
         if not isinstance(got, (tuple, list)) or len(got) != 2:
             problems.append(f"{what}: return (tokens per GPU, tokens per model replica), got {got!r}")
             continue
-        wrong = compare(what + ": tokens per GPU", got[0], per_gpu, atol=0, rtol=1e-6) + \
+        problems += compare(what + ": tokens per GPU", got[0], per_gpu, atol=0, rtol=1e-6) + \
             compare(what + ": tokens per replica", got[1], per_replica, atol=0, rtol=1e-6)
-        try:
-            g0, g1 = float(got[0]), float(got[1])
-        except (TypeError, ValueError):
-            problems += wrong
-            continue
-        close = lambda a, b: abs(a - b) <= 1e-6 * abs(b)
-        if wrong and close(g1, round(per_gpu) * Y) and close(g0, per_gpu):
-            wrong = [f"{what}: tokens per replica {g1:,.0f} — you rounded tokens per GPU first "
-                     f"(the book's 77·256 = 19,712); round at the end: {per_replica:,.1f}"]
-        elif wrong and close(g0, per_replica) and close(g1, per_replica * Y):
-            wrong = [f"{what}: {g0:,.1f} per GPU is the replica's count — a model replica's Y GPUs "
-                     "share its tokens: divide by Y"]
-        elif wrong and close(g0, 2 * per_gpu):
-            wrong = [wrong[0] + " — 2× too large: backward is 4 FLOPs per weight per token against "
-                     "2 bytes of bf16 gradient, so C/(2W), not C/W"]
-        elif wrong and close(g0, per_gpu / 2):
-            wrong = [wrong[0] + " — 2× too small: with in-network reduction the gradient crosses the "
-                     "switch once — T = 2DF/W, not 4DF/W"]
-        elif wrong:
-            hw = _hw(levels)
-            below, alts = 1, []
-            for lv in hw.levels:
-                if X * Y > below:
-                    alts.append(peak / (2 * max(Y, below) * lv.total / lv.gpus))
-                below = lv.gpus
-            if any(close(g0, a) for a in alts):
-                wrong = [wrong[0] + " — that level is not the slowest: the slowest level the group "
-                         "reaches sets W (the spine at 256-way)"]
-        problems += wrong
+        answers.append(((peak, levels, X, Y), got))
+    if problems and len(answers) == len(cases):
+        def same(got, slip):
+            close = lambda a, b: abs(float(a) - b) <= 1e-6 * abs(b)
+            return close(got[0], slip[0]) and (slip[1] is None or close(got[1], slip[1]))
+        names = list(_spine_slips(*cases[0]))
+        hint = explain([name for name in names if fits(
+            lambda *case, name=name: _spine_slips(*case)[name], answers, same)])
+        if hint:
+            problems = [f"{problems[0]} — {hint}"]
     report("smallest batch with the all-reduce at the spine", problems, len(cases))

@@ -87,12 +87,12 @@ def test_fits_more_mistakes():
         check_fits(lambda n, tp, pp, dp, z, a, hbm: (
             fits(n, tp, pp, dp, z, a, hbm)[0] - 4 * n / (tp * pp) / (dp if z else 1),) * 1
             + (True,))
-    with fails("another stage's count"):        # ZeRO-2 that forgets to shard the gradients
+    with fails("ZeRO-1's count, not ZeRO-2's"):  # ZeRO-2 that forgets to shard the gradients
         check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, 1 if z == 2 else z, a, hbm))
     with fails("use ≤, not <"):
         check_fits(lambda n, tp, pp, dp, z, a, hbm: (fits(n, tp, pp, dp, z, a, hbm)[0],
                                                      fits(n, tp, pp, dp, z, a, hbm)[0] < hbm))
-    with fails("not 80 GiB"):
+    with fails("compared with 80 GiB \\(85.9·10⁹ bytes\\) whatever hbm is"):
         check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, z, a, 80 * 2**30))
     with fails("return \\(bytes, fits\\)"):
         check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, z, a, hbm)[0])
@@ -179,3 +179,39 @@ def test_spine_batch():
         check_spine_batch(leaf)
     with fails("return \\(tokens per GPU"):
         check_spine_batch(lambda c, lv, X, Y: spine_batch(c, lv, X, Y)[0])
+
+
+def fits_by_parts(n, tp, pp, dp, zero, act, hbm):
+    """Right, written differently: bytes per parameter summed by stage, the verdict as a
+    negation."""
+    per = {0: 16, 1: 4 + 12 / dp, 2: 2 + 14 / dp, 3: 16 / dp}[zero]
+    total = per * n / (tp * pp) + act
+    return total, not total > hbm
+
+
+def test_fits_reads_hbm():
+    check_fits(fits_by_parts)
+    with fails("compared with 80·10⁹ bytes whatever hbm is: compare with the argument hbm") as info:
+        check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, z, a, 80e9))
+    assert len(info.value.problems) == 1 and "or " not in info.value.problems[0], info.value.details
+
+
+def spine_batch_written_in(peak, levels, X, Y):
+    """Wrong: the book's spine figure written in (6.4 TB/s per GPU at 256-way), C/(2W) right —
+    2× off on the link-derived spine, so not a C/W mistake."""
+    return peak / (2 * 6.4e12), Y * peak / (2 * 6.4e12)
+
+
+def spine_batch_by_levels(peak, levels, X, Y):
+    """Right, written differently: the slowest level's bandwidth per GPU, then C/(2W)."""
+    reached = [(s, w, b) for (s, w), b in zip(levels, (1,) + tuple(s for s, _ in levels)) if X * Y > b]
+    w = min(max(Y, b) * t / s for s, t, b in reached)
+    return peak / w / 2, peak / w / 2 * Y
+
+
+def test_spine_batch_names_a_slip_only_when_it_alone_fits():
+    check_spine_batch(spine_batch_by_levels)
+    with pytest.raises(ExerciseFailed) as info:
+        check_spine_batch(spine_batch_written_in)
+    assert "C/(2W), not C/W" not in info.value.details, info.value.details
+    assert "tokens per GPU: got" in info.value.details
