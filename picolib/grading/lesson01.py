@@ -8,7 +8,7 @@ import torch
 
 from ..memory import SavedActivations, activation_bytes, bytes_per_param, model_state_bytes
 from ..model import LlamaConfig, TinyLlama, param_count, random_tokens
-from ._core import ExerciseFailed, call_student, compare, report
+from ._core import ExerciseFailed, call_student, compare, explain, report
 
 
 def _random_configs(n: int, seed: int = 1):
@@ -154,25 +154,49 @@ def check_activation_bytes(fn) -> None:
                            for args, got in wrong)
             except (TypeError, ValueError):
                 return False
-        hint = next((k for k, rule in variants.items() if fits(rule)), None) or _constants_hint(wrong, fn)
+        hint = explain([k for k, rule in variants.items() if fits(rule)]) or _constants_hint(wrong, fn)
         problems = [(f"{hint} — " if hint else f"{len(problems)} of {cases} cases differ, e.g. ")
                     + problems[0]]
     report("activation bytes", problems, passed=cases)
 
 
-_C1 = {32: "the two sbh dropout masks (1 byte per value) are missing",
-       36: "a dropout mask is 1 byte per value, not 2",
-       30: "the two norms' inputs (2 bytes × sbh each) are missing",
-       68: "every value counted at 4 bytes: mixed precision saves 2 (masks 1)",
-       17: "counted values, not bytes: activations are 2 bytes, masks 1"}
-_C2 = {4: "the scores' dropout mask (1 byte per score) is missing",
-       6: "the scores' dropout mask counted at 2 bytes: a mask is 1 byte per value",
-       3: "the dropout output (2 bytes per score) is missing"}
+# what one layer's forward saves, as the statement lists it: (the tensor, bytes per sbh) for c₁,
+# (the tensor, bytes per a·s·s·b) for c₂; activations are 2 bytes per value, masks 1
+_C1_TERMS = [("the QKV projection's input", 2), ("Q", 2), ("K", 2), ("V", 2),
+             ("the output projection's input", 2), ("the attention output's dropout mask", 1),
+             ("the first MLP linear's input", 2), ("the GeLU's input", 8),
+             ("the second MLP linear's input", 8), ("the MLP's dropout mask", 1),
+             ("the first LayerNorm's input", 2), ("the second LayerNorm's input", 2)]
+_C2_TERMS = [("the softmax output", 2), ("the scores' dropout mask", 1), ("the dropout output", 2)]
+
+
+def _term_slips(terms) -> dict[float, list[str]]:
+    """Each value of the constant one slip in counting `terms` gives, with every slip that
+    gives it: a tensor left out, a mask at 2 bytes, an activation at 4, all values at 4 bytes,
+    values counted instead of bytes (tensors that give the same value named together)."""
+    right, masks = sum(b for _, b in terms), sum(b == 1 for _, b in terms)
+    grouped = {}
+    for name, b in terms:
+        grouped.setdefault((right - b, "left out"), []).append(name)
+        grouped.setdefault((right + b, "at 4 bytes per value (activations are 2 in mixed "
+                            "precision)") if b > 1 else (right + 1, "at 2 bytes per value (a mask "
+                                                         "is 1)"), []).append(name)
+    out = {}
+    for (value, how), names in grouped.items():
+        who = names[0] if len(names) == 1 else f"one of {', '.join(names[:-1])} or {names[-1]}"
+        out.setdefault(value, []).append(f"{who} {how}")
+    if masks > 1:
+        out.setdefault(right - masks, []).append("both dropout masks left out")
+    out.setdefault(2 * right - masks, []).append("the activations at 4 bytes (fp32), not 2")
+    out.setdefault(2 * right + 2 * masks, []).append("every value at 4 bytes, masks too")
+    out.setdefault((right + masks) / 2, []).append("values counted, not bytes")
+    return out
 
 
 def _constants_hint(wrong, fn) -> str | None:
-    """Fit the student's answers to L·s·b·h·(c₁ + c₂·a·s/h) and name the constants (and the
-    usual miscounts behind them) when one pair fits every case."""
+    """Fit the student's answers to L·s·b·h·(c₁ + c₂·a·s/h) and, when one pair fits every case,
+    name the constants and each slip in the statement's list that gives them (all of them
+    when several do: a constant alone cannot tell which tensor was miscounted)."""
     try:
         c1s, c2s = set(), set()
         for (L, s, b, h, a, flash), _ in wrong + [((2, 128, 1, 512, 8, True), None)]:
@@ -185,9 +209,15 @@ def _constants_hint(wrong, fn) -> str | None:
     if len(c1s) != 1 or len(c2s) != 1:
         return None
     c1, c2 = c1s.pop(), c2s.pop()
-    why = [_C1.get(c1, "") if c1 != 34 else "", _C2.get(c2, "") if c2 != 5 else ""]
+    why = []
+    for c, right, terms, which in ((c1, 34, _C1_TERMS, "c₁"), (c2, 5, _C2_TERMS, "c₂")):
+        slips = _term_slips(terms).get(c, []) if c != right else []
+        if len(slips) == 1:
+            why.append(f"{which}: {slips[0]}")
+        elif slips:
+            why.append(f"{which} fits each of: " + "; or ".join(slips))
     return (f"your answers are L·s·b·h·(c₁ + c₂·a·s/h) with c₁ = {c1:g}, c₂ = {c2:g}; expected "
-            f"34 and 5" + "".join(f"; {w}" for w in why if w))
+            f"34 and 5" + "".join(f"; {w}" for w in why))
 
 
 def _rows(batch, full) -> list[int]:

@@ -241,11 +241,35 @@ def test_bytes_per_param_more_mistakes(fn, pattern):
 
 @pytest.mark.parametrize("fn, pattern", [
     (lambda L, s, b, h, a, flash=False: L * s * b * h * (32 + (0 if flash else 5 * a * s / h)),
-     "c₁ = 32, c₂ = 5; expected 34 and 5; the two sbh dropout masks"),
+     "c₁ = 32, c₂ = 5; expected 34 and 5; c₁ fits each of: one of .* left out; or both dropout masks left out"),
     (lambda L, s, b, h, a, flash=False: L * s * b * h * (34 + (0 if flash else 6 * a * s / h)),
-     "c₂ = 6.*counted at 2 bytes"),
+     "c₂ = 6.*c₂: the scores' dropout mask at 2 bytes per value \\(a mask is 1\\)"),
     (lambda L, s, b, h, a, flash=False: L * s * b * h * (36 + (0 if flash else 4 * a * s / h)),
      "c₁ = 36, c₂ = 4"),
 ], ids=["no masks", "score mask 2 bytes", "both off"])
 def test_activation_bytes_constants_named(fn, pattern):
     _mistake(check_activation_bytes, fn, pattern)
+
+
+def activation_without_k(L, s, b, h, a, flash=False):
+    """Wrong: K left out of the attention's saved tensors (c₁ = 32) — the same constant as
+    leaving out both dropout masks, so the check must not name the masks alone."""
+    attention = 2 + 2 + 2 + 2 + 1            # QKV input, Q, V, out-proj input, mask
+    per_layer = s * b * h * (attention + 19 + 4) + (0 if flash else 5 * a * s * s * b)
+    return L * per_layer
+
+
+def activation_by_tensor(L, s, b, h, a, flash=False):
+    """Right, written differently: every saved tensor listed with its element count and bytes."""
+    sbh, scores = s * b * h, a * s * s * b
+    saved = [(sbh, 2), (2 * sbh, 2), (sbh, 2), (sbh, 2), (sbh, 1), (sbh, 2), (4 * sbh, 2),
+             (4 * sbh, 2), (sbh, 1), (2 * sbh, 2)] + ([] if flash else [(scores, 2), (scores, 1), (scores, 2)])
+    return L * sum(n * width for n, width in saved)
+
+
+def test_leaving_out_k_is_not_reported_as_the_masks_alone():
+    check_activation_bytes(activation_by_tensor)
+    with pytest.raises(ExerciseFailed) as info:
+        check_activation_bytes(activation_without_k)
+    (line,) = info.value.problems
+    assert re.search("c₁ = 32.*Q, K, V.* left out; or both dropout masks left out", line), line
