@@ -49,13 +49,13 @@ def check_param_count(fn) -> None:
             problems += line
             diffs.append((cfg, got, counted))
     if problems:
-        for name in _param_terms(configs[0]):
-            try:
-                if all(got - counted == _param_terms(cfg)[name] != 0 for cfg, got, counted in diffs):
-                    problems = [f"{name} — {problems[0]}"]
-                    break
-            except TypeError:
-                break
+        try:
+            hint = explain([name for name in _param_terms(configs[0]) if all(
+                got - counted == _param_terms(cfg)[name] != 0 for cfg, got, counted in diffs)])
+        except TypeError:
+            hint = ""
+        if hint:
+            problems = [f"{hint} — {problems[0]}"]
         else:
             problems = [f"{len(problems)} of {len(configs)} configurations differ, e.g. "
                         f"{problems[0]}"]
@@ -94,7 +94,9 @@ def check_bytes_per_param(fn) -> None:
         missing = {"the fp32 master weights (4)": parts.get("master", 0),
                    "the fp32 gradient accumulation buffer (4)": parts.get("fp32_grads", 0),
                    "Adam's two moments m and v (4 + 4)": parts["optimizer"],
-                   "one of Adam's moments (4)": 4}
+                   "one of Adam's moments (4)": 4,
+                   f"the weights ({parts['params']})": parts["params"],
+                   f"the gradients ({parts['grads']})": parts["grads"]}
         extra = got_per - per
         if acc and abs(extra + 4) < 1e-9 and _same(call_student(fn, n, precision, False), got):
             hint = ("fp32_grad_accum=True changes nothing: it adds an fp32 buffer that "
@@ -109,8 +111,7 @@ def check_bytes_per_param(fn) -> None:
             hint = ("missing the fp32 master weights (4), or Adam's moments kept in bf16 "
                     "(2 + 2; they are fp32: 4 + 4)")
         else:
-            hint = next((f"missing {k}" for k, v in missing.items()
-                         if v and abs(-extra - v) < 1e-9), "")
+            hint = explain([f"missing {k}" for k, v in missing.items() if v and abs(-extra - v) < 1e-9])
         if not hint and abs(abs(extra) - 2) < 1e-9 and precision == "bf16":
             hint = ("bf16 weights and gradients are 2 bytes per value, the fp32 master and "
                     "Adam's moments 4")
