@@ -211,7 +211,8 @@ def diagnose(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6,
              rtol: float = 1e-5) -> str:
     """One line naming a common mistake when `got` is `expected` off by a uniform factor
     (forgot to average over N ranks, or to divide by k micro-batches: got = N·expected) or
-    is a permutation of it (right values, wrong order); "" when neither fits."""
+    is a permutation of it (right values, wrong order; only when they are distinct); "" when
+    neither fits."""
     g, e = got.double().flatten(), expected.double().flatten()
     big = e.abs() > atol
     if big.any():
@@ -227,7 +228,10 @@ def diagnose(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6,
             if inverse and inverse > 1:
                 return f"every value is {inverse}× too small: divided once too often?"
             return f"every value is off by the same factor {ratio:.4g}"
-    if torch.allclose(g.sort().values, e.sort().values, atol=atol, rtol=rtol):
+    # a permutation only says something when the values are distinct: any two masks with as
+    # many Trues "are permutations" of each other
+    if (e.unique().numel() == e.numel() > 1
+            and torch.allclose(g.sort().values, e.sort().values, atol=atol, rtol=rtol)):
         return "the right values in the wrong order (a permutation: check the rank or chunk order)"
     return ""
 

@@ -282,3 +282,37 @@ def test_unwritten_networking_exercises_fail():
                   check_all_gather_seconds, check_su_all_gather):
         with pytest.raises(ExerciseFailed, match="not written yet"):
             check(todo)
+
+
+def ring_with_group_ranks(tensor, group=None):
+    """Wrong on a sub-group: the neighbours as ranks of the group, where comm wants global ones."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    return ring_all_reduce_between(tensor, group, n, me, (me + 1) % n, (me - 1) % n)
+
+
+def ring_all_reduce_between(tensor, group, n, me, right, left):
+    chunks = list(tensor.view(-1).chunk(n))
+    incoming = torch.empty_like(chunks[0])
+    for k in range(n - 1):
+        comm.exchange(sends=[(chunks[(me - k) % n].clone(), right)], recvs=[(incoming, left)],
+                      group=group)
+        chunks[(me - k - 1) % n] += incoming
+    for k in range(n - 1):
+        comm.exchange(sends=[(chunks[(me - k + 1) % n].clone(), right)],
+                      recvs=[(chunks[(me - k) % n], left)], group=group)
+    return tensor
+
+
+def rs_ag_with_a_wrong_shard(tensor, group=None):
+    """Wrong: a shard one element too long — gloo's own error ("ProcessGroupGloo.cpp: Check
+    failed"), nothing about groups."""
+    shard = torch.empty(tensor.numel() // dist.get_world_size(group) + 1)
+    comm.reduce_scatter(shard, tensor, group=group)
+    return tensor
+
+
+def test_the_sub_group_hint_comes_with_a_rank_outside_the_group_only():
+    text = failure(check_ring_all_reduce, ring_with_group_ranks)
+    assert "peers are global ranks" in text, text
+    text = failure(check_all_reduce_from_rs_ag, rs_ag_with_a_wrong_shard)
+    assert "ProcessGroupGloo" in text and "peers are global ranks" not in text, text
