@@ -417,7 +417,7 @@ def _gather_worker(fn, split):
         if isinstance(got, (list, tuple)):
             got = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in got]
         answers.append((got, led.summary(), [full[name] for name in u.names], u.numel,
-                        torch.cat(world)))
+                        torch.cat(world), list(u.names)))
     return answers
 
 
@@ -448,7 +448,7 @@ def check_gather_unit(fn, timeout: float | None = None) -> None:
         for answers in run_student(_gather_worker, n, fn, split, name="gather_unit",
                                    timeout=timeout):
             mine = []
-            for unit, (got, led, want, numel, world) in enumerate(answers):
+            for unit, (got, led, want, numel, world, names) in enumerate(answers):
                 count += 1
                 what = f"unit {unit} ({numel} elements)"
                 if not isinstance(got, (list, tuple)) or not all(isinstance(t, torch.Tensor)
@@ -469,7 +469,8 @@ def check_gather_unit(fn, timeout: float | None = None) -> None:
                         mine.append(f"{what}: shapes {shapes}, expected "
                                     f"{[tuple(t.shape) for t in want]}")
                     else:
-                        mine += compare(f"{what}: parameters", got, want, atol=1e-6)[:1]
+                        mine += [line for name, g, w in zip(names, got, want)
+                                 for line in compare(f"{what}: {name}", g, w, atol=1e-6)][:1]
                 mine += [f"{what}: {p}" for p in
                          _traffic(led, "all_gather", padded_numel(numel, m) * 4)]
             per_rank.append(mine)

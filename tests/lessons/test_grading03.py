@@ -386,3 +386,30 @@ def test_zero1_step_must_step_the_shard_and_gather_parameters():
     with fails("all-gathered the mean gradient and stepped the whole vector on every rank") as info:
         check_zero1_step(zero1_gathers_the_gradient)
     assert len(info.value.problems) == 1, info.value.details
+
+
+def gather_drops_the_wrong_end(shard, shapes, group=None):
+    """Wrong, no known slip: the padding dropped from the front instead of the back."""
+    n = dist.get_world_size(group)
+    full = torch.empty(n * shard.numel())
+    comm.all_gather(full, shard, group=group)
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    return _split(full[full.numel() - numel:], shapes)
+
+
+def gather_into_a_list(shard, shapes, group=None):
+    """Right, written differently: torch.split by each parameter's size, then reshape."""
+    n = dist.get_world_size(group)
+    full = torch.empty(n * shard.numel())
+    comm.all_gather(full, shard, group=group)
+    sizes = [torch.Size(s).numel() for s in shapes]
+    pieces = full[:sum(sizes)].split(sizes)
+    return [piece.reshape(s) for piece, s in zip(pieces, shapes)]
+
+
+def test_gather_unit_says_which_parameter_differs():
+    check_gather_unit(gather_into_a_list)
+    with fails(r"unit \d+ \(\d+ elements\): [a-z_]+[a-z_.\d]*weight: \d+ of \d+ elements wrong, the "
+               r"first at \[\d+(, \d+)?\]: got") as info:
+        check_gather_unit(gather_drops_the_wrong_end)
+    assert "values differ" not in info.value.details
