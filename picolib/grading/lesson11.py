@@ -33,55 +33,66 @@ def _ratio(got, expected):
         return None
 
 
+_RING_SLIPS = {
+    "that is one reduce-scatter: an all-reduce is a reduce-scatter and an all-gather, twice the "
+    "steps and bytes": lambda b, n, w, a: ring_time("reduce_scatter", b, n, w, a),
+    "each rank sends 2(N−1)/N·B, not 2B": lambda b, n, w, a: 2 * b / w + 2 * (n - 1) * a,
+    "the latency term 2(N−1)·α is missing": lambda b, n, w, a: 2 * (n - 1) / n * b / w,
+    "a ring all-reduce takes 2(N−1) steps, not 2N": lambda b, n, w, a: 2 * (n - 1) / n * b / w + 2 * n * a,
+}
+
+
+def _close_to(got, value) -> bool:
+    return abs(float(got) - value) <= 1e-6 * abs(value)
+
+
+def _named_slip(problems, answers, slips) -> list[str]:
+    """The first problem with the slip that alone reproduces every answer (each that does),
+    else the problems as they are."""
+    hint = explain([why for why, rule in slips.items() if fits(rule, answers, _close_to)])
+    return [f"{problems[0]} — {hint}"] if hint and problems else problems
+
+
 def check_all_reduce_time(fn) -> None:
     """Across nodes (50 GB/s per GPU) and inside one (450 GB/s), small and large buffers."""
-    problems, cases = [], ((1e9, 64, 50e9, 5e-6), (4e9, 1024, 50e9, 5e-6), (1e3, 256, 50e9, 5e-6),
-                           (1e9, 8, 450e9, 2e-6), (2e8, 2, 50e9, 0.0))
+    problems, answers = [], []
+    cases = ((1e9, 64, 50e9, 5e-6), (4e9, 1024, 50e9, 5e-6), (1e3, 256, 50e9, 5e-6),
+             (1e9, 8, 450e9, 2e-6), (2e8, 2, 50e9, 0.0))
     for nbytes, n, w, a in cases:
-        expected = ring_time("all_reduce", nbytes, n, w, a)
         got = call_student(fn, nbytes, n, w, a)
-        wrong = compare(f"B={nbytes:g} bytes, N={n}, W={w / 1e9:g} GB/s, α={a * 1e6:g} µs", got,
-                        expected, atol=0, rtol=1e-6)
-        if wrong:
-            r = _ratio(got, expected)
-            hints = {
-                ring_time("reduce_scatter", nbytes, n, w, a): "that is one reduce-scatter: an "
-                "all-reduce is a reduce-scatter and an all-gather, twice the steps and bytes",
-                2 * nbytes / w + 2 * (n - 1) * a: "each rank sends 2(N−1)/N·B, not 2B",
-                2 * (n - 1) / n * nbytes / w: "the latency term 2(N−1)·α is missing",
-                2 * (n - 1) / n * nbytes / w + 2 * n * a: "a ring all-reduce takes 2(N−1) steps, not 2N",
-            }
-            for value, hint in hints.items():
-                if r is not None and abs(float(got) - value) <= 1e-6 * abs(value):
-                    wrong = [wrong[0] + f" — {hint}"]
-                    break
-        problems += wrong
-    report("ring all-reduce time", problems, len(cases))
+        answers.append(((nbytes, n, w, a), got))
+        problems += compare(f"B={nbytes:g} bytes, N={n}, W={w / 1e9:g} GB/s, α={a * 1e6:g} µs", got,
+                            ring_time("all_reduce", nbytes, n, w, a), atol=0, rtol=1e-6)
+    report("ring all-reduce time", _named_slip(problems, answers, _RING_SLIPS), len(cases))
+
+
+_CRITICAL_SLIPS = {   # each as a factor on the right answer, by fsdp
+    "2× too large: backward is 4·B·D·F FLOPs per weight matrix (two matmuls) against 2·D·F bytes "
+    "of bf16 gradient — C/(2W), not C/W": lambda fsdp: 2.0,
+    "2× too small: in-network reduction sends B per GPU, not 2B — W is the all-reduce bandwidth "
+    "itself": lambda fsdp: 0.5,
+    "FSDP's count is DP's: FSDP moves twice DP's bytes (all-gather the weights + reduce-scatter "
+    "the gradients), so it needs twice the tokens": lambda fsdp: 0.5 if fsdp else 1.0,
+    "FSDP's count is half DP's: FSDP moves twice the bytes, so it needs twice the tokens, not "
+    "half": lambda fsdp: 0.25 if fsdp else 1.0,
+}
 
 
 def check_critical_tokens(fn) -> None:
     """The source's numbers (H100 node, across the spine) and a GB200 NVL72 rack, DP and FSDP."""
-    problems, checks = [], 0
+    problems, answers, checks = [], [], 0
     for hw, n in (("H100-SXM", 8), ("H100-SXM", 1024), ("GB200-NVL72", 72)):
         peak, bw = GPUS[hw].bf16, all_reduce_bandwidth(hw, n)
         for fsdp in (False, True):
             checks += 1
             expected = critical_tokens_dp(hw, n, fsdp=fsdp)
             got = call_student(fn, peak, bw, fsdp)
-            wrong = compare(f"C={peak / 1e12:g} TFLOP/s, W={bw / 1e9:g} GB/s, fsdp={fsdp}", got,
-                            expected, atol=0, rtol=1e-6)
-            r = _ratio(got, expected)
-            if wrong and r is not None:
-                for factor, hint in ((2.0, "2× too large: backward is 4·B·D·F FLOPs per weight "
-                                           "matrix (two matmuls) against 2·D·F bytes of bf16 gradient"),
-                                     (0.5, "2× too small: FSDP moves twice DP's bytes (all-gather the "
-                                           "weights + reduce-scatter the gradients)" if fsdp else
-                                           "2× too small: in-network reduction sends B per GPU, "
-                                           "not 2B: W is the all-reduce bandwidth itself")):
-                    if abs(r - factor) < 1e-6:
-                        wrong = [wrong[0] + f" — {hint}"]
-            problems += wrong
-    report("critical tokens per GPU", problems, checks)
+            answers.append(((expected, fsdp), got))
+            problems += compare(f"C={peak / 1e12:g} TFLOP/s, W={bw / 1e9:g} GB/s, fsdp={fsdp}", got,
+                                expected, atol=0, rtol=1e-6)
+    slips = {why: (lambda expected, fsdp, factor=factor: factor(fsdp) * expected)
+             for why, factor in _CRITICAL_SLIPS.items()}
+    report("critical tokens per GPU", _named_slip(problems, answers, slips), checks)
 
 
 def _fits_reference(n_params, tp, pp, dp, zero, act, hbm):
@@ -188,60 +199,6 @@ def _sharded_reference(D, F, X, Y, levels) -> float:
     return 2 * D * F / all_reduce_bandwidth(_hw(levels), X, inner=Y)
 
 
-def _sharded_variants(D, F, X, Y, levels) -> dict:
-    """What the common slips give, each with its one-line diagnosis."""
-    B, span, below, out = 2 * D * F, X * Y, 1, {}
-    per_level = []
-    for s, w in levels:
-        if span > below:
-            per_level.append((B * s / (max(Y, below) * w), B * s / (Y * below * w), B * s / (below * w)))
-        below = s
-    if not per_level:
-        return out
-    out[max(p[1] for p in per_level)] = ("B/Y at every level: beyond the node its switch must send "
-                                         "every shard, all B bytes — use max(Y, S_(i−1)), not Y·S_(i−1)")
-    out[max(p[2] for p in per_level)] = ("Y is missing: GPUs with different shards share each unit — "
-                                         "level i carries B·S_i/(max(Y, S_(i−1))·W_i)")
-    out[min(p[0] for p in per_level)] = "the fastest level: the slowest level the group reaches sets the time"
-    out[sum(p[0] for p in per_level)] = "the sum of the levels: they overlap, the slowest one sets the time"
-    ref = max(p[0] for p in per_level)
-    out[ref / 2] = "half: bf16 is 2 bytes per element — B = 2·D·F"
-    out[ref * 2] = "twice: with in-network reduction each GPU sends its bytes once (no 2(N−1)/N ring)"
-    out[ref * 8] = "bits, not bytes? B = 2·D·F bytes against W in bytes/s"
-    return out
-
-
-def check_sharded_all_reduce(fn) -> None:
-    """Inside a node (the problem), across the leaf and the spine (its 'beyond a node'), the
-    scaling book's levels and the link-derived ones."""
-    cases = ((8192, 28672, 8, 1, BOOK_LEVELS), (8192, 28672, 2, 4, BOOK_LEVELS),
-             (4096, 16384, 1, 8, BOOK_LEVELS), (8192, 28672, 16, 64, BOOK_LEVELS),
-             (8192, 28672, 4, 256, BOOK_LEVELS), (8192, 28672, 4, 256, LINK_LEVELS),
-             (16384, 53248, 128, 8, BOOK_LEVELS))
-    problems = []
-    for D, F, X, Y, levels in cases:
-        expected = _sharded_reference(D, F, X, Y, levels)
-        got = call_student(fn, D, F, X, Y, levels)
-        what = (f"D={D}, F={F}, X={X}, Y={Y}, "
-                f"{'book' if levels == BOOK_LEVELS else 'link-derived'} levels")
-        wrong = compare(what, got, expected, atol=0, rtol=1e-6)
-        if wrong:
-            for value, hint in _sharded_variants(D, F, X, Y, levels).items():
-                try:
-                    if abs(float(got) - value) <= 1e-6 * value and abs(value - expected) > 1e-6 * expected:
-                        wrong = [wrong[0] + f" — {hint}"]
-                        break
-                except (TypeError, ValueError):
-                    break
-        problems += wrong
-    report("all-reduce of a sharded array", problems, len(cases))
-
-
-def _spine_reference(peak, levels, X, Y):
-    per_replica = Y * peak / (2 * all_reduce_bandwidth(_hw(levels), X, inner=Y))
-    return per_replica / Y, per_replica
-
-
 def _level_bandwidths(levels, X, Y, share=lambda Y, below: max(Y, below)) -> list[float]:
     """Each level the X·Y GPUs reach: its all-reduce bandwidth per GPU, share·W_i/S_i."""
     below, out = 1, []
@@ -250,6 +207,50 @@ def _level_bandwidths(levels, X, Y, share=lambda Y, below: max(Y, below)) -> lis
             out.append(share(Y, below) * total / gpus)
         below = gpus
     return out
+
+
+def _sharded_variants(D, F, X, Y, levels) -> dict:
+    """What each common slip gives in one case, by its one-line diagnosis."""
+    B = 2 * D * F
+    right = lambda share: [B / w for w in _level_bandwidths(levels, X, Y, share)]
+    times = right(lambda Y, below: max(Y, below))
+    return {
+        "B/Y at every level: beyond the node its switch must send every shard, all B bytes — use "
+        "max(Y, S_(i−1)), not Y·S_(i−1)": max(right(lambda Y, below: Y * below)),
+        "Y is missing: GPUs with different shards share each unit — level i carries "
+        "B·S_i/(max(Y, S_(i−1))·W_i)": max(right(lambda Y, below: below)),
+        "the fastest level: the slowest level the group reaches sets the time": min(times),
+        "the sum of the levels: they overlap, the slowest one sets the time": sum(times),
+        "half: bf16 is 2 bytes per element — B = 2·D·F": max(times) / 2,
+        "twice: with in-network reduction each GPU sends its bytes once (no 2(N−1)/N ring)":
+            max(times) * 2,
+        "bits, not bytes? B = 2·D·F bytes against W in bytes/s": max(times) * 8,
+    }
+
+
+def check_sharded_all_reduce(fn) -> None:
+    """Inside a node (the problem), across the leaf and the spine (its 'beyond a node'), the
+    scaling book's levels and the link-derived ones. A slip is named when it alone gives every
+    answer."""
+    cases = ((8192, 28672, 8, 1, BOOK_LEVELS), (8192, 28672, 2, 4, BOOK_LEVELS),
+             (4096, 16384, 1, 8, BOOK_LEVELS), (8192, 28672, 16, 64, BOOK_LEVELS),
+             (8192, 28672, 4, 256, BOOK_LEVELS), (8192, 28672, 4, 256, LINK_LEVELS),
+             (16384, 53248, 128, 8, BOOK_LEVELS))
+    problems, answers = [], []
+    for D, F, X, Y, levels in cases:
+        got = call_student(fn, D, F, X, Y, levels)
+        answers.append(((D, F, X, Y, levels), got))
+        what = (f"D={D}, F={F}, X={X}, Y={Y}, "
+                f"{'book' if levels == BOOK_LEVELS else 'link-derived'} levels")
+        problems += compare(what, got, _sharded_reference(D, F, X, Y, levels), atol=0, rtol=1e-6)
+    slips = {why: (lambda *case, why=why: _sharded_variants(*case)[why])
+             for why in _sharded_variants(*cases[0])}
+    report("all-reduce of a sharded array", _named_slip(problems, answers, slips), len(cases))
+
+
+def _spine_reference(peak, levels, X, Y):
+    per_replica = Y * peak / (2 * all_reduce_bandwidth(_hw(levels), X, inner=Y))
+    return per_replica / Y, per_replica
 
 
 def _spine_slips(peak, levels, X, Y) -> dict:

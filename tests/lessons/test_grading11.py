@@ -39,7 +39,7 @@ def test_critical_tokens():
     check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * c / (2 * w))
     with fails("not written yet"):
         check_critical_tokens(stub)
-    with fails("FSDP moves twice"):
+    with fails("FSDP's count is DP's: FSDP moves twice DP's bytes"):
         check_critical_tokens(lambda c, w, fsdp: c / (2 * w))
     with fails("2× too large"):
         check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * c / w)
@@ -215,3 +215,18 @@ def test_spine_batch_names_a_slip_only_when_it_alone_fits():
         check_spine_batch(spine_batch_written_in)
     assert "C/(2W), not C/W" not in info.value.details, info.value.details
     assert "tokens per GPU: got" in info.value.details
+
+
+def test_critical_tokens_w_counted_twice_is_not_called_an_fsdp_mistake():
+    with pytest.raises(ExerciseFailed) as info:
+        check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * c / (4 * w))
+    assert "FSDP" not in info.value.details and "2× too small: in-network" in info.value.details
+    assert len(info.value.problems) == 1
+
+
+def test_all_reduce_time_names_a_slip_only_when_it_fits_every_case():
+    # N steps of latency where 2(N−1) are due, and only beyond 8 GPUs: no single slip gives that
+    with pytest.raises(ExerciseFailed) as info:
+        check_all_reduce_time(lambda b, n, w, a: ring_all_reduce(b, n, w, a) + (2 * a if n > 8 else 0))
+    assert " — " not in info.value.details, info.value.details
+    check_all_reduce_time(lambda b, n, w, a: 2 * (n - 1) * (a + b / (n * w)))   # right, factored
