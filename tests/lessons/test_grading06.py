@@ -86,3 +86,14 @@ def test_ring_pairs_names_a_slip_only_when_it_alone_fits():
         check_ring_pairs(lambda r, n, k, layout: ring_pairs(r, n, k, layout,
                                                             direction=+1 if layout == "zigzag" else -1))
     assert " — " not in info.value.details
+
+
+from picolib.grading.lesson06 import _PAIR_SLIPS  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(_PAIR_SLIPS))
+def test_each_ring_pairs_slip_is_named_alone(name):
+    with pytest.raises(ExerciseFailed) as info:
+        check_ring_pairs(_PAIR_SLIPS[name])
+    (line,) = info.value.problems
+    assert line.endswith(name), line

@@ -210,3 +210,14 @@ def test_pipeline_latency_without_a_known_slip_shows_the_slice_times():
                r".* and \(K−1\)·max t = ") as info:
         check_pipeline_latency(lambda s, cost, K: latency(s, cost, K) + 0.5)
     assert "Σt alone" not in info.value.details
+
+
+from picolib.grading.lesson08 import _LATENCY_SLIPS, _times  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(_LATENCY_SLIPS))
+def test_each_latency_slip_is_named_alone(name):
+    rule = _LATENCY_SLIPS[name]
+    with fails(re.escape(name)) as info:
+        check_pipeline_latency(lambda s, cost, K: rule(_times(s, cost), K))
+    assert len(info.value.problems) == 1 and "fit each" not in info.value.details

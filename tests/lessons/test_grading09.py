@@ -180,3 +180,14 @@ def test_top_k_capacity_names_only_a_slip_that_fits_every_case():
     with fails("token by token") as info:
         check_top_k_capacity(token_by_token)
     assert "off by one" not in info.value.details and "nothing dropped" not in info.value.details
+
+
+from picolib.grading.lesson09 import _MOE_SLIPS  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(_MOE_SLIPS))
+def test_each_moe_slip_is_named_alone(name):
+    with pytest.raises(ExerciseFailed) as info:
+        check_moe_critical_batch(_MOE_SLIPS[name])
+    (line,) = info.value.problems
+    assert line.endswith(name), line

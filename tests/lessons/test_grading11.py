@@ -230,3 +230,45 @@ def test_all_reduce_time_names_a_slip_only_when_it_fits_every_case():
         check_all_reduce_time(lambda b, n, w, a: ring_all_reduce(b, n, w, a) + (2 * a if n > 8 else 0))
     assert " — " not in info.value.details, info.value.details
     check_all_reduce_time(lambda b, n, w, a: 2 * (n - 1) * (a + b / (n * w)))   # right, factored
+
+
+# every known slip run through its check: the check names it (and only names another slip with
+# it where the two give the same answers in every case)
+from picolib.grading import lesson11 as _l11  # noqa: E402
+
+
+def _named_alone_or_with_twins(check, name, student):
+    with pytest.raises(ExerciseFailed) as info:
+        check(student)
+    (line,) = info.value.problems
+    assert name in line, line
+    return line
+
+
+@pytest.mark.parametrize("name", list(_l11._RING_SLIPS))
+def test_each_ring_slip_is_named(name):
+    _named_alone_or_with_twins(check_all_reduce_time, name, _l11._RING_SLIPS[name])
+
+
+@pytest.mark.parametrize("name", list(_l11._CRITICAL_SLIPS))
+def test_each_critical_tokens_slip_is_named(name):
+    factor = _l11._CRITICAL_SLIPS[name]
+    line = _named_alone_or_with_twins(check_critical_tokens, name,
+                                      lambda c, w, fsdp: factor(fsdp) * (2 if fsdp else 1) * c / (2 * w))
+    assert "fit each" not in line, line
+
+
+@pytest.mark.parametrize("name", list(_l11._sharded_variants(8192, 28672, 8, 1, BOOK_LEVELS)))
+def test_each_sharded_all_reduce_slip_is_named(name):
+    line = _named_alone_or_with_twins(check_sharded_all_reduce, name,
+                                      lambda *case: _l11._sharded_variants(*case)[name])
+    assert "fit each" not in line, line
+
+
+@pytest.mark.parametrize("name", list(_l11._spine_slips(989e12, BOOK_LEVELS, 4, 256)))
+def test_each_spine_slip_is_named(name):
+    def student(*case):
+        per_gpu, replica = _l11._spine_slips(*case)[name]
+        return per_gpu, replica if replica is not None else per_gpu * case[3]
+    line = _named_alone_or_with_twins(check_spine_batch, name, student)
+    assert "fit each" not in line, line
