@@ -158,27 +158,30 @@ def _same(a, b) -> bool:
 
 
 def _fp8_hint(what, x, group, got, expected) -> str:
-    unscaled = x.float().to(torch.float8_e4m3fn).float()
-    if _same(got, unscaled):
-        return (f"{what}: x cast to FP8 without a scale — values beyond 448 overflow and small "
-                "ones lose their digits: divide by a scale amax/448 before the cast")
+    """The line for a wrong answer: every known slip that gives exactly these values (all of
+    them when several do), else which element differs."""
+    per = {"tensor": "one scale for the whole tensor", "row": "one scale per row",
+           "tile": "one scale per 1×128 tile"}
+    want = {"tensor": "one amax over the whole tensor", "row": "one amax per row (last dimension)",
+            "tile": "one amax per 1×128 piece of each row"}[group]
+    slips = {"x cast to FP8 without a scale — values beyond 448 overflow and small ones lose their "
+             "digits: divide by a scale amax/448 before the cast": x.float().to(torch.float8_e4m3fn).float()}
     for other in ("tensor", "row", "tile"):
-        if other != group and _same(got, fake_quantize(x, other, "e4m3")):
-            per = {"tensor": "one scale for the whole tensor", "row": "one scale per row",
-                   "tile": "one scale per 1×128 tile"}[other]
-            want = {"tensor": "one amax over the whole tensor", "row": "one amax per row (last dimension)",
-                    "tile": "one amax per 1×128 piece of each row"}[group]
-            return f"{what}: {per}; group={group!r} wants {want}"
-    if _same(got, fake_quantize(x, group, "e5m2")):
-        return f"{what}: these are e5m2 values — the exercise asks for torch.float8_e4m3fn (largest 448)"
-    if _same(got, _quantize_with(x, group, 57344.0)):
-        return (f"{what}: the scale used 57,344 (e5m2's largest) with e4m3 codes: scale = amax / 448 "
-                "for float8_e4m3fn")
-    if _same(got, _quantize_with(x, group, 448.0, signed_max=True)):
-        return (f"{what}: amax taken as the largest value, not the largest |value|: a negative "
-                "extreme then overflows (use x.abs().amax())")
-    if _same(got, _quantize_with(x, group, 448.0, rescale=False)):
-        return f"{what}: these are the FP8 codes — multiply them by their scale to return x's values"
+        if other != group:
+            slips[f"{per[other]}; group={group!r} wants {want}"] = fake_quantize(x, other, "e4m3")
+    slips.update({
+        "these are e5m2 values — the exercise asks for torch.float8_e4m3fn (largest 448)":
+            fake_quantize(x, group, "e5m2"),
+        "the scale used 57,344 (e5m2's largest) with e4m3 codes: scale = amax / 448 for "
+        "float8_e4m3fn": _quantize_with(x, group, 57344.0),
+        "amax taken as the largest value, not the largest |value|: a negative extreme then "
+        "overflows (use x.abs().amax())": _quantize_with(x, group, 448.0, signed_max=True),
+        "these are the FP8 codes — multiply them by their scale to return x's values":
+            _quantize_with(x, group, 448.0, rescale=False),
+    })
+    hint = explain([why for why, value in slips.items() if _same(got, value)])
+    if hint:
+        return f"{what}: {hint}"
     if torch.isnan(got).any():
         return f"{what}: NaN in the result — a scale of 0 (a group of zeros keeps the scale 1)?"
     return (f"{what}: against FP8 e4m3 with one scale amax/448 per {group}, "
