@@ -283,7 +283,7 @@ def _divisor_problem(k, m, n, got, want, last) -> tuple[str, float | None]:
              (n, f"each micro-batch's loss divided by the batch size {n}, not by k = {k} "
                  "(model.loss is already a mean over its sequences)"),
              (k * k, f"divided by k twice (k² = {k * k}): divide each micro-batch's loss by k once")]
-    why = next((w for v, w in named if abs(d - v) < 1e-3 * v and v != k), "")
+    why = explain([w for v, w in named if abs(d - v) < 1e-3 * v and v != k])   # m = k² at k = 2
     return (f"k={k}: every gradient is {r:.4g}× the right one — " + why if why else ""), d
 
 

@@ -85,9 +85,11 @@ def _zero_memory_hint(got: dict, stage: int, psi: int, n: int, k: int) -> str:
         return f"the keys must be {sorted(want)}, not {sorted(got)}"
     other = [s for s in range(4) if s != stage and got == zero_memory_bytes(s, psi, n, k, param_bytes=2)]
     if other:
-        s = other[0]
-        return (f"this is stage {s}'s memory, not stage {stage}'s" +
-                (" (a stage off by one)" if abs(s - stage) == 1 else "") + ": stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the parameters")
+        which = " or ".join(f"stage {s}'s" for s in other)
+        return (f"this is {which} memory, not stage {stage}'s" +
+                (" (a stage off by one)" if all(abs(s - stage) == 1 for s in other) else "")
+                + ": stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also "
+                "the parameters")
     padded, lines = -(-psi // n) * n, []
     for key in ("params", "grads", "optimizer"):
         if got[key] == want[key]:

@@ -156,8 +156,8 @@ def accumulate_with_chunks(model, x, y, k):
 
 def test_grad_accumulation_names_each_mistake():
     check_grad_accumulation(accumulate_with_chunks)
-    with fails("k=2: every gradient is 0.5× the right one — each micro-batch's loss divided "
-               "by its size m = 4"):   # m = 4 rows, k = 2
+    with fails("k=4: every gradient is 2× the right one — each micro-batch's loss divided "
+               "by its size m = 2"):   # m = 2 rows, k = 4 (at k = 2, m = 4 = k²: both named)
         check_grad_accumulation(accumulate_by_micro_batch_size)
 
 
@@ -273,3 +273,20 @@ def test_leaving_out_k_is_not_reported_as_the_masks_alone():
         check_activation_bytes(activation_without_k)
     (line,) = info.value.problems
     assert re.search("c₁ = 32.*Q, K, V.* left out; or both dropout masks left out", line), line
+
+
+def accumulate_dividing_by_k_twice(model, x, y, k):
+    """Wrong: each micro-batch's loss divided by k twice — at k = 2 that is the micro-batch
+    size m = 4 too, so that case must name both."""
+    m = len(x) // k
+    for i in range(k):
+        (model.loss(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) / k / k).backward()
+
+
+def test_a_divisor_shared_by_two_slips_names_both():
+    with pytest.raises(ExerciseFailed) as info:
+        check_grad_accumulation(accumulate_dividing_by_k_twice)
+    k2 = next(p for p in info.value.problems if p.startswith("k=2"))
+    assert "its size m = 4" in k2 and "divided by k twice" in k2, k2
+    k4 = next(p for p in info.value.problems if p.startswith("k=4"))
+    assert "divided by k twice" in k4 and "its size" not in k4, k4
