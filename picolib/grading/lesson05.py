@@ -199,19 +199,19 @@ def _bytes_hint(got, s, b, h, f, a, tp, sp) -> str:
         got = float(got)
     except (TypeError, ValueError):
         return ""
-    if tp > 1 and abs(got - other) < 0.5:
-        return ("that is the count for sp=" + str(not sp) + ": under plain TP the norms' inputs, "
-                "x·rstd, rstd and the norm outputs are whole on every rank; under TP+SP they are "
-                "split like the rest")
-    if abs(got - (right - s * s)) < 0.5:
-        return "the s×s causal mask is missing (a bool tensor: 1 byte per entry, never split)"
-    if abs(got - (right + 3 * s * s)) < 0.5:
-        return "the causal mask is bool: 1 byte per entry, not 4"
-    if abs(got - (right - 4 * a * s * s * b // tp)) < 0.5:
-        return "the softmax probabilities (a·s² per sequence, split by heads) are missing"
+    slips = {
+        "that is the count for sp=" + str(not sp) + ": under plain TP the norms' inputs, x·rstd, "
+        "rstd and the norm outputs are whole on every rank; under TP+SP they are split like the "
+        "rest": other if tp > 1 else None,
+        "the s×s causal mask is missing (a bool tensor: 1 byte per entry, never split)": right - s * s,
+        "the causal mask is bool: 1 byte per entry, not 4": right + 3 * s * s,
+        "the softmax probabilities (a·s² per sequence, split by heads) are missing":
+            right - 4 * a * s * s * b // tp,
+    }
+    hits = [why for why, value in slips.items() if value is not None and abs(got - value) < 0.5]
     if abs(got - 4 * right) < 2 or abs(got * 4 - right) < 2:
-        return "off by 4: count floats × 4 bytes (fp32), the mask in bytes"
-    return ""
+        hits.append("off by 4: count floats × 4 bytes (fp32), the mask in bytes")
+    return explain(hits)
 
 
 def check_sp_activation_bytes(fn) -> None:
