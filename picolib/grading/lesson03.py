@@ -8,7 +8,8 @@
 - `check_zero1_step(fn)`: `fn(param, grad, lr, group=None)` → the new full parameter
   vector after one ZeRO-1 SGD step: reduce-scatter (mean) the gradient, update this rank's
   shard, all-gather — through picolib.comm, on 2 and 3 ranks, with a size that does not
-  divide by either.
+  divide by either. What each rank hands the all-gather must be its updated parameter shard
+  (gathering the mean gradient and stepping the whole vector gives the same values and bytes).
 - `check_reduce_scatter_gradients(fn)`: ZeRO-2's gradient step: `fn(grads, group=None)`
   takes this rank's gradients of one unit (a list of tensors), flattens and pads them
   and reduce-scatters (mean), returning this rank's shard — compared with the shard

@@ -8,7 +8,8 @@
   through picolib.comm; run on 2 and 3 ranks.
 - `check_vocab_parallel_loss(fn)`: `fn(local_logits, targets, vocab_start, group=None)` → the
   mean cross-entropy from vocab-sharded logits, equal to F.cross_entropy with the right
-  gradients, without gathering the logits; run on 2 and 4 ranks.
+  gradients, without gathering the logits; run on 2 and 4 ranks, on logits that reach 100
+  (exp overflows fp32 unless the max is subtracted).
 - `check_parallel_head(fn)`: `fn(hidden, weight_shard, group=None)` → this rank's vocabulary
   slice of the logits (b, s, v/tp), through f so that backward sums the gradient of the
   (replicated) hidden state; run on 2 and 4 ranks with the vocab-parallel loss behind it.
