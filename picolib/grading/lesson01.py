@@ -72,7 +72,7 @@ def _same(a, b) -> bool:
 def check_bytes_per_param(fn) -> None:
     """`fn(n_params, precision, fp32_grad_accum) -> bytes` of weights, gradients and Adam
     state (precision 'fp32' or 'bf16' mixed precision with fp32 master weights)."""
-    problems, cases = [], 0
+    problems, cases, hints = [], 0, {}
     for precision, acc in (("fp32", False), ("bf16", False), ("bf16", True)):
         what = precision + (" + fp32 grad accumulation" if acc else "")
         parts = bytes_per_param(precision, acc)
@@ -110,6 +110,10 @@ def check_bytes_per_param(fn) -> None:
         elif abs(extra + 4) < 1e-9 and precision == "bf16" and "fp32_grads" not in parts:
             hint = ("missing the fp32 master weights (4), or Adam's moments kept in bf16 "
                     "(2 + 2; they are fp32: 4 + 4)")
+        elif (acc and hints.get(precision) and extra < 0
+              and _same(float(got) - float(call_student(fn, n, precision, False)), 4 * n)):
+            # the buffer's 4 bytes are added: what is missing is what was missing without it
+            hint = f"{-extra:g} bytes short, as without accumulation: {hints[precision]}"
         else:
             hint = explain([f"missing {k}" for k, v in missing.items() if v and abs(-extra - v) < 1e-9])
         if not hint and abs(abs(extra) - 2) < 1e-9 and precision == "bf16":
@@ -117,6 +121,7 @@ def check_bytes_per_param(fn) -> None:
                     "Adam's moments 4")
         if not hint and abs(got_per * 2 - per) < 1e-9:
             hint = "half the expected bytes: a value counted as 2 bytes where fp32 takes 4?"
+        hints[precision] = hints.get(precision) or hint
         problems.append(f"{what}: {got_per:g} bytes per parameter, expected {per}"
                         + (f" — {hint}" if hint else "") + f" (e.g. {n / 1e9:g}B params)")
     report("bytes of training state", problems, passed=cases)
@@ -283,7 +288,9 @@ def _divisor_problem(k, m, n, got, want, last) -> tuple[str, float | None]:
              (n, f"each micro-batch's loss divided by the batch size {n}, not by k = {k} "
                  "(model.loss is already a mean over its sequences)"),
              (k * k, f"divided by k twice (k² = {k * k}): divide each micro-batch's loss by k once")]
-    why = explain([w for v, w in named if abs(d - v) < 1e-3 * v and v != k])   # m = k² at k = 2
+    # m = k² at k = 2: both named; at m = 1 dividing by m is summing, the first slip
+    why = explain([w for i, (v, w) in enumerate(named) if abs(d - v) < 1e-3 * v and v != k
+                   and not (i == 1 and m == 1)])
     return (f"k={k}: every gradient is {r:.4g}× the right one — " + why if why else ""), d
 
 
