@@ -188,6 +188,26 @@ def differing(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6,
             f"tolerance {atol:g})")
 
 
+def compare_parameters(what: str, got: torch.Tensor, want: torch.Tensor, model,
+                       atol: float = 1e-6, rtol: float = 1e-5) -> list[str]:
+    """compare() of `model`'s parameters flattened into one vector (got and want), the first
+    wrong element named by its parameter and index, as `model.named_parameters()` names them."""
+    wrong = compare(what, got, want, atol=atol, rtol=rtol)
+    if not wrong:
+        return []
+    bad = ~torch.isclose(got.double(), want.double(), atol=atol, rtol=rtol)
+    first = offset = int(bad.nonzero()[0])
+    hint = wrong[0].split(" — ", 1)[1] if " — " in wrong[0] else ""
+    for name, p in model.named_parameters():
+        if offset < p.numel():
+            index = [int(v) for v in torch.unravel_index(torch.tensor(offset), p.shape)]
+            return [f"{what}: {int(bad.sum())} of {want.numel()} values wrong, the first "
+                    f"{name}{index}: got {got[first].item():.6g}, expected {want[first].item():.6g}"
+                    + (f" — {hint}" if hint else "")]
+        offset -= p.numel()
+    return wrong
+
+
 def explain(fitting: list[str]) -> str:
     """The diagnosis from the known mistakes that reproduce the student's answers (`fitting`,
     each a line naming one): that line when exactly one does; every one of them, said as

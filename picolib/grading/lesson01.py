@@ -8,7 +8,7 @@ import torch
 
 from ..memory import SavedActivations, activation_bytes, bytes_per_param, model_state_bytes
 from ..model import LlamaConfig, TinyLlama, param_count, random_tokens
-from ._core import ExerciseFailed, call_student, compare, explain, report
+from ._core import ExerciseFailed, call_student, compare, compare_parameters, explain, report
 
 
 def _random_configs(n: int, seed: int = 1):
@@ -337,7 +337,7 @@ def check_grad_accumulation(fn) -> None:
                             "call backward() on each micro-batch's loss")
         else:   # all gradients as one vector (fp32 sums in a different order: 1e-6 absolute)
             got = torch.cat([p.grad.flatten() for p in model.parameters()])
-            line = compare(f"k={k}: the gradients", got, want, atol=1e-6, rtol=1e-4)
+            line = compare_parameters(f"k={k}: the gradients", got, want, model, atol=1e-6, rtol=1e-4)
             divisors[k] = None if line else k
             if line:
                 why, divisors[k] = _divisor_problem(k, m, n, got.double(), want.double(), last.double())
@@ -349,7 +349,7 @@ def check_grad_accumulation(fn) -> None:
     if len(ds) == 3 and max(ds) - min(ds) < 1e-3 * max(ds) and min(abs(ds[0] - 1), abs(ds[0] - n)) > 1e-3:
         problems.insert(0, f"each micro-batch's loss is divided by {ds[0]:.4g} whatever k is "
                         "(k = 2, 4, 8): is k hard-coded? divide by the argument k")
-        problems = [p for p in problems if "every gradient is" not in p and "values differ" not in p]
+        problems = [p for p in problems if "every gradient is" not in p and "values wrong" not in p]
     report("gradient accumulation", problems)
 
 

@@ -25,8 +25,8 @@ import torch.nn as nn
 from ..comm import Ledger
 from ..data_parallel import DDP, assign_buckets
 from ..model import LlamaConfig, TinyLlama, random_tokens
-from ._core import (SUBGROUPS, call_student, compare, explain, members, my_group,
-                    on_world_not_group, report, run_student)
+from ._core import (SUBGROUPS, call_student, compare, compare_parameters, explain, members,
+                    my_group, on_world_not_group, report, run_student)
 
 __all__ = ["check_assign_buckets", "check_grad_accumulation_steps",
            "check_average_gradients", "check_accumulate_and_step", "grad_accumulation_steps"]
@@ -224,27 +224,9 @@ def _reference():
     return grads, [p.detach().clone() for p in model.parameters()]
 
 
-def _in_parameters(what, got, want, atol) -> list[str]:
-    """compare() of the model's parameters flattened into one vector, the first wrong element
-    named by its parameter and index (as the model names them)."""
-    wrong = compare(what, got, want, atol=atol)
-    if not wrong:
-        return []
-    bad = int((~torch.isclose(got.double(), want.double(), atol=atol, rtol=1e-5)).nonzero()[0])
-    hint = wrong[0].split(" — ", 1)[1] if " — " in wrong[0] else ""
-    for name, p in TinyLlama(_CFG).named_parameters():
-        if bad < p.numel():
-            index = [int(v) for v in torch.unravel_index(torch.tensor(bad), p.shape)]
-            return [f"{what}: {int((~torch.isclose(got.double(), want.double(), atol=atol, rtol=1e-5)).sum())} "
-                    f"of {want.numel()} values wrong, the first {name}{index}: got "
-                    f"{got[bad].item():.6g}, expected {want[bad].item():.6g}" + (f" — {hint}" if hint else "")]
-        bad -= p.numel()
-    return wrong
-
-
 def _step_problem(i, got, want, earlier, n, k) -> list[str]:
     """The gradient handed to step i, with the mistake it shows named."""
-    wrong = _in_parameters(f"gradient at step {i + 1}", got, want, atol=1e-5)
+    wrong = compare_parameters(f"gradient at step {i + 1}", got, want, TinyLlama(_CFG), atol=1e-5)
     if not wrong:
         return []
     g, w = got.double(), want.double()
@@ -288,9 +270,10 @@ def check_accumulate_and_step(fn, timeout: float | None = None) -> None:
                     if mine:
                         break
                 if not mine:
-                    mine += _in_parameters(f"weights after {STEPS} steps",
-                                           torch.cat([w.flatten() for w in weights]),
-                                           torch.cat([e.flatten() for e in expected]), atol=1e-5)
+                    mine += compare_parameters(f"weights after {STEPS} steps",
+                                               torch.cat([w.flatten() for w in weights]),
+                                               torch.cat([e.flatten() for e in expected]),
+                                               TinyLlama(_CFG), atol=1e-5)
             if calls != STEPS * buckets:
                 mine.append(f"traffic: {calls} all-reduces for {STEPS} steps of {grad_acc} "
                             f"micro-batches; with no_sync on all but the last there are "

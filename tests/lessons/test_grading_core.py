@@ -35,3 +35,14 @@ def test_the_sub_group_hint_is_only_for_a_rank_outside_the_group():
         "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
         "peer [127.0.0.1]:4242 (ProcessGroupGloo)")
     assert not _PEER_NOT_IN_GROUP.search("RuntimeError: ProcessGroupGloo::allreduce: invalid tensor size")
+
+
+def test_a_flattened_model_is_compared_parameter_by_parameter():
+    from picolib.grading._core import compare_parameters
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    want = torch.cat([p.detach().flatten() for p in model.parameters()])
+    got = want.clone()
+    got[8] += 1.0                                    # after 6 weights and 2 biases: layer 1, weight[0, 0]
+    (line,) = compare_parameters("weights", got, want, model)
+    assert line.startswith("weights: 1 of 11 values wrong, the first 1.weight[0, 0]: got"), line
+    assert compare_parameters("weights", want, want, model) == []
