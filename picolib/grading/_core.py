@@ -79,12 +79,19 @@ def _timeout_message(e: WorkerTimeout, name: str, world_size: int, timeout: floa
     return "\n".join(lines[:SHOWN])
 
 
+# the errors a group rank passed where a global rank is due raises (torch.distributed's own
+# words), and no other: every gloo error names "ProcessGroupGloo"
+_PEER_NOT_IN_GROUP = re.compile(r"(global|group) rank -?\d+ is not part of (the parent )?group"
+                                r"|invalid (destination|source|peer|src|dst) rank"
+                                r"|rank -?\d+ is out of (range|bounds)", re.IGNORECASE)
+
+
 def _error_message(e: WorkerError) -> str:
     first = str(e).split("\n")[0]
     frames = _student_frames(e.remote_traceback)
     last = e.remote_traceback.strip().splitlines()[-1:] or [first]
     msg = first if not frames else f"{first}\n  raised {_where(frames)}"
-    if "group" in last[0].lower() or "rank" in last[0].lower() and "invalid" in last[0].lower():
+    if _PEER_NOT_IN_GROUP.search(last[0]):
         msg += ("\n  (with a sub-group, peers are global ranks: comm.ring_neighbours(group) or "
                 "dist.get_global_rank(group, i) turn a rank of the group into one)")
     return msg
@@ -141,10 +148,8 @@ def compare(what: str, got, expected, atol: float = 1e-6, rtol: float = 1e-5) ->
         if tuple(got.shape) != tuple(expected.shape):
             return [f"{what}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"]
         if not torch.allclose(got.double(), expected.double(), atol=atol, rtol=rtol):
-            err = (got.double() - expected.double()).abs().max().item()
             hint = diagnose(got, expected, atol, rtol)
-            return [f"{what}: values differ (max abs error {err:.3g}, tolerance {atol:g})"
-                    + (f" — {hint}" if hint else "")]
+            return [f"{what}: {differing(got, expected, atol, rtol)}" + (f" — {hint}" if hint else "")]
         return []
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)) or len(got) != len(expected):
@@ -165,11 +170,69 @@ def compare(what: str, got, expected, atol: float = 1e-6, rtol: float = 1e-5) ->
     return [] if got == expected else [f"{what}: got {got!r}, expected {expected!r}"]
 
 
+def differing(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6,
+              rtol: float = 1e-5) -> str:
+    """Where two tensors of one shape differ, plainly: how many elements, the first one's index
+    with its value and the expected one, and the largest error against the tolerance."""
+    g, e = got.detach().double().cpu(), expected.detach().double().cpu()
+    bad = ~torch.isclose(g, e, atol=atol, rtol=rtol)
+    if not bad.any():
+        return "equal within the tolerance"
+    first = tuple(int(i) for i in bad.nonzero()[0])
+    err = (g - e).abs().nan_to_num(float("inf")).max().item()
+    at = f"[{', '.join(map(str, first))}]" if first else ""
+    if g.numel() == 1:
+        return f"got {g[first].item():.6g}, expected {e[first].item():.6g}"
+    return (f"{int(bad.sum())} of {g.numel()} elements wrong, the first at {at}: got "
+            f"{g[first].item():.6g}, expected {e[first].item():.6g} (largest error {err:.3g}, "
+            f"tolerance {atol:g})")
+
+
+def compare_parameters(what: str, got: torch.Tensor, want: torch.Tensor, model,
+                       atol: float = 1e-6, rtol: float = 1e-5) -> list[str]:
+    """compare() of `model`'s parameters flattened into one vector (got and want), the first
+    wrong element named by its parameter and index, as `model.named_parameters()` names them."""
+    wrong = compare(what, got, want, atol=atol, rtol=rtol)
+    if not wrong:
+        return []
+    bad = ~torch.isclose(got.double(), want.double(), atol=atol, rtol=rtol)
+    first = offset = int(bad.nonzero()[0])
+    hint = wrong[0].split(" — ", 1)[1] if " — " in wrong[0] else ""
+    for name, p in model.named_parameters():
+        if offset < p.numel():
+            index = [int(v) for v in torch.unravel_index(torch.tensor(offset), p.shape)]
+            return [f"{what}: {int(bad.sum())} of {want.numel()} values wrong, the first "
+                    f"{name}{index}: got {got[first].item():.6g}, expected {want[first].item():.6g}"
+                    + (f" — {hint}" if hint else "")]
+        offset -= p.numel()
+    return wrong
+
+
+def explain(fitting: list[str]) -> str:
+    """The diagnosis from the known mistakes that reproduce the student's answers (`fitting`,
+    each a line naming one): that line when exactly one does; every one of them, said as
+    candidates, when several do — a hint that also fits another mistake names both."""
+    if len(fitting) <= 1:
+        return fitting[0] if fitting else ""
+    return ("your answers fit each of these mistakes, check which you made: "
+            + "; or ".join(fitting))
+
+
+def fits(rule, cases, close) -> bool:
+    """Whether `rule(*args)` reproduces every answer: `cases` is [(args, got)], `close(got,
+    value)` the comparison; a rule that raises fits nothing."""
+    try:
+        return all(close(got, rule(*args)) for args, got in cases)
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError):
+        return False
+
+
 def diagnose(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6,
              rtol: float = 1e-5) -> str:
     """One line naming a common mistake when `got` is `expected` off by a uniform factor
     (forgot to average over N ranks, or to divide by k micro-batches: got = N·expected) or
-    is a permutation of it (right values, wrong order); "" when neither fits."""
+    is a permutation of it (right values, wrong order; only when they are distinct); "" when
+    neither fits."""
     g, e = got.double().flatten(), expected.double().flatten()
     big = e.abs() > atol
     if big.any():
@@ -181,18 +244,21 @@ def diagnose(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6,
             inverse = round(1 / ratio) if ratio and abs(1 / ratio - round(1 / ratio)) < 1e-3 else None
             if whole and whole > 1:
                 return (f"every value is {whole}× too large: a sum where a mean was wanted "
-                        f"(forgot to divide by the {whole} ranks or micro-batches?)")
+                        f"(a division by {whole} missing?)")
             if inverse and inverse > 1:
                 return f"every value is {inverse}× too small: divided once too often?"
             return f"every value is off by the same factor {ratio:.4g}"
-    if torch.allclose(g.sort().values, e.sort().values, atol=atol, rtol=rtol):
+    # a permutation only says something when the values are distinct: any two masks with as
+    # many Trues "are permutations" of each other
+    if (e.unique().numel() == e.numel() > 1
+            and torch.allclose(g.sort().values, e.sort().values, atol=atol, rtol=rtol)):
         return "the right values in the wrong order (a permutation: check the rank or chunk order)"
     return ""
 
 
 def _telling(p: str) -> int:
     """Sort key: a line that names a cause (" — ", "hint") before a bare difference."""
-    return 0 if (" — " in p or p.startswith("hint") or ": the " in p and "values differ" not in p) else 1
+    return 0 if (" — " in p or p.startswith("hint") or ": the " in p and "elements wrong" not in p) else 1
 
 
 def report(title: str, problems: list[str], passed: int | None = None) -> None:

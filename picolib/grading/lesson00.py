@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from ..comm import Ledger, ring_sent_bytes
 from ..launch import run
-from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
-                    report, run_student)
+from ._core import (SUBGROUPS, call_student, compare, diagnose, explain, members, my_group,
+                    on_world_not_group, report, run_student)
 
 __all__ = ["check_ring_all_reduce", "check_all_reduce_from_rs_ag", "check_ring_bytes",
            "check_ring_time", "ring_time", "check_node_bandwidth", "check_bisection_bandwidth",
@@ -191,10 +191,12 @@ def check_all_reduce_from_rs_ag(fn, timeout: float | None = None) -> None:
     report("all-reduce from reduce-scatter + all-gather", problems, checks)
 
 
-def _one_line_per_op(op: str, cases: list[dict], got: list, expected: list, hints) -> list[str]:
-    """[] if every case matches; else one line for `op`: the first hint whose rule explains
-    every wrong case, or compare()'s diagnosis of the whole grid. A case is a dict of the
-    inputs (its label is its items); a hint is (rule(got, case) -> bool, message)."""
+def _one_line_per_op(op: str, cases: list[dict], got: list, expected: list, hints,
+                     deductions=()) -> list[str]:
+    """[] if every case matches; else one line for `op`: the hint whose rule explains every
+    wrong case (each of them when several do), else the first deduction that holds, else how
+    many cases differ with an example. A case is a dict of the inputs (its label is its items);
+    a hint is (rule(got, case) -> bool, message)."""
     wrong = [i for i, (g, e) in enumerate(zip(got, expected))
              if compare("", g, e, atol=1e-12, rtol=1e-6)]
     if not wrong:
@@ -204,19 +206,25 @@ def _one_line_per_op(op: str, cases: list[dict], got: list, expected: list, hint
                       for k, v in cases[i].items()
                       if k not in ("want", "steps", "W", "op") and not k.startswith("_"))
     example = f"e.g. {label}: got {got[i]!r}, expected {expected[i]!r}"
+    fitting = []
     for rule, message in hints:
         try:
             if all(rule(got[j], cases[j]) for j in wrong):
-                return [f"{op}: {message} ({example})"]
+                fitting.append(message)
         except (TypeError, ValueError, ZeroDivisionError):
             continue
+    if fitting:
+        return [f"{op}: {explain(fitting)} ({example})"]
+    for rule, message in deductions:
+        if all(rule(got[j], cases[j]) for j in wrong):
+            return [f"{op}: {message} ({example})"]
     try:
         grid = torch.tensor([float(g) for g in got], dtype=torch.float64)
     except (TypeError, ValueError):
         return [f"{op}: expected a number ({example})"]
-    line = compare(op, grid, torch.tensor([float(e) for e in expected], dtype=torch.float64),
-                   atol=1e-12, rtol=1e-6)
-    return [f"{line[0]} ({example})"]
+    hint = diagnose(grid, torch.tensor([float(e) for e in expected], dtype=torch.float64),
+                    atol=1e-12, rtol=1e-6)
+    return [f"{op}: {len(wrong)} of {len(cases)} cases wrong, {example}" + (f" — {hint}" if hint else "")]
 
 
 def _close(a, b) -> bool:
@@ -281,6 +289,9 @@ TIME_HINTS = [
      "the bandwidth term uses all of B; a rank sends (N−1)/N·B per pass"),
     (lambda g, c: _close(g, c["want"] * 1e6) or _close(g, c["want"] * 1e3),
      "seconds, please (not µs or ms)"),
+]
+# what the wrong cases alone prove when no known slip fits them
+TIME_DEDUCTIONS = [
     (lambda g, c: c["α"] > 0,
      "right whenever α = 0, so the latency term is wrong: a ring takes N−1 steps (2(N−1) for an "
      "all-reduce), each costing α"),
@@ -305,7 +316,7 @@ def check_ring_time(fn) -> None:
                                   "steps": steps, "want": want})
                     got.append(call_student(fn, op, nbytes, n, alpha, 450e9))
                     expected.append(want)
-        problems += _one_line_per_op(op, cases, got, expected, TIME_HINTS)
+        problems += _one_line_per_op(op, cases, got, expected, TIME_HINTS, TIME_DEDUCTIONS)
     report("ring time (α–β)", problems, checks)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from ..memory import SavedActivations, activation_bytes, bytes_per_param, model_state_bytes
 from ..model import LlamaConfig, TinyLlama, param_count, random_tokens
-from ._core import ExerciseFailed, call_student, compare, report
+from ._core import ExerciseFailed, call_student, compare, compare_parameters, explain, report
 
 
 def _random_configs(n: int, seed: int = 1):
@@ -49,13 +49,13 @@ def check_param_count(fn) -> None:
             problems += line
             diffs.append((cfg, got, counted))
     if problems:
-        for name in _param_terms(configs[0]):
-            try:
-                if all(got - counted == _param_terms(cfg)[name] != 0 for cfg, got, counted in diffs):
-                    problems = [f"{name} — {problems[0]}"]
-                    break
-            except TypeError:
-                break
+        try:
+            hint = explain([name for name in _param_terms(configs[0]) if all(
+                got - counted == _param_terms(cfg)[name] != 0 for cfg, got, counted in diffs)])
+        except TypeError:
+            hint = ""
+        if hint:
+            problems = [f"{hint} — {problems[0]}"]
         else:
             problems = [f"{len(problems)} of {len(configs)} configurations differ, e.g. "
                         f"{problems[0]}"]
@@ -72,7 +72,7 @@ def _same(a, b) -> bool:
 def check_bytes_per_param(fn) -> None:
     """`fn(n_params, precision, fp32_grad_accum) -> bytes` of weights, gradients and Adam
     state (precision 'fp32' or 'bf16' mixed precision with fp32 master weights)."""
-    problems, cases = [], 0
+    problems, cases, hints = [], 0, {}
     for precision, acc in (("fp32", False), ("bf16", False), ("bf16", True)):
         what = precision + (" + fp32 grad accumulation" if acc else "")
         parts = bytes_per_param(precision, acc)
@@ -94,7 +94,9 @@ def check_bytes_per_param(fn) -> None:
         missing = {"the fp32 master weights (4)": parts.get("master", 0),
                    "the fp32 gradient accumulation buffer (4)": parts.get("fp32_grads", 0),
                    "Adam's two moments m and v (4 + 4)": parts["optimizer"],
-                   "one of Adam's moments (4)": 4}
+                   "one of Adam's moments (4)": 4,
+                   f"the weights ({parts['params']})": parts["params"],
+                   f"the gradients ({parts['grads']})": parts["grads"]}
         extra = got_per - per
         if acc and abs(extra + 4) < 1e-9 and _same(call_student(fn, n, precision, False), got):
             hint = ("fp32_grad_accum=True changes nothing: it adds an fp32 buffer that "
@@ -108,14 +110,18 @@ def check_bytes_per_param(fn) -> None:
         elif abs(extra + 4) < 1e-9 and precision == "bf16" and "fp32_grads" not in parts:
             hint = ("missing the fp32 master weights (4), or Adam's moments kept in bf16 "
                     "(2 + 2; they are fp32: 4 + 4)")
+        elif (acc and hints.get(precision) and extra < 0
+              and _same(float(got) - float(call_student(fn, n, precision, False)), 4 * n)):
+            # the buffer's 4 bytes are added: what is missing is what was missing without it
+            hint = f"{-extra:g} bytes short, as without accumulation: {hints[precision]}"
         else:
-            hint = next((f"missing {k}" for k, v in missing.items()
-                         if v and abs(-extra - v) < 1e-9), "")
+            hint = explain([f"missing {k}" for k, v in missing.items() if v and abs(-extra - v) < 1e-9])
         if not hint and abs(abs(extra) - 2) < 1e-9 and precision == "bf16":
             hint = ("bf16 weights and gradients are 2 bytes per value, the fp32 master and "
                     "Adam's moments 4")
         if not hint and abs(got_per * 2 - per) < 1e-9:
             hint = "half the expected bytes: a value counted as 2 bytes where fp32 takes 4?"
+        hints[precision] = hints.get(precision) or hint
         problems.append(f"{what}: {got_per:g} bytes per parameter, expected {per}"
                         + (f" — {hint}" if hint else "") + f" (e.g. {n / 1e9:g}B params)")
     report("bytes of training state", problems, passed=cases)
@@ -154,25 +160,49 @@ def check_activation_bytes(fn) -> None:
                            for args, got in wrong)
             except (TypeError, ValueError):
                 return False
-        hint = next((k for k, rule in variants.items() if fits(rule)), None) or _constants_hint(wrong, fn)
+        hint = explain([k for k, rule in variants.items() if fits(rule)]) or _constants_hint(wrong, fn)
         problems = [(f"{hint} — " if hint else f"{len(problems)} of {cases} cases differ, e.g. ")
                     + problems[0]]
     report("activation bytes", problems, passed=cases)
 
 
-_C1 = {32: "the two sbh dropout masks (1 byte per value) are missing",
-       36: "a dropout mask is 1 byte per value, not 2",
-       30: "the two norms' inputs (2 bytes × sbh each) are missing",
-       68: "every value counted at 4 bytes: mixed precision saves 2 (masks 1)",
-       17: "counted values, not bytes: activations are 2 bytes, masks 1"}
-_C2 = {4: "the scores' dropout mask (1 byte per score) is missing",
-       6: "the scores' dropout mask counted at 2 bytes: a mask is 1 byte per value",
-       3: "the dropout output (2 bytes per score) is missing"}
+# what one layer's forward saves, as the statement lists it: (the tensor, bytes per sbh) for c₁,
+# (the tensor, bytes per a·s·s·b) for c₂; activations are 2 bytes per value, masks 1
+_C1_TERMS = [("the QKV projection's input", 2), ("Q", 2), ("K", 2), ("V", 2),
+             ("the output projection's input", 2), ("the attention output's dropout mask", 1),
+             ("the first MLP linear's input", 2), ("the GeLU's input", 8),
+             ("the second MLP linear's input", 8), ("the MLP's dropout mask", 1),
+             ("the first LayerNorm's input", 2), ("the second LayerNorm's input", 2)]
+_C2_TERMS = [("the softmax output", 2), ("the scores' dropout mask", 1), ("the dropout output", 2)]
+
+
+def _term_slips(terms) -> dict[float, list[str]]:
+    """Each value of the constant one slip in counting `terms` gives, with every slip that
+    gives it: a tensor left out, a mask at 2 bytes, an activation at 4, all values at 4 bytes,
+    values counted instead of bytes (tensors that give the same value named together)."""
+    right, masks = sum(b for _, b in terms), sum(b == 1 for _, b in terms)
+    grouped = {}
+    for name, b in terms:
+        grouped.setdefault((right - b, "left out"), []).append(name)
+        grouped.setdefault((right + b, "at 4 bytes per value (activations are 2 in mixed "
+                            "precision)") if b > 1 else (right + 1, "at 2 bytes per value (a mask "
+                                                         "is 1)"), []).append(name)
+    out = {}
+    for (value, how), names in grouped.items():
+        who = names[0] if len(names) == 1 else f"one of {', '.join(names[:-1])} or {names[-1]}"
+        out.setdefault(value, []).append(f"{who} {how}")
+    if masks > 1:
+        out.setdefault(right - masks, []).append("both dropout masks left out")
+    out.setdefault(2 * right - masks, []).append("the activations at 4 bytes (fp32), not 2")
+    out.setdefault(2 * right + 2 * masks, []).append("every value at 4 bytes, masks too")
+    out.setdefault((right + masks) / 2, []).append("values counted, not bytes")
+    return out
 
 
 def _constants_hint(wrong, fn) -> str | None:
-    """Fit the student's answers to L·s·b·h·(c₁ + c₂·a·s/h) and name the constants (and the
-    usual miscounts behind them) when one pair fits every case."""
+    """Fit the student's answers to L·s·b·h·(c₁ + c₂·a·s/h) and, when one pair fits every case,
+    name the constants and each slip in the statement's list that gives them (all of them
+    when several do: a constant alone cannot tell which tensor was miscounted)."""
     try:
         c1s, c2s = set(), set()
         for (L, s, b, h, a, flash), _ in wrong + [((2, 128, 1, 512, 8, True), None)]:
@@ -185,9 +215,15 @@ def _constants_hint(wrong, fn) -> str | None:
     if len(c1s) != 1 or len(c2s) != 1:
         return None
     c1, c2 = c1s.pop(), c2s.pop()
-    why = [_C1.get(c1, "") if c1 != 34 else "", _C2.get(c2, "") if c2 != 5 else ""]
+    why = []
+    for c, right, terms, which in ((c1, 34, _C1_TERMS, "c₁"), (c2, 5, _C2_TERMS, "c₂")):
+        slips = _term_slips(terms).get(c, []) if c != right else []
+        if len(slips) == 1:
+            why.append(f"{which}: {slips[0]}")
+        elif slips:
+            why.append(f"{which} fits each of: " + "; or ".join(slips))
     return (f"your answers are L·s·b·h·(c₁ + c₂·a·s/h) with c₁ = {c1:g}, c₂ = {c2:g}; expected "
-            f"34 and 5" + "".join(f"; {w}" for w in why if w))
+            f"34 and 5" + "".join(f"; {w}" for w in why))
 
 
 def _rows(batch, full) -> list[int]:
@@ -252,7 +288,9 @@ def _divisor_problem(k, m, n, got, want, last) -> tuple[str, float | None]:
              (n, f"each micro-batch's loss divided by the batch size {n}, not by k = {k} "
                  "(model.loss is already a mean over its sequences)"),
              (k * k, f"divided by k twice (k² = {k * k}): divide each micro-batch's loss by k once")]
-    why = next((w for v, w in named if abs(d - v) < 1e-3 * v and v != k), "")
+    # m = k² at k = 2: both named; at m = 1 dividing by m is summing, the first slip
+    why = explain([w for i, (v, w) in enumerate(named) if abs(d - v) < 1e-3 * v and v != k
+                   and not (i == 1 and m == 1)])
     return (f"k={k}: every gradient is {r:.4g}× the right one — " + why if why else ""), d
 
 
@@ -299,7 +337,7 @@ def check_grad_accumulation(fn) -> None:
                             "call backward() on each micro-batch's loss")
         else:   # all gradients as one vector (fp32 sums in a different order: 1e-6 absolute)
             got = torch.cat([p.grad.flatten() for p in model.parameters()])
-            line = compare(f"k={k}: the gradients", got, want, atol=1e-6, rtol=1e-4)
+            line = compare_parameters(f"k={k}: the gradients", got, want, model, atol=1e-6, rtol=1e-4)
             divisors[k] = None if line else k
             if line:
                 why, divisors[k] = _divisor_problem(k, m, n, got.double(), want.double(), last.double())
@@ -311,7 +349,7 @@ def check_grad_accumulation(fn) -> None:
     if len(ds) == 3 and max(ds) - min(ds) < 1e-3 * max(ds) and min(abs(ds[0] - 1), abs(ds[0] - n)) > 1e-3:
         problems.insert(0, f"each micro-batch's loss is divided by {ds[0]:.4g} whatever k is "
                         "(k = 2, 4, 8): is k hard-coded? divide by the argument k")
-        problems = [p for p in problems if "every gradient is" not in p and "values differ" not in p]
+        problems = [p for p in problems if "every gradient is" not in p and "values wrong" not in p]
     report("gradient accumulation", problems)
 
 

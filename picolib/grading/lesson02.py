@@ -25,8 +25,8 @@ import torch.nn as nn
 from ..comm import Ledger
 from ..data_parallel import DDP, assign_buckets
 from ..model import LlamaConfig, TinyLlama, random_tokens
-from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
-                    report, run_student)
+from ._core import (SUBGROUPS, call_student, compare, compare_parameters, explain, members,
+                    my_group, on_world_not_group, report, run_student)
 
 __all__ = ["check_assign_buckets", "check_grad_accumulation_steps",
            "check_average_gradients", "check_accumulate_and_step", "grad_accumulation_steps"]
@@ -126,6 +126,23 @@ def _one_line_per_n(n, per_rank: list[list[str]], label: str | None = None) -> l
     return [f"{label} rank {r}: {p}" for r, ls in enumerate(lines) for p in ls]
 
 
+def _average_slips(own, mean, world, n, m, split) -> dict:
+    """What each common slip leaves in p.grad on one rank (its group of m ranks out of n;
+    `mean` the group's mean, `world` the world's), with its diagnosis."""
+    out = {"gradients: this rank's own, unchanged — the mean was never written back into p.grad (an "
+           "all-reduce of a copy, or p.grad = … on a clone?)": own}
+    if m > 1:
+        out[f"gradients: {m}× the mean: the sum over the {m} ranks — divide by {m} (dist.get_world_size(group)) "
+            "or reduce with op=\"avg\""] = mean * m
+    if split:
+        out[on_world_not_group("the mean")] = world
+        out[on_world_not_group("the sum") + " (not divided either)"] = world * n
+        out[on_world_not_group("the sum") + f" (the division by the group's {m} is right)"] = world * n / m
+        out[f"gradients: the group's sum divided by the world's {n} ranks, not the group's {m}: divide by "
+            "dist.get_world_size(group)"] = mean * m / n
+    return out
+
+
 def check_average_gradients(fn, timeout: float | None = None) -> None:
     """Every rank ends with the mean of its group's gradients, computed with picolib.comm: on
     2 and 3 ranks (the world) and on 4 ranks split into two groups of 2."""
@@ -141,13 +158,11 @@ def check_average_gradients(fn, timeout: float | None = None) -> None:
             mean = torch.stack([own[m] for m in members(rank)]).mean(0) if split else world
             got = torch.cat([g.flatten() for g in grads])
             mine = compare("gradients (all parameters, flattened)", got, mean, atol=1e-6)
-            if mine and torch.allclose(got, own[rank]):
-                mine = ["gradients: this rank's own, unchanged — the mean was never written back "
-                        "into p.grad (an all-reduce of a copy, or p.grad = … on a clone?)"]
-            elif mine and split and torch.allclose(got, world, atol=1e-6):
-                mine = [on_world_not_group("the mean")]
-            elif mine and split and torch.allclose(got, world * 4 / 2, atol=1e-6):
-                mine = [on_world_not_group("the sum") + " (and divide by the group's size)"]
+            if mine:
+                hint = explain([why for why, value in _average_slips(own[rank], mean, world, n,
+                                                                     2 if split else n, split).items()
+                                if torch.allclose(got, value, atol=1e-6)])
+                mine = [hint] if hint else mine
             if "all_reduce" not in summary:
                 mine.append("calls: no picolib.comm.all_reduce was called (collectives "
                             f"seen: {sorted(summary) or 'none'})")
@@ -211,19 +226,22 @@ def _reference():
 
 def _step_problem(i, got, want, earlier, n, k) -> list[str]:
     """The gradient handed to step i, with the mistake it shows named."""
-    wrong = compare(f"gradient at step {i + 1}", got, want, atol=1e-5)
+    wrong = compare_parameters(f"gradient at step {i + 1}", got, want, TinyLlama(_CFG), atol=1e-5)
     if not wrong:
         return []
     g, w = got.double(), want.double()
-    for ratio, why in ((k / n, f"divided by the {n} ranks instead of the {k} micro-batches "
-                               "(DDP already averages over the ranks)"),
-                       (float(k), f"the {k} micro-batch losses were summed: divide each by "
-                                  f"k = len(micro_batches) = {k}"),
-                       (k / 2, f"divided by 2 whatever the number of micro-batches: use "
-                               f"k = len(micro_batches) (here {k})"),
-                       (1 / n, f"averaged over the {n} ranks once more: DDP already does")):
-        if abs(ratio - 1) > 1e-6 and torch.allclose(g, ratio * w, atol=1e-5, rtol=1e-4):
-            return [f"gradient at step {i + 1}: {ratio:.3g}× the right one — {why}"]
+    fitting = [(ratio, why) for ratio, why in (
+        (k / n, f"divided by the {n} ranks instead of the {k} micro-batches (DDP already averages "
+                "over the ranks)"),
+        (float(k), f"the {k} micro-batch losses were summed: divide each by k = len(micro_batches) "
+                   f"= {k}"),
+        (k / 2, f"divided by 2 whatever the number of micro-batches: use k = len(micro_batches) "
+                f"(here {k})"),
+        (1 / n, f"averaged over the {n} ranks once more: DDP already does"))
+        if abs(ratio - 1) > 1e-6 and torch.allclose(g, ratio * w, atol=1e-5, rtol=1e-4)]
+    if fitting:        # k/n and k/2 coincide on 2 ranks: then both are named
+        return [f"gradient at step {i + 1}: {fitting[0][0]:.3g}× the right one — "
+                + explain([why for _, why in fitting])]
     if earlier is not None and torch.allclose(g, w + earlier.double(), atol=1e-5, rtol=1e-4):
         return [f"gradient at step {i + 1}: it still holds step {i}'s gradient — zero the "
                 "gradients after the step (optimizer.zero_grad())"]
@@ -252,7 +270,10 @@ def check_accumulate_and_step(fn, timeout: float | None = None) -> None:
                     if mine:
                         break
                 if not mine:
-                    mine += compare(f"weights after {STEPS} steps", weights, expected, atol=1e-5)[:1]
+                    mine += compare_parameters(f"weights after {STEPS} steps",
+                                               torch.cat([w.flatten() for w in weights]),
+                                               torch.cat([e.flatten() for e in expected]),
+                                               TinyLlama(_CFG), atol=1e-5)
             if calls != STEPS * buckets:
                 mine.append(f"traffic: {calls} all-reduces for {STEPS} steps of {grad_acc} "
                             f"micro-batches; with no_sync on all but the last there are "

@@ -8,7 +8,8 @@
 - `check_zero1_step(fn)`: `fn(param, grad, lr, group=None)` → the new full parameter
   vector after one ZeRO-1 SGD step: reduce-scatter (mean) the gradient, update this rank's
   shard, all-gather — through picolib.comm, on 2 and 3 ranks, with a size that does not
-  divide by either.
+  divide by either. What each rank hands the all-gather must be its updated parameter shard
+  (gathering the mean gradient and stepping the whole vector gives the same values and bytes).
 - `check_reduce_scatter_gradients(fn)`: ZeRO-2's gradient step: `fn(grads, group=None)`
   takes this rank's gradients of one unit (a list of tensors), flattens and pads them
   and reduce-scatters (mean), returning this rank's shard — compared with the shard
@@ -22,6 +23,7 @@ taken whole, padding kept or shards in the wrong order each get a one-line diagn
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -84,9 +86,11 @@ def _zero_memory_hint(got: dict, stage: int, psi: int, n: int, k: int) -> str:
         return f"the keys must be {sorted(want)}, not {sorted(got)}"
     other = [s for s in range(4) if s != stage and got == zero_memory_bytes(s, psi, n, k, param_bytes=2)]
     if other:
-        s = other[0]
-        return (f"this is stage {s}'s memory, not stage {stage}'s" +
-                (" (a stage off by one)" if abs(s - stage) == 1 else "") + ": stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the parameters")
+        which = " or ".join(f"stage {s}'s" for s in other)
+        return (f"this is {which} memory, not stage {stage}'s" +
+                (" (a stage off by one)" if all(abs(s - stage) == 1 for s in other) else "")
+                + ": stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also "
+                "the parameters")
     padded, lines = -(-psi // n) * n, []
     for key in ("params", "grads", "optimizer"):
         if got[key] == want[key]:
@@ -147,15 +151,64 @@ def _zero1_data(numel, n, rank, split):
     return param, grads
 
 
+_GATHERS = ("all_gather_into_tensor", "all_gather_single", "all_gather", "_all_gather_base")
+
+
+@contextmanager
+def _gathered_inputs():
+    """Record the tensor this rank hands to every all-gather (through picolib.comm or
+    torch.distributed): what a rank gathers shows what it stepped."""
+    seen, saved = [], {name: getattr(dist, name) for name in _GATHERS if hasattr(dist, name)}
+
+    def recording(call):
+        def gather(output, input, *args, **kwargs):
+            seen.append(input.detach().clone())
+            return call(output, input, *args, **kwargs)
+        return gather
+
+    for name, call in saved.items():
+        setattr(dist, name, recording(call))
+    try:
+        yield seen
+    finally:
+        for name, call in saved.items():
+            setattr(dist, name, call)
+
+
 def _zero1_worker(fn, numel, lr, split):
     group = my_group(split)
     rank, n = dist.get_rank(), dist.get_world_size()
     param, grads = _zero1_data(numel, n, rank, split)
-    with Ledger() as ledger:
+    with _gathered_inputs() as gathered, Ledger() as ledger:
         out = call_student(fn, param.clone(), grads[rank].clone(), lr, group=group)
     if isinstance(out, torch.Tensor):
         out = out.detach().clone()
-    return out, ledger.summary(), world_calls(ledger) if split else []
+    return out, ledger.summary(), world_calls(ledger) if split else [], gathered
+
+
+def _gathered_problem(where, gathered, param, grads, rank, lr, split) -> list[str]:
+    """ZeRO-1's structure: the one all-gather carries this rank's *updated parameter shard*
+    (it stepped its shard alone), not the mean gradient every rank would then apply whole."""
+    mine = members(rank) if split else list(range(grads.shape[0]))
+    n, me, numel = len(mine), mine.index(rank), param.numel()
+    size = -(-numel // n)
+    padded = torch.zeros(2, size * n)
+    padded[0, :numel], padded[1, :numel] = param, grads[mine].mean(0)
+    new_shard = (padded[0] - lr * padded[1])[me * size:(me + 1) * size]
+    grad_shard = padded[1, me * size:(me + 1) * size]
+    if len(gathered) != 1:
+        return [f"{where}: {len(gathered)} all-gathers; ZeRO-1 gathers once, the updated "
+                "parameter shards"]
+    sent = gathered[0].double().flatten()
+    if sent.numel() == size and torch.allclose(sent, new_shard.double(), atol=1e-5):
+        return []
+    if sent.numel() == size and torch.allclose(sent, grad_shard.double(), atol=1e-5):
+        return [f"{where}: you all-gathered the mean gradient and stepped the whole vector on every "
+                "rank — ZeRO-1 steps only this rank's shard (w_shard − lr·g_shard) and all-gathers "
+                "the updated parameters"]
+    return [f"{where}: the all-gather's input ({sent.numel()} values) is not this rank's updated "
+            f"parameter shard ({size} values, elements {me * size}…{(me + 1) * size - 1} of the "
+            "padded vector after w − lr·g): step your shard, then gather it"]
 
 
 def _zero1_problem(where, out, param, grads, rank, lr, split) -> list[str]:
@@ -205,7 +258,7 @@ def check_zero1_step(fn, timeout: float | None = None) -> None:
         ranks = run_student(_zero1_worker, n, fn, numel, 0.1, split, name="zero1_step",
                             timeout=timeout)
         per_rank = []
-        for rank, (out, led, world) in enumerate(ranks):
+        for rank, (out, led, world, gathered) in enumerate(ranks):
             count += 1
             param, grads = _zero1_data(numel, n, rank, split)
             where = f"{numel} elements"
@@ -213,6 +266,8 @@ def check_zero1_step(fn, timeout: float | None = None) -> None:
                 per_rank.append([on_world_not_group(f"the group of your {world[0]}")])
                 continue
             mine = _zero1_problem(where, out, param, grads, rank, 0.1, split)
+            if not mine and "all_reduce" not in led:
+                mine = _gathered_problem(where, gathered, param, grads, rank, 0.1, split)
             if "all_reduce" in led:
                 mine.append(f"{where}: used all_reduce — ZeRO-1 reduce-scatters instead")
             m = 2 if split else n
@@ -245,7 +300,7 @@ def _every_rank(n, per_rank: list[list[str]]) -> list[str]:
     """One line per distinct mistake: the same problem on every rank (and unit) is
     reported once, with the first occurrence's numbers."""
     def key(p):                              # the problem without its unit and its error size
-        return re.sub(r"\d+", "#", re.sub(r"\(max abs error [^)]*\) ", "", p))
+        return re.sub(r"-?\d+(\.\d*)?(e[-+]?\d+)?", "#", re.sub(r" \(largest error [^)]*\)", "", p))
     ranks_with = {}
     for rank, problems in enumerate(per_rank):
         for p in problems:
@@ -365,7 +420,7 @@ def _gather_worker(fn, split):
         if isinstance(got, (list, tuple)):
             got = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in got]
         answers.append((got, led.summary(), [full[name] for name in u.names], u.numel,
-                        torch.cat(world)))
+                        torch.cat(world), list(u.names)))
     return answers
 
 
@@ -396,7 +451,7 @@ def check_gather_unit(fn, timeout: float | None = None) -> None:
         for answers in run_student(_gather_worker, n, fn, split, name="gather_unit",
                                    timeout=timeout):
             mine = []
-            for unit, (got, led, want, numel, world) in enumerate(answers):
+            for unit, (got, led, want, numel, world, names) in enumerate(answers):
                 count += 1
                 what = f"unit {unit} ({numel} elements)"
                 if not isinstance(got, (list, tuple)) or not all(isinstance(t, torch.Tensor)
@@ -417,7 +472,8 @@ def check_gather_unit(fn, timeout: float | None = None) -> None:
                         mine.append(f"{what}: shapes {shapes}, expected "
                                     f"{[tuple(t.shape) for t in want]}")
                     else:
-                        mine += compare(f"{what}: parameters", got, want, atol=1e-6)[:1]
+                        mine += [line for name, g, w in zip(names, got, want)
+                                 for line in compare(f"{what}: {name}", g, w, atol=1e-6)][:1]
                 mine += [f"{what}: {p}" for p in
                          _traffic(led, "all_gather", padded_numel(numel, m) * 4)]
             per_rank.append(mine)

@@ -8,7 +8,8 @@
   through picolib.comm; run on 2 and 3 ranks.
 - `check_vocab_parallel_loss(fn)`: `fn(local_logits, targets, vocab_start, group=None)` → the
   mean cross-entropy from vocab-sharded logits, equal to F.cross_entropy with the right
-  gradients, without gathering the logits; run on 2 and 4 ranks.
+  gradients, without gathering the logits; run on 2 and 4 ranks, on logits that reach 100
+  (exp overflows fp32 unless the max is subtracted).
 - `check_parallel_head(fn)`: `fn(hidden, weight_shard, group=None)` → this rank's vocabulary
   slice of the logits (b, s, v/tp), through f so that backward sums the gradient of the
   (replicated) hidden state; run on 2 and 4 ranks with the vocab-parallel loss behind it.
@@ -202,6 +203,10 @@ def _not_a_loss(loss) -> str:
     return ""
 
 
+# added to the logits of every other token (b, s) of the vocab-parallel loss's batches
+_OFFSET = torch.tensor([0.0, 100.0]).repeat(9).view(3, 6, 1)
+
+
 def _team(split):
     """(group, this rank's index among the datasets, its rank in the group, the group's size)."""
     group = my_group(split)
@@ -237,7 +242,9 @@ def check_vocab_parallel_loss(fn, timeout: float | None = None) -> None:
     g = torch.Generator().manual_seed(5)
     for n, split in ((2, False), (4, False), (4, True)):
         m = 2 if split else n
-        batches = [((torch.randn(3, 6, 32, generator=g) * 5).requires_grad_(),
+        # every other token's logits sit near 100: exp(100) overflows fp32 (beyond 3.4e38), so
+        # only a loss that subtracts the max stays finite
+        batches = [((torch.randn(3, 6, 32, generator=g) * 5 + _OFFSET).requires_grad_(),
                     torch.randint(0, 32, (3, 6), generator=g)) for _ in range(n if split else 1)]
         refs = []
         for logits, targets in batches:
@@ -255,7 +262,18 @@ def check_vocab_parallel_loss(fn, timeout: float | None = None) -> None:
             if isinstance(loss, str):
                 problems.append(f"{label} rank {r}: {loss}")
                 continue
-            problems += compare(f"{label} rank {r}: loss", loss, refs[team], atol=1e-5)
+            if not torch.isfinite(loss).all():
+                problems.append(f"{label} rank {r}: the loss is {loss.item()} on logits up to "
+                                f"{logits.max().item():.0f}: exp(z) overflows fp32 above z ≈ 88.7 — "
+                                "subtract the max m (all-reduced with op=\"max\") before exp")
+                continue
+            tokens = logits.shape[0] * logits.shape[1]
+            if torch.allclose(loss, refs[team] * tokens, atol=1e-3 * tokens):
+                problems.append(f"{label} rank {r}: loss {loss.item():.6g}, expected "
+                                f"{refs[team].item():.6g}: the sum over the b·s = {tokens} tokens "
+                                "— return the mean")
+                continue
+            problems += compare(f"{label} rank {r}: loss", loss, refs[team], atol=1e-4)
             if grad is None:
                 problems.append(f"{label} rank {r}: no gradient reached the local logits")
             else:

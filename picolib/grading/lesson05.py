@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from ..comm import Ledger
 from ..sequence_parallel import activation_bytes_per_layer
-from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
-                    report, run_student, world_calls)
+from ._core import (SUBGROUPS, call_student, compare, explain, members, my_group,
+                    on_world_not_group, report, run_student, world_calls)
 
 __all__ = ["check_gather_sequence", "check_reduce_scatter_sequence", "check_sp_norm_weight_grad",
            "check_sp_activation_bytes",
@@ -133,12 +133,15 @@ def check_sp_norm_weight_grad(fn, timeout: float | None = None) -> None:
     """The weight gradient equals the dense norm's (autograd on the whole sequence), on every
     rank, with one all-reduce of h numbers: on 2 and 4 ranks and on 4 ranks split into two
     groups of 2, each group its own sequence."""
-    problems, checks, eps = [], 0, 1e-5
-    for n, split in ((2, False), (4, False), (4, True)):
+    problems, checks = [], 0
+    # eps differs per case (an eps written in, not read from the argument, shows), and every
+    # token's x has its own scale down to 1e-3·3, where mean(x²) is below eps: eps matters
+    for n, split, eps in ((2, False, 1e-5), (4, False, 1e-3), (4, True, 1e-4)):
         m = 2 if split else n
         g = torch.Generator().manual_seed(20 + n)
-        data = [(torch.randn(2, 4 * m, 6, generator=g) * 3, torch.randn(2, 4 * m, 6, generator=g))
-                for _ in range(n if split else 1)]
+        scale = torch.logspace(-3, 0, 4 * m)[torch.randperm(4 * m, generator=g)].view(1, -1, 1)
+        data = [(torch.randn(2, 4 * m, 6, generator=g) * 3 * scale,
+                 torch.randn(2, 4 * m, 6, generator=g)) for _ in range(n if split else 1)]
         label = f"group of 2 in {list(SUBGROUPS)}" if split else f"N={n}"
         results = run_student(_norm_worker, n, fn, data, eps, split, name=getattr(
             fn, "__name__", "your function"), timeout=timeout)
@@ -154,22 +157,27 @@ def check_sp_norm_weight_grad(fn, timeout: float | None = None) -> None:
             if world:
                 problems.append(f"{where}: " + on_world_not_group(f"the group of your {world[0]}"))
                 continue
-            wrong = compare(f"{where}: weight gradient", out, want, atol=1e-4)
+            wrong = compare(f"{where}: weight gradient (eps={eps:g})", out, want, atol=1e-4)
             if wrong and isinstance(out, torch.Tensor) and out.shape == want.shape:
-                local = (dy.chunk(m, 1)[gr] * _normed(x.chunk(m, 1)[gr], eps)).sum((0, 1))
-                raw = (dy * x).sum((0, 1))
-                if torch.allclose(out, local, atol=1e-4):
-                    wrong = [f"{where}: weight gradient: this rank's s/tp tokens only — the weight "
-                             "is replicated but each rank saw other tokens: all-reduce (sum) the "
-                             "local sums over the TP group"]
-                elif torch.allclose(out, want / m, atol=1e-4):
-                    wrong = [f"{where}: weight gradient: {m}× too small — a mean over the ranks "
-                             "(op=\"avg\" or a division by tp): the gradient is a sum over all "
-                             "tokens, and each rank holds a partial sum"]
-                elif torch.allclose(out, raw, atol=1e-4) or torch.allclose(
-                        out, (dy.chunk(m, 1)[gr] * x.chunk(m, 1)[gr]).sum((0, 1)), atol=1e-4):
-                    wrong = [f"{where}: weight gradient: Σ grad_out·x — the weight multiplies the "
-                             "normalised x·rsqrt(mean(x²) + eps), not x"]
+                mx, mdy = x.chunk(m, 1)[gr], dy.chunk(m, 1)[gr]
+                mistakes = {
+                    "this rank's s/tp tokens only — the weight is replicated but each rank saw "
+                    "other tokens: all-reduce (sum) the local sums over the TP group":
+                        (mdy * _normed(mx, eps)).sum((0, 1)),
+                    f"{m}× too small — a mean over the ranks (op=\"avg\" or a division by tp): the "
+                    "gradient is a sum over all tokens, and each rank holds a partial sum": want / m,
+                    "Σ grad_out·x — the weight multiplies the normalised x·rsqrt(mean(x²) + eps), "
+                    "not x": (dy * x).sum((0, 1)),
+                    "eps left out — x̂ = x·rsqrt(mean(x²) + eps): on tokens with small x, eps "
+                    "matters": (dy * _normed(x, 0.0)).sum((0, 1)),
+                    f"eps taken as 1e-5, not the argument eps = {eps:g}":
+                        (dy * _normed(x, 1e-5)).sum((0, 1)) if eps != 1e-5 else None,
+                    "eps added outside the square root — x̂ = x·rsqrt(mean(x²) + eps)":
+                        (dy * x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps)).sum((0, 1)),
+                }
+                hint = explain([why for why, value in mistakes.items() if value is not None
+                                and torch.allclose(out, value, atol=1e-4)])
+                wrong = [f"{where}: weight gradient: {hint}"] if hint else wrong
             problems += wrong
             calls = {k: v["calls"] for k, v in summary.items()}
             if calls != {"all_reduce": 1}:
@@ -191,19 +199,19 @@ def _bytes_hint(got, s, b, h, f, a, tp, sp) -> str:
         got = float(got)
     except (TypeError, ValueError):
         return ""
-    if tp > 1 and abs(got - other) < 0.5:
-        return ("that is the count for sp=" + str(not sp) + ": under plain TP the norms' inputs, "
-                "x·rstd, rstd and the norm outputs are whole on every rank; under TP+SP they are "
-                "split like the rest")
-    if abs(got - (right - s * s)) < 0.5:
-        return "the s×s causal mask is missing (a bool tensor: 1 byte per entry, never split)"
-    if abs(got - (right + 3 * s * s)) < 0.5:
-        return "the causal mask is bool: 1 byte per entry, not 4"
-    if abs(got - (right - 4 * a * s * s * b // tp)) < 0.5:
-        return "the softmax probabilities (a·s² per sequence, split by heads) are missing"
+    slips = {
+        "that is the count for sp=" + str(not sp) + ": under plain TP the norms' inputs, x·rstd, "
+        "rstd and the norm outputs are whole on every rank; under TP+SP they are split like the "
+        "rest": other if tp > 1 else None,
+        "the s×s causal mask is missing (a bool tensor: 1 byte per entry, never split)": right - s * s,
+        "the causal mask is bool: 1 byte per entry, not 4": right + 3 * s * s,
+        "the softmax probabilities (a·s² per sequence, split by heads) are missing":
+            right - 4 * a * s * s * b // tp,
+    }
+    hits = [why for why, value in slips.items() if value is not None and abs(got - value) < 0.5]
     if abs(got - 4 * right) < 2 or abs(got * 4 - right) < 2:
-        return "off by 4: count floats × 4 bytes (fp32), the mask in bytes"
-    return ""
+        hits.append("off by 4: count floats × 4 bytes (fp32), the mask in bytes")
+    return explain(hits)
 
 
 def check_sp_activation_bytes(fn) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from ..blockwise_attention import block_forward, visible
 from ..context_parallel import LAYOUTS, chunk_ids, positions
-from ._core import call_student, compare, report
+from ._core import call_student, compare, explain, fits, report
 
 __all__ = ["check_merge_partials", "check_zigzag_positions", "check_ring_pairs"]
 
@@ -85,9 +85,20 @@ def _pairs(rank, n, step, layout):
                   for j in chunk_ids(layout, src, n) if visible(i, j))
 
 
+# the slips whose pairs a rule gives, each named only when it alone gives every answer
+_PAIR_SLIPS = {
+    "the K/V at step k come from rank r−k (they travel to the right), not r+k":
+        lambda r, n, step, layout: _pairs(r, n, -step, layout),
+    **{f"the {fixed} layout's chunks whatever `layout` asks: in the contiguous layout rank r holds "
+       "chunk r of N, in zig-zag chunks r and 2N−1−r of 2N":
+       (lambda r, n, step, layout, fixed=fixed: _pairs(r, n, step, fixed)) for fixed in LAYOUTS},
+}
+
+
 def check_ring_pairs(fn) -> None:
-    """Every rank and step for n = 1..4 in both layouts; names a ring turned the wrong way."""
-    problems, checks = [], 0
+    """Every rank and step for n = 1..4 in both layouts; names a ring turned the wrong way or
+    the other layout's chunks when that slip alone gives every answer."""
+    problems, checks, answers = [], 0, []
     for layout in LAYOUTS:
         for n in range(1, 5):
             for r in range(n):
@@ -101,9 +112,12 @@ def check_ring_pairs(fn) -> None:
                         problems.append(f"{layout}, n={n}, rank {r}, step {step}: expected "
                                         f"(query chunk, key chunk, kind) triples, got {got!r}")
                         continue
+                    answers.append(((r, n, step, layout), got))
                     if got != want:
-                        hint = (" — the K/V at step k come from rank r−k (they travel to the "
-                                "right), not r+k" if got == _pairs(r, n, -step, layout) else "")
                         problems.append(f"{layout}, n={n}, rank {r}, step {step}: got {got}, "
-                                        f"expected {want}{hint}")
+                                        f"expected {want}")
+    if problems and len(answers) == checks:
+        hint = explain([why for why, rule in _PAIR_SLIPS.items()
+                        if fits(rule, answers, lambda got, value: got == value)])
+        problems = [f"{problems[0]} — {hint}"] if hint else problems
     report("ring attention: the blocks a rank computes at each step", problems, checks)

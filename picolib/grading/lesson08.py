@@ -21,7 +21,7 @@ import torch
 from ..model import attention_core
 from ..terapipe import TeraPipePlan, simulate_plan
 from ..timeline import makespan
-from ._core import call_student, compare, report
+from ._core import call_student, compare, explain, report
 
 __all__ = ["check_pipeline_latency", "check_dp_slicer", "check_slice_mask"]
 
@@ -54,25 +54,27 @@ def check_pipeline_latency(fn) -> None:
         n = rng.randint(2, 10)
         slices = rng.choice(list(_compositions(n)))
         cases.append((slices, _table(n, seed), rng.randint(1, 5)))
-    wrong = []
+    answers = []
     for slices, cost, K in cases:
         checks += 1
         got = call_student(fn, slices, cost, K)
-        line = compare(f"latency of slices {list(slices)} on K={K} stages", got,
-                       _simulated(slices, cost, K))
-        if line:
-            problems += line
-            wrong.append((slices, cost, K, got))
-    hint = _latency_hint(wrong)
+        want = _simulated(slices, cost, K)
+        answers.append((slices, cost, K, got))
+        if compare("", got, want):
+            t = [round(x, 6) for x in _times(slices, cost)]
+            problems.append(f"latency of slices {list(slices)} on K={K} stages: got {got!r}, expected "
+                            f"{want:.6g} — with tᵢ = cost(lᵢ, cᵢ) = {t}, Σt = {sum(t):.6g} and "
+                            f"(K−1)·max t = {(K - 1) * max(t):.6g}")
+    hint = _latency_hint(answers) if problems else ""
     if hint:
         problems = [f"{hint} — e.g. {problems[0]}"]
     report("pipeline latency of a slicing", problems[:6], checks)
 
 
-def _times(slices, cost, context=True):
+def _times(slices, cost, context="right"):
     t, ctx = [], 0
     for length in slices:
-        t.append(cost(length, ctx if context else 0))
+        t.append(cost(length, {"right": ctx, "no context": 0, "context + l": ctx + length}[context]))
         ctx += length
     return t
 
@@ -93,20 +95,24 @@ _LATENCY_SLIPS = {
 }
 
 
-def _latency_hint(wrong) -> str:
-    """The slip every wrong case fits, or the context left out of cost(l, c) ("" if none)."""
-    def fits(rule, context=True):
+def _latency_hint(answers) -> str:
+    """The slip that alone gives every answer, right ones included — a formula, or the context
+    of cost(l, c) taken wrong — or each that does ("" if none)."""
+    def fit(rule, context="right"):
         try:
             return all(abs(float(got) - rule(_times(sl, cost, context), K)) < 1e-6 * max(1, abs(float(got)))
-                       for sl, cost, K, got in wrong)
+                       for sl, cost, K, got in answers)
         except (TypeError, ValueError):
             return False
-    if not wrong:
-        return ""
-    if fits(lambda t, K: sum(t) + (K - 1) * max(t), context=False):
-        return ("each slice's cost was taken with no context: slice i is cost(lᵢ, cᵢ) with "
-                "cᵢ = l₁ + … + lᵢ₋₁, the tokens before it")
-    return next((why for why, rule in _LATENCY_SLIPS.items() if fits(rule)), "")
+    right = lambda t, K: sum(t) + (K - 1) * max(t)
+    named = [why for why, rule in _LATENCY_SLIPS.items() if fit(rule)]
+    if fit(right, "no context"):
+        named.append("each slice's cost was taken with no context: slice i is cost(lᵢ, cᵢ) with "
+                     "cᵢ = l₁ + … + lᵢ₋₁, the tokens before it")
+    if fit(right, "context + l"):
+        named.append("each slice's context counts the slice itself, cost(lᵢ, cᵢ + lᵢ): cᵢ = "
+                     "l₁ + … + lᵢ₋₁, the tokens before it")
+    return explain(named)
 
 
 def _value(slices, cost, K):
@@ -140,13 +146,14 @@ def _value_of(slices, cost, K, objective=None, context="right"):
 
 def _dp_hint(wrong) -> str:
     """One line naming the slip when every wrong case's T is the optimum of the same wrong
-    objective (found by exhaustive search too)."""
+    objective (found by exhaustive search too); each such slip when several are."""
+    named = []
     for why, rule in _DP_SLIPS.items():
         objective, context = (None, rule) if isinstance(rule, str) else (rule, "right")
         if all(abs(T - min(_value_of(s, cost, K, objective, context) for s in _compositions(n)))
                <= 1e-6 for n, K, cost, T in wrong):
-            return why
-    return ""
+            named.append(why)
+    return explain(named)
 
 
 def check_dp_slicer(fn) -> None:
@@ -224,43 +231,60 @@ def _model_mask(slices, i):
 
 def check_slice_mask(fn) -> None:
     """Several slicings, every slice: the student's mask against the keys each query of the
-    slice really attends to (gradients through the model's attention_core)."""
-    problems, checks = [], 0
+    slice really attends to (gradients through the model's attention_core). A usual wrong mask
+    is named when it alone gives every answer; otherwise each wrong slice says which query and
+    key differ."""
+    problems, checks, answers, first = [], 0, [], None
     for slices in ((3, 3, 2), (4,), (1, 1, 1), (2, 5, 1), (5, 3)):
         for i in range(len(slices)):
             want = _model_mask(slices, i)
             got = call_student(fn, slices, i)
             checks += 1
+            where = f"slices {list(slices)}, slice {i}"
             if not isinstance(got, torch.Tensor):
-                problems.append(f"slices {list(slices)}, slice {i}: expected a bool tensor, "
-                                f"got {type(got).__name__}")
+                problems.append(f"{where}: expected a bool tensor, got {type(got).__name__}")
                 continue
-            line = compare(f"slices {list(slices)}, slice {i}: mask", got.bool().float(),
-                           want.float())
-            if line and tuple(got.shape) == tuple(want.shape):
-                hint = _mask_hint(got.bool(), want, sum(slices[:i]))
-                line = [f"slices {list(slices)}, slice {i}: {hint}"] if hint else line
-            problems += line
+            if tuple(got.shape) != tuple(want.shape):
+                problems += compare(f"{where}: mask", got.bool().float(), want.float())
+                continue
+            got = got.bool()
+            answers.append(((want, sum(slices[:i])), got))
+            if not torch.equal(got, want):
+                first = first or (len(problems), sum(slices[:i]), want.shape)
+                problems.append(f"{where}: {_mask_difference(got, want, sum(slices[:i]))}")
+    if first is not None and len(answers) == checks:
+        index, c, (length, keys) = first
+        hint = explain([why.format(c=c, length=length, keys=keys) for why, rule in _MASK_SLIPS.items()
+                        if all(torch.equal(got, rule(*args)) for args, got in answers)])
+        problems = [f"{problems[index].split(': ', 1)[0]}: {hint}"] if hint else problems
     report("attention mask of a slice", problems[:6], checks)
 
 
-def _mask_hint(got, want, c) -> str:
-    """Name the usual wrong masks of a slice with c tokens of cached context."""
-    length, keys = want.shape
-    ones = torch.ones(length, keys, dtype=torch.bool)
-    if torch.equal(got, ones.tril()):
-        return (f"a top-left causal mask (tril of the {length}×{keys} block): query r of this "
-                f"slice is token c + r = {c} + r and sees keys 0 … c + r — align the diagonal "
-                "bottom-right (torch.tril(…, diagonal=c))")
-    if torch.equal(got, ~want):
-        return "the mask is inverted: True means the query attends to that key"
-    own = want.clone()
-    own[:, :c] = False
-    if c and torch.equal(got, own):
-        return (f"the {c} cached context tokens are masked: every query of the slice sees all the "
-                "tokens before the slice")
-    if torch.equal(got, ones):
-        return "nothing is masked: a query must not see the keys after it in its own slice"
-    if torch.equal(got, ones.triu(c)) or torch.equal(got, ones.triu()):
-        return "upper triangle: the mask is transposed (True where the key comes at or before the query)"
-    return ""
+def _mask_difference(got, want, c) -> str:
+    """Which query of the slice and which key differ, in the statement's terms."""
+    bad = (got != want).nonzero()
+    r, j = (int(v) for v in bad[0])
+    return (f"{len(bad)} of {want.numel()} entries wrong, the first: query {r} of the slice (token "
+            f"{c + r}) and key {j} — got {bool(got[r, j])}, expected {bool(want[r, j])} (it "
+            + ("may" if want[r, j] else "may not") + f" attend to key {j})")
+
+
+def _ones(want):
+    return torch.ones_like(want, dtype=torch.bool)
+
+
+# the usual wrong masks of a slice with c tokens of cached context, as rules of (want, c)
+_MASK_SLIPS = {
+    "a top-left causal mask (tril of the {length}×{keys} block): query r of this slice is token "
+    "c + r = {c} + r and sees keys 0 … c + r — align the diagonal bottom-right "
+    "(torch.tril(…, diagonal=c))": lambda want, c: _ones(want).tril(),
+    "the mask is inverted: True means the query attends to that key": lambda want, c: ~want,
+    "the {c} cached context tokens are masked: every query of the slice sees all the tokens "
+    "before the slice": lambda want, c: torch.cat([torch.zeros_like(want[:, :c]), want[:, c:]], 1),
+    "nothing is masked: a query must not see the keys after it in its own slice":
+        lambda want, c: _ones(want),
+    "upper triangle: the mask is transposed (True where the key comes at or before the query)":
+        lambda want, c: _ones(want).triu(c),
+    "upper triangle from the first key: the mask is transposed, and its diagonal not moved by "
+    "the {c} tokens of context": lambda want, c: _ones(want).triu(),
+}

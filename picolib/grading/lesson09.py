@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from ..comm import Ledger
 from ..moe import keep_mask, sort_by_expert
-from ._core import (SUBGROUPS, call_student, compare, members, my_group, on_world_not_group,
-                    report, run_student, world_calls)
+from ._core import (SUBGROUPS, call_student, compare, explain, fits, members, my_group,
+                    on_world_not_group, report, run_student, world_calls)
 
 __all__ = ["check_top_k_capacity", "check_sort_by_expert", "check_split_sizes",
            "check_moe_critical_batch"]
@@ -31,9 +31,37 @@ def _scores(t, e, seed):
     return torch.randn(t, e, generator=g).softmax(-1)
 
 
+def _token_major(choice, e, cap):
+    """The common slip's mask: slots filled token by token (a token's second choice before the
+    next token's first)."""
+    t, k = choice.shape
+    keep, seen = torch.zeros(t, k, dtype=torch.bool), torch.zeros(e, dtype=torch.long)
+    for i in range(t):
+        for j in range(k):
+            keep[i, j] = cap is None or seen[choice[i, j]] < cap
+            seen[choice[i, j]] += 1
+    return keep
+
+
+def _keep_slips(choice, e, cap, first_cap) -> dict:
+    """Each known slip's keep mask in one case (the right mask where the slip changes nothing,
+    e.g. with no capacity), its diagnosis worded with the first wrong case's cap."""
+    with_cap = lambda c: keep_mask(choice, e, c if cap else None)
+    return {
+        "token by token: every token's first choice must come before any token's second choice":
+            _token_major(choice, e, cap),
+        f"capacity off by one: an expert kept {first_cap + 1} assignments, not cap = {first_cap} "
+        "(keep while the count before this one is < cap)": with_cap(cap and cap + 1),
+        f"capacity off by one: an expert kept {first_cap - 1} assignments, not cap = {first_cap} "
+        "(keep while the count before this one is < cap)": with_cap(cap and cap - 1),
+        "nothing dropped: an expert holds at most cap assignments": with_cap(None),
+    }
+
+
 def check_top_k_capacity(fn) -> None:
-    """Several (T, E, k, cap), with and without drops, against picolib.moe.keep_mask."""
-    problems, checks = [], 0
+    """Several (T, E, k, cap), with and without drops, against picolib.moe.keep_mask. A wrong
+    keep mask is named when one slip alone gives it in every case."""
+    problems, checks, masks, first = [], 0, [], None
     for t, e, k, cap, seed in ((12, 4, 1, 2, 0), (12, 4, 2, 5, 1), (20, 6, 2, 4, 2), (9, 3, 3, 7, 3),
                                (10, 5, 2, None, 4)):
         scores = _scores(t, e, seed)
@@ -48,23 +76,18 @@ def check_top_k_capacity(fn) -> None:
         problems += compare(f"{what}: choice", got[0], choice)
         wrong = compare(f"{what}: keep", got[1].long() if isinstance(got[1], torch.Tensor) else got[1],
                         keep.long())
-        if wrong and isinstance(got[1], torch.Tensor) and got[1].shape == keep.shape:
-            token_major = (torch.arange(t * k).view(t, k) * 0).bool()
-            seen = torch.zeros(e, dtype=torch.long)
-            for i in range(t):                      # the common slip: token by token
-                for j in range(k):
-                    token_major[i, j] = seen[choice[i, j]] < cap
-                    seen[choice[i, j]] += 1
-            if torch.equal(got[1].bool(), token_major):
-                wrong = [wrong[0] + " — token by token: every token's first choice must come "
-                                    "before any token's second choice"]
-            elif cap and any(torch.equal(got[1].bool(), keep_mask(choice, e, c)) for c in (cap - 1, cap + 1)):
-                c = next(c for c in (cap - 1, cap + 1) if torch.equal(got[1].bool(), keep_mask(choice, e, c)))
-                wrong = [wrong[0] + f" — capacity off by one: an expert kept {c} assignments, not "
-                                    f"cap = {cap} (keep while the count before this one is < cap)"]
-            elif bool(got[1].bool().all()) and not bool(keep.all()):
-                wrong = [wrong[0] + " — nothing dropped: an expert holds at most cap assignments"]
+        if isinstance(got[1], torch.Tensor) and got[1].shape == keep.shape:
+            masks.append(((choice, e, cap), got[1].bool()))
+        if wrong and first is None:
+            first = (len(problems), cap)
         problems += wrong
+    if first is not None and len(masks) == checks // 2 and first[1]:
+        names = list(_keep_slips(*masks[0][0][:2], first[1], first[1]))
+        hint = explain([name for i, name in enumerate(names) if all(
+            torch.equal(got, list(_keep_slips(choice, e, cap, first[1]).values())[i])
+            for (choice, e, cap), got in masks)])
+        if hint:
+            problems[first[0]] += f" — {hint}"
     report("top-k routing with capacity", problems, checks)
 
 
@@ -145,21 +168,30 @@ def check_split_sizes(fn, timeout: float | None = None) -> None:
     report("all-to-all split sizes", problems, checks)
 
 
+_MOE_SLIPS = {
+    "the bandwidth gain is left out: it divides the tokens needed": lambda d, e, k, g: d * e / k,
+    "the bandwidth gain multiplies: a gain in bandwidth divides the tokens needed":
+        lambda d, e, k, g: d * e / k * g,
+    "k is left out: a MoE all-reduces E experts' weights for k experts' FLOPs per token, so the "
+    "dense count grows by E/k": lambda d, e, k, g: d * e / g,
+    "E/k, not k/E: a MoE all-reduces E experts' weights for k experts' FLOPs per token":
+        lambda d, e, k, g: d * k / e / g,
+    "E is left out: the dense count grows by E/k (E experts' weights, k experts' FLOPs)":
+        lambda d, e, k, g: d / k / g,
+}
+
+
 def check_moe_critical_batch(fn) -> None:
-    """dense critical tokens × E / k ÷ the bandwidth gain; DeepSeek-V3's 4,944 and two more."""
-    problems = []
+    """dense critical tokens × E / k ÷ the bandwidth gain; DeepSeek-V3's 4,944 and two more. A
+    slip is named when it alone reproduces every answer (k equals the gain in two cases)."""
+    problems, answers = [], []
     for dense, e, k, gain in ((1236, 256, 8, 8), (1099, 64, 2, 1), (1236, 128, 4, 4)):
-        expected = dense * e / k / gain
         got = call_student(fn, dense, e, k, gain)
-        wrong = compare(f"dense={dense} E={e} k={k} gain={gain}", got, float(expected), atol=0.5, rtol=0)
-        try:
-            ratio = float(got) / expected
-        except (TypeError, ValueError):
-            ratio = 0.0
-        if wrong and gain > 1 and abs(ratio - gain) < 1e-6:
-            wrong = [wrong[0] + " — the bandwidth gain divides the tokens needed"]
-        elif wrong and abs(ratio - (k / e) ** 2) < 1e-9:
-            wrong = [wrong[0] + " — E/k, not k/E: a MoE all-reduces E experts' weights for k "
-                                "experts' FLOPs per token"]
-        problems += wrong
+        answers.append(((dense, e, k, gain), got))
+        problems += compare(f"dense={dense} E={e} k={k} gain={gain}", got, float(dense * e / k / gain),
+                            atol=0.5, rtol=0)
+    if problems:
+        close = lambda got, value: abs(float(got) - value) <= 1e-6 * abs(value)
+        hint = explain([why for why, rule in _MOE_SLIPS.items() if fits(rule, answers, close)])
+        problems = [f"{problems[0]} — {hint}"] if hint else problems
     report("MoE critical batch", problems, 3)

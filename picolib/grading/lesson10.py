@@ -88,7 +88,7 @@ def check_mesh_coordinates(coordinates, rank_of) -> None:
     """Every rank of seven meshes on 6, 8 and 16 ranks: `coordinates` must give what
     DeviceMesh gave that rank, `rank_of` must invert it (and agree with DeviceMesh's layout)."""
     call_student(coordinates, 0, _full(MESHES[6][0]))   # fail at once if it is not written
-    problems, checks, hint = [], 0, ""
+    problems, checks, turned = [], 0, True       # turned: every answer is the order turned round
     for sizes, views in measured_meshes():
         for rank, view in enumerate(views):
             want = view["coords"]
@@ -100,11 +100,9 @@ def check_mesh_coordinates(coordinates, rank_of) -> None:
                 problems.append(f"{_describe(sizes)}, rank {rank}: expected a dict with keys "
                                 f"{list(DIMS)}, got {got!r}")
                 continue
+            turned = turned and got == _reversed_coordinates(rank, sizes)
             if got != want:
                 problems.append(f"{_describe(sizes)}, rank {rank}: got {got}, DeviceMesh gave {want}")
-                if got == _reversed_coordinates(rank, sizes):
-                    hint = ("the order is turned round: pp is outermost and tp innermost, so "
-                            "consecutive ranks are TP neighbours (tp changes fastest)")
             where = view["layout"]
             for d in DIMS:
                 where = where[want[d]]
@@ -113,6 +111,8 @@ def check_mesh_coordinates(coordinates, rank_of) -> None:
             if back != rank or where != rank:
                 problems.append(f"{_describe(sizes)}: rank_of({want}) gave {back!r}, the mesh "
                                 f"holds rank {where} there")
+    hint = ("the order is turned round: pp is outermost and tp innermost, so consecutive ranks "
+            "are TP neighbours (tp changes fastest)") if turned and problems else ""
     problems = _cap(problems) + ([f"hint: {hint}"] if hint else [])
     report("rank ↔ mesh coordinates against DeviceMesh", problems, checks)
 

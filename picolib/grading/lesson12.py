@@ -12,7 +12,7 @@ import torch
 from ..attention_io import naive_bytes, tiled_bytes
 from ..low_precision import fake_quantize
 from ..roofline import op_time
-from ._core import call_student, compare, report
+from ._core import call_student, compare, differing, explain, fits, report
 
 __all__ = ["check_roofline_time", "check_attention_bytes", "check_fp8_quantize", "check_cuda_cores",
            "check_vector_flops", "check_critical_rows", "check_on_chip_bytes"]
@@ -25,8 +25,16 @@ def _close(got, expected, rel: float = 1e-9) -> bool:
         return False
 
 
-def _fits(rule, wrong) -> bool:
-    return all(_close(got, rule(*args), 1e-6) for args, got in wrong)
+def _fits(rule, answers) -> bool:
+    """Whether `rule` reproduces every answer (a rule may return a tuple: any of its values)."""
+    def close(got, value):
+        return any(_close(got, v, 1e-6) for v in (value if isinstance(value, tuple) else (value,)))
+    return fits(rule, answers, close)
+
+
+def _named(rules, answers) -> str:
+    """The mistake that alone reproduces every answer, or each that does (explain)."""
+    return explain([k for k, rule in rules.items() if _fits(rule, answers)])
 
 
 def check_roofline_time(fn) -> None:
@@ -54,7 +62,7 @@ def check_roofline_time(fn) -> None:
             "the bytes are ignored: a memory-bound operation takes bytes / W": lambda f, b, c, w: f / c,
             "the FLOPs are ignored: a compute-bound operation takes FLOPs / C": lambda f, b, c, w: b / w,
         }
-        hint = next((k for k, rule in rules.items() if _fits(rule, answers)), None)   # every answer
+        hint = _named(rules, answers)                                     # every answer
         problems = [f"{hint} — {problems[0]}"] if hint else problems
     report("roofline time", problems, passed=cases)
 
@@ -65,7 +73,7 @@ def check_attention_bytes(fn) -> None:
     `block` rows (Q and O once, K and V once per query block)."""
     cases_in = [(1024, 128, 128, 2), (4096, 64, 64, 2), (1000, 64, 128, 4), (131072, 128, 128, 2),
                 (300, 32, 64, 4)]
-    problems, wrong, lines, cases = [], {True: [], False: []}, {True: [], False: []}, 0
+    problems, answers, lines, cases = [], {True: [], False: []}, {True: [], False: []}, 0
     for s, d, block, elem in cases_in:
         for tiled in (False, True):
             cases += 1
@@ -73,10 +81,10 @@ def check_attention_bytes(fn) -> None:
             got = call_student(fn, s, d, block, elem, tiled)
             line = compare(f"s={s} d={d} block={block} elem={elem} tiled={tiled}", got, float(expected),
                            atol=0.5, rtol=1e-12)
+            answers[tiled].append(((s, d, block, elem), got))
             if line:
                 problems += line
                 lines[tiled] += line
-                wrong[tiled].append(((s, d, block, elem), got))
     if problems:
         naive_rules = {
             "naive: S and P are each written *and read back*: 4s² numbers, not 2s²":
@@ -94,7 +102,9 @@ def check_attention_bytes(fn) -> None:
             "tiled: Q is read and O written once (2sd); only K and V are re-read per query block":
                 lambda s, d, b, e: e * (math.ceil(s / b) * 2 * s * d),
             "tiled: a last, partial block is still a block: the number of query blocks is "
-            "ceil(s/B)": lambda s, d, b, e: e * (2 * s * d + s / b * 2 * s * d),
+            "ceil(s/B), not s/B": lambda s, d, b, e: e * (2 * s * d + s / b * 2 * s * d),
+            "tiled: the number of query blocks rounded down: a last, partial block is still a "
+            "block — ceil(s/B), not floor": lambda s, d, b, e: e * (2 * s * d + (s // b) * 2 * s * d),
             "tiled: the s×s matrices never leave the chip: no s² term":
                 lambda s, d, b, e: e * (2 * s * d + math.ceil(s / b) * 2 * s * d + 4 * s * s),
             "numbers counted, not bytes: multiply by elem (bytes per number)":
@@ -102,8 +112,8 @@ def check_attention_bytes(fn) -> None:
         }
         named = []
         for tiled, rules in ((False, naive_rules), (True, tiled_rules)):
-            if wrong[tiled]:
-                hint = next((k for k, rule in rules.items() if _fits(rule, wrong[tiled])), None)
+            if lines[tiled]:
+                hint = _named(rules, answers[tiled])                  # right answers too
                 named += [f"{hint} — {lines[tiled][0]}"] if hint else lines[tiled]
         problems = named
     report("attention bytes", problems, passed=cases)
@@ -148,31 +158,34 @@ def _same(a, b) -> bool:
 
 
 def _fp8_hint(what, x, group, got, expected) -> str:
-    unscaled = x.float().to(torch.float8_e4m3fn).float()
-    if _same(got, unscaled):
-        return (f"{what}: x cast to FP8 without a scale — values beyond 448 overflow and small "
-                "ones lose their digits: divide by a scale amax/448 before the cast")
+    """The line for a wrong answer: every known slip that gives exactly these values (all of
+    them when several do), else which element differs."""
+    per = {"tensor": "one scale for the whole tensor", "row": "one scale per row",
+           "tile": "one scale per 1×128 tile"}
+    want = {"tensor": "one amax over the whole tensor", "row": "one amax per row (last dimension)",
+            "tile": "one amax per 1×128 piece of each row"}[group]
+    slips = {"x cast to FP8 without a scale — values beyond 448 overflow and small ones lose their "
+             "digits: divide by a scale amax/448 before the cast": x.float().to(torch.float8_e4m3fn).float()}
     for other in ("tensor", "row", "tile"):
-        if other != group and _same(got, fake_quantize(x, other, "e4m3")):
-            per = {"tensor": "one scale for the whole tensor", "row": "one scale per row",
-                   "tile": "one scale per 1×128 tile"}[other]
-            want = {"tensor": "one amax over the whole tensor", "row": "one amax per row (last dimension)",
-                    "tile": "one amax per 1×128 piece of each row"}[group]
-            return f"{what}: {per}; group={group!r} wants {want}"
-    if _same(got, fake_quantize(x, group, "e5m2")):
-        return f"{what}: these are e5m2 values — the exercise asks for torch.float8_e4m3fn (largest 448)"
-    if _same(got, _quantize_with(x, group, 57344.0)):
-        return (f"{what}: the scale used 57,344 (e5m2's largest) with e4m3 codes: scale = amax / 448 "
-                "for float8_e4m3fn")
-    if _same(got, _quantize_with(x, group, 448.0, signed_max=True)):
-        return (f"{what}: amax taken as the largest value, not the largest |value|: a negative "
-                "extreme then overflows (use x.abs().amax())")
-    if _same(got, _quantize_with(x, group, 448.0, rescale=False)):
-        return f"{what}: these are the FP8 codes — multiply them by their scale to return x's values"
+        if other != group:
+            slips[f"{per[other]}; group={group!r} wants {want}"] = fake_quantize(x, other, "e4m3")
+    slips.update({
+        "these are e5m2 values — the exercise asks for torch.float8_e4m3fn (largest 448)":
+            fake_quantize(x, group, "e5m2"),
+        "the scale used 57,344 (e5m2's largest) with e4m3 codes: scale = amax / 448 for "
+        "float8_e4m3fn": _quantize_with(x, group, 57344.0),
+        "amax taken as the largest value, not the largest |value|: a negative extreme then "
+        "overflows (use x.abs().amax())": _quantize_with(x, group, 448.0, signed_max=True),
+        "these are the FP8 codes — multiply them by their scale to return x's values":
+            _quantize_with(x, group, 448.0, rescale=False),
+    })
+    hint = explain([why for why, value in slips.items() if _same(got, value)])
+    if hint:
+        return f"{what}: {hint}"
     if torch.isnan(got).any():
         return f"{what}: NaN in the result — a scale of 0 (a group of zeros keeps the scale 1)?"
-    err = ((got - expected).abs().max()).item()
-    return f"{what}: values differ from FP8 e4m3 with scale amax/448 (max abs difference {err:.3g})"
+    return (f"{what}: against FP8 e4m3 with one scale amax/448 per {group}, "
+            + differing(got, expected, atol=0, rtol=0))
 
 
 def _quantize_with(x, group, fmax, signed_max=False, rescale=True):
@@ -201,7 +214,7 @@ def _diagnose(answers, expected_rule, rules, fmt):
                 for args, got in answers if not _close(got, expected_rule(*args), 1e-6)]
     if not problems:
         return []
-    hint = next((k for k, rule in rules.items() if _fits(rule, answers)), None)
+    hint = _named(rules, answers)
     return [f"{hint} — {problems[0]}"] if hint else problems
 
 
@@ -250,19 +263,28 @@ _MATMULS = [(989e12, 3.35e12, 2), (2.25e15, 8e12, 2), (1979e12, 3.35e12, 1), (67
 def check_critical_rows(fn) -> None:
     """`fn(peak, bandwidth, elem) -> rows`: the fewest rows B of x for x[B, D] @ W[D, F] (D, F
     large, so the weight's bytes dominate) to reach the ridge: 2BDF FLOPs over elem·DF bytes
-    equals peak / bandwidth, so B = elem · peak / (2 · bandwidth)."""
+    reaches peak / bandwidth when B ≥ elem · peak / (2 · bandwidth) — a whole number of rows,
+    so the fewest is its ceiling (295.2 → 296 for an H100 in bf16)."""
     answers = [(a, call_student(fn, *a)) for a in _MATMULS]
+    rows = lambda c, w, e: e * c / (2 * w)
+    up = lambda bound: (lambda c, w, e: (bound(c, w, e), math.ceil(bound(c, w, e))))  # raw or whole
     rules = {
+        "not a whole number: B counts rows — the fewest whole rows at or above "
+        "elem·peak / (2·bandwidth) is its ceiling (295.2 → 296)": rows,
+        "rounded to the nearest: 295 rows fall short of 295.2 — the fewest whole rows that reach "
+        "the ridge is the ceiling, 296": lambda c, w, e: round(rows(c, w, e)),
+        "rounded down: ⌊B⌋ rows stay below the ridge — round up (ceil)":
+            lambda c, w, e: math.floor(rows(c, w, e)),
         "a multiply-add is 2 FLOPs: the matmul does 2BDF, so B = elem·peak / (2·bandwidth), not "
-        "elem·peak / bandwidth": lambda c, w, e: e * c / w,
+        "elem·peak / bandwidth": up(lambda c, w, e: e * c / w),
         "that is the ridge in FLOPs per byte (peak / bandwidth): rows need the bytes per element, "
-        "B = elem·peak / (2·bandwidth) — the two agree only in 16 bits": lambda c, w, e: c / w,
+        "B = elem·peak / (2·bandwidth) — the two agree only in 16 bits": up(lambda c, w, e: c / w),
         "bytes per element fixed at 4 (fp32): use elem — a bf16 weight is 2 bytes, FP8 1":
-            lambda c, w, e: 2 * c / w,
+            up(lambda c, w, e: 2 * c / w),
         "bandwidth over peak: the ridge is peak / bandwidth (FLOP/s over bytes/s)":
-            lambda c, w, e: e * w / (2 * c),
+            up(lambda c, w, e: e * w / (2 * c)),
     }
-    problems = _diagnose(answers, lambda c, w, e: e * c / (2 * w), rules, lambda v: f"{v:.4g}")
+    problems = _diagnose(answers, lambda c, w, e: math.ceil(rows(c, w, e)), rules, lambda v: f"{v:,}")
     report("critical rows", problems, passed=len(answers))
 
 

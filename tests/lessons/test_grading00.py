@@ -282,3 +282,45 @@ def test_unwritten_networking_exercises_fail():
                   check_all_gather_seconds, check_su_all_gather):
         with pytest.raises(ExerciseFailed, match="not written yet"):
             check(todo)
+
+
+def rs_ag_with_a_wrong_shard(tensor, group=None):
+    """Wrong: a shard one element too long — gloo's own error ("ProcessGroupGloo.cpp: Check
+    failed"), nothing about groups."""
+    shard = torch.empty(tensor.numel() // dist.get_world_size(group) + 1)
+    comm.reduce_scatter(shard, tensor, group=group)
+    return tensor
+
+
+def test_the_sub_group_hint_comes_with_a_rank_outside_the_group_only():
+    from picolib.launch import WorkerError
+    tb = ('Traceback (most recent call last):\n  File "/tmp/student.py", line 3, in ring\n'
+          '    comm.send(t, 1, group=group)\nValueError: Global rank 1 is not part of group '
+          '<torch.distributed.distributed_c10d.ProcessGroup object at 0x7f>\n')
+    text = grading_core._error_message(WorkerError(0, "ValueError: Global rank 1 is not part of "
+                                                      "group <ProcessGroup>", tb))
+    assert "peers are global ranks" in text, text
+    with pytest.raises(ExerciseFailed) as info:
+        check_all_reduce_from_rs_ag(rs_ag_with_a_wrong_shard)
+    text = info.value.details
+    assert "ProcessGroupGloo" in text and "peers are global ranks" not in text, text
+
+
+def test_su_all_gather_without_a_known_slip_says_which_case_and_key_differ():
+    """top_in off by one shard (no known slip): the line names the key, the case, got and
+    expected — never a bare "values differ"."""
+    lines = _one_line(check_su_all_gather, _su(lambda b, m, n, wn, wt, o: {"top_in": o["top_in"] + b / (m * n)}))
+    assert len(lines) == 1 and re.match(
+        r"su_all_gather\['top_in'\]: 4 of 4 cases wrong, e\.g\. nbytes=\d+, m=32, n=8, .*: got .*, "
+        r"expected ", lines[0]), lines
+    assert "values differ" not in lines[0]
+
+
+def test_su_all_gather_right_written_differently():
+    def per_level(nbytes, m, n, w_node, w_top):
+        """Right, written differently: every GPU's traffic summed level by level."""
+        node_out = sum(nbytes for _ in range(n))                # N·B out of the node level
+        top_out = sum(nbytes for _ in range(m - 1))             # (M−1)·B out of the top level
+        return {"node_in": float(nbytes), "node_out": float(node_out), "top_in": float(nbytes),
+                "top_out": float(top_out), "seconds": max(node_out / w_node, top_out / w_top)}
+    check_su_all_gather(per_level)

@@ -156,8 +156,8 @@ def accumulate_with_chunks(model, x, y, k):
 
 def test_grad_accumulation_names_each_mistake():
     check_grad_accumulation(accumulate_with_chunks)
-    with fails("k=2: every gradient is 0.5× the right one — each micro-batch's loss divided "
-               "by its size m = 4"):   # m = 4 rows, k = 2
+    with fails("k=4: every gradient is 2× the right one — each micro-batch's loss divided "
+               "by its size m = 2"):   # m = 2 rows, k = 4 (at k = 2, m = 4 = k²: both named)
         check_grad_accumulation(accumulate_by_micro_batch_size)
 
 
@@ -241,11 +241,52 @@ def test_bytes_per_param_more_mistakes(fn, pattern):
 
 @pytest.mark.parametrize("fn, pattern", [
     (lambda L, s, b, h, a, flash=False: L * s * b * h * (32 + (0 if flash else 5 * a * s / h)),
-     "c₁ = 32, c₂ = 5; expected 34 and 5; the two sbh dropout masks"),
+     "c₁ = 32, c₂ = 5; expected 34 and 5; c₁ fits each of: one of .* left out; or both dropout masks left out"),
     (lambda L, s, b, h, a, flash=False: L * s * b * h * (34 + (0 if flash else 6 * a * s / h)),
-     "c₂ = 6.*counted at 2 bytes"),
+     "c₂ = 6.*c₂: the scores' dropout mask at 2 bytes per value \\(a mask is 1\\)"),
     (lambda L, s, b, h, a, flash=False: L * s * b * h * (36 + (0 if flash else 4 * a * s / h)),
      "c₁ = 36, c₂ = 4"),
 ], ids=["no masks", "score mask 2 bytes", "both off"])
 def test_activation_bytes_constants_named(fn, pattern):
     _mistake(check_activation_bytes, fn, pattern)
+
+
+def activation_without_k(L, s, b, h, a, flash=False):
+    """Wrong: K left out of the attention's saved tensors (c₁ = 32) — the same constant as
+    leaving out both dropout masks, so the check must not name the masks alone."""
+    attention = 2 + 2 + 2 + 2 + 1            # QKV input, Q, V, out-proj input, mask
+    per_layer = s * b * h * (attention + 19 + 4) + (0 if flash else 5 * a * s * s * b)
+    return L * per_layer
+
+
+def activation_by_tensor(L, s, b, h, a, flash=False):
+    """Right, written differently: every saved tensor listed with its element count and bytes."""
+    sbh, scores = s * b * h, a * s * s * b
+    saved = [(sbh, 2), (2 * sbh, 2), (sbh, 2), (sbh, 2), (sbh, 1), (sbh, 2), (4 * sbh, 2),
+             (4 * sbh, 2), (sbh, 1), (2 * sbh, 2)] + ([] if flash else [(scores, 2), (scores, 1), (scores, 2)])
+    return L * sum(n * width for n, width in saved)
+
+
+def test_leaving_out_k_is_not_reported_as_the_masks_alone():
+    check_activation_bytes(activation_by_tensor)
+    with pytest.raises(ExerciseFailed) as info:
+        check_activation_bytes(activation_without_k)
+    (line,) = info.value.problems
+    assert re.search("c₁ = 32.*Q, K, V.* left out; or both dropout masks left out", line), line
+
+
+def accumulate_dividing_by_k_twice(model, x, y, k):
+    """Wrong: each micro-batch's loss divided by k twice — at k = 2 that is the micro-batch
+    size m = 4 too, so that case must name both."""
+    m = len(x) // k
+    for i in range(k):
+        (model.loss(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) / k / k).backward()
+
+
+def test_a_divisor_shared_by_two_slips_names_both():
+    with pytest.raises(ExerciseFailed) as info:
+        check_grad_accumulation(accumulate_dividing_by_k_twice)
+    k2 = next(p for p in info.value.problems if p.startswith("k=2"))
+    assert "its size m = 4" in k2 and "divided by k twice" in k2, k2
+    k4 = next(p for p in info.value.problems if p.startswith("k=4"))
+    assert "divided by k twice" in k4 and "its size" not in k4, k4

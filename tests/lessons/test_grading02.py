@@ -3,6 +3,7 @@ import re
 import contextlib
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from picolib import comm
@@ -99,7 +100,7 @@ def average_a_clone(model, group=None):
 
 def test_check_average_gradients():
     check_average_gradients(average_right)
-    with fails("N=2, every rank: .* 2× too large: a sum where a mean"):
+    with fails("N=2, every rank: gradients: 2× the mean: the sum over the 2 ranks — divide by 2"):
         check_average_gradients(sum_only)
     with fails("no picolib.comm.all_reduce"):
         check_average_gradients(average_with_torch_directly)
@@ -166,3 +167,56 @@ def test_check_accumulate_and_step():
 def test_accumulate_and_step_rejects_each_classic_mistake(wrong, diagnosis):
     with fails(diagnosis):
         check_accumulate_and_step(wrong)
+
+
+def average_world_sum_over_group_size(model, group=None):
+    """Wrong on a sub-group: the sum over every rank, divided by the group's size."""
+    m = dist.get_world_size(group)
+    for p in model.parameters():
+        comm.all_reduce(p.grad)
+        p.grad /= m
+
+
+def average_by_world_size(model, group=None):
+    """Wrong on a sub-group: the group's sum divided by the world's size."""
+    for p in model.parameters():
+        comm.all_reduce(p.grad, group=group)
+        p.grad /= dist.get_world_size()
+
+
+def average_flat(model, group=None):
+    """Right, written differently: one flat buffer, op="avg", copied back."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    comm.all_reduce(flat, op="avg", group=group)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+def test_average_gradients_names_the_division_that_is_wrong():
+    check_average_gradients(average_flat)
+    with fails(r"group of 2 .*: the sum is that of all 4 ranks.*the division by the group's 2 is "
+               r"right") as info:
+        check_average_gradients(average_world_sum_over_group_size)
+    assert "and divide by the group's size" not in info.value.details
+    with fails(r"group of 2 .*: gradients: the group's sum divided by the world's 4 ranks, not the "
+               r"group's 2") as info:
+        check_average_gradients(average_by_world_size)
+    assert "divided once too often" not in info.value.details
+
+
+def test_accumulate_names_both_divisors_where_they_coincide():
+    """On 2 ranks × 3 micro-batches, dividing by the ranks and dividing by a fixed 2 give the
+    same gradient: that case names both; on 3 ranks × 4 only the fixed 2 fits."""
+    with pytest.raises(ExerciseFailed) as info:
+        check_accumulate_and_step(lambda d, o, mb: accumulate(d, o, mb, divide=2))
+    two, three = info.value.problems
+    assert "divided by the 2 ranks" in two and "divided by 2 whatever" in two, two
+    assert "ranks instead" not in three and "divided by 2 whatever" in three, three
+
+
+def test_accumulate_wrong_weights_name_the_parameter():
+    def skips_the_last_micro_batch(ddp, optimizer, micro_batches):
+        accumulate(ddp, optimizer, micro_batches[:-1] + [micro_batches[-2]])
+    with fails(r"gradient at step 1: \d+ of \d+ values wrong, the first [a-z_.\d]+\[[\d, ]+\]: got"):
+        check_accumulate_and_step(skips_the_last_micro_batch)

@@ -350,3 +350,66 @@ def test_shard_bounds_mistakes(fn, pattern):
     with fails(pattern):
         check_shard_bounds(fn)
     check_shard_bounds(_ceil_shards)     # right, written differently
+
+
+def zero1_gathers_the_gradient(param, grad, lr, group=None):
+    """Same values, calls and bytes as ZeRO-1, but every rank steps the whole vector with the
+    gathered mean gradient: no rank updates its shard alone or gathers parameters."""
+    n = dist.get_world_size(group)
+    size = -(-param.numel() // n)
+    g = torch.zeros(size * n)
+    g[:grad.numel()] = grad
+    mine = torch.empty(size)
+    comm.reduce_scatter(mine, g, op="avg", group=group)
+    mean = torch.empty(size * n)
+    comm.all_gather(mean, mine, group=group)
+    return param - lr * mean[:param.numel()]
+
+
+def zero1_step_in_place(param, grad, lr, group=None):
+    """Right, written differently: parameters and gradient padded together, the shard stepped
+    in place."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = -(-param.numel() // n)
+    flat = torch.nn.functional.pad(torch.stack([param, grad]), (0, size * n - param.numel()))
+    g = torch.empty(size)
+    comm.reduce_scatter(g, flat[1].contiguous(), op="avg", group=group)
+    shard = flat[0, rank * size:(rank + 1) * size].clone()
+    shard.sub_(lr * g)
+    out = torch.empty(size * n)
+    comm.all_gather(out, shard, group=group)
+    return out[:param.numel()]
+
+
+def test_zero1_step_must_step_the_shard_and_gather_parameters():
+    check_zero1_step(zero1_step_in_place)
+    with fails("all-gathered the mean gradient and stepped the whole vector on every rank") as info:
+        check_zero1_step(zero1_gathers_the_gradient)
+    assert len(info.value.problems) == 1, info.value.details
+
+
+def gather_drops_the_wrong_end(shard, shapes, group=None):
+    """Wrong, no known slip: the padding dropped from the front instead of the back."""
+    n = dist.get_world_size(group)
+    full = torch.empty(n * shard.numel())
+    comm.all_gather(full, shard, group=group)
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    return _split(full[full.numel() - numel:], shapes)
+
+
+def gather_into_a_list(shard, shapes, group=None):
+    """Right, written differently: torch.split by each parameter's size, then reshape."""
+    n = dist.get_world_size(group)
+    full = torch.empty(n * shard.numel())
+    comm.all_gather(full, shard, group=group)
+    sizes = [torch.Size(s).numel() for s in shapes]
+    pieces = full[:sum(sizes)].split(sizes)
+    return [piece.reshape(s) for piece, s in zip(pieces, shapes)]
+
+
+def test_gather_unit_says_which_parameter_differs():
+    check_gather_unit(gather_into_a_list)
+    with fails(r"unit \d+ \(\d+ elements\): [a-z_]+[a-z_.\d]*weight: \d+ of \d+ elements wrong, the "
+               r"first at \[\d+(, \d+)?\]: got") as info:
+        check_gather_unit(gather_drops_the_wrong_end)
+    assert "values differ" not in info.value.details

@@ -477,3 +477,64 @@ def test_sp_norm_weight_grad_names_each_mistake():
     with fails("not written yet"):
         check_sp_norm_weight_grad(lambda x, dy, eps, group=None: (_ for _ in ()).throw(
             NotImplementedError))
+
+
+def _loss_parts(local, targets, vocab_start, group, shift):
+    from picolib.tensor_parallel import reduce_from_tp
+    idx = targets - vocab_start
+    mine = (idx >= 0) & (idx < local.shape[-1])
+    z = local - shift.unsqueeze(-1)
+    sum_exp = reduce_from_tp(z.exp().sum(-1), group)
+    target = reduce_from_tp((z * torch.nn.functional.one_hot(
+        idx.clamp(0, local.shape[-1] - 1), local.shape[-1]) * mine.unsqueeze(-1)).sum(-1), group)
+    return sum_exp, target
+
+
+def loss_without_the_max(local, targets, vocab_start, group=None):
+    """Wrong: exp of the raw logits — overflows fp32 beyond z ≈ 88.7."""
+    sum_exp, target = _loss_parts(local, targets, vocab_start, group, torch.zeros(targets.shape))
+    return (sum_exp.log() - target).mean()
+
+
+def loss_summed_over_tokens(local, targets, vocab_start, group=None):
+    """Wrong: the sum over the b·s tokens, not the mean."""
+    return vocab_parallel_cross_entropy(local, targets, vocab_start, group) * targets.numel()
+
+
+def loss_with_logsumexp(local, targets, vocab_start, group=None):
+    """Right, written differently: the max from torch.max, the target picked with one_hot, the
+    loss as log-sum-exp plus the max minus the raw target logit."""
+    m = local.detach().max(-1).values
+    comm.all_reduce(m, op="max", group=group)
+    sum_exp, target = _loss_parts(local, targets, vocab_start, group, m)
+    return (torch.log(sum_exp) - target).sum() / targets.numel()
+
+
+def test_vocab_parallel_loss_needs_the_max_and_the_mean():
+    check_vocab_parallel_loss(loss_with_logsumexp)
+    with fails("the loss is inf on logits up to 1\\d\\d: exp\\(z\\) overflows fp32.*subtract the "
+               "max") as info:
+        check_vocab_parallel_loss(loss_without_the_max)
+    assert "elements wrong" not in info.value.details
+    with fails("the sum over the b·s = 18 tokens — return the mean") as info:
+        check_vocab_parallel_loss(loss_summed_over_tokens)
+    assert "ranks" not in info.value.details.split("tokens")[0]
+
+
+def norm_grad_without_eps(x, grad_out, eps, group=None):
+    """Wrong: no eps under the square root (inside the old check's tolerance: eps 1e-5 on
+    inputs of size ~1)."""
+    return norm_grad_right(x, grad_out, 0.0, group)
+
+
+def norm_grad_eps_written_in(x, grad_out, eps, group=None):
+    """Wrong: eps fixed at 1e-5 instead of the argument."""
+    return norm_grad_right(x, grad_out, 1e-5, group)
+
+
+def test_sp_norm_weight_grad_needs_the_argument_eps():
+    with fails("weight gradient: eps left out — x̂ = x·rsqrt") as info:
+        check_sp_norm_weight_grad(norm_grad_without_eps)
+    assert "or " not in info.value.details.split("eps left out")[0]
+    with fails("weight gradient: eps taken as 1e-5, not the argument eps = 0.001"):
+        check_sp_norm_weight_grad(norm_grad_eps_written_in)

@@ -41,7 +41,7 @@ def test_merge_check():
     check_merge_partials(merge)
     with fails("normalised by its own"):
         check_merge_partials(lambda o1, l1, o2, l2: ((o1 + o2) / 2, torch.logaddexp(l1, l2)))
-    with fails("lse: values differ"):
+    with fails(r"lse: \d+ of \d+ elements wrong, the first at \[0, 0, 0\]: got"):
         check_merge_partials(lambda o1, l1, o2, l2: (merge(o1, l1, o2, l2)[0], torch.maximum(l1, l2)))
     with fails("not written yet"):
         check_merge_partials(not_written)
@@ -75,3 +75,25 @@ def test_ring_pairs_check():
     with fails("zigzag, n=2"):    # keeps the masked pairs too
         check_ring_pairs(lambda r, n, k, layout: ring_pairs(r, n, k, layout) + (
             [] if layout == "contiguous" or n == 1 else [(r, 2 * n - 1 - r, "masked")]))
+
+
+def test_ring_pairs_names_a_slip_only_when_it_alone_fits():
+    with fails("zig-zag chunks r and 2N−1−r") as info:        # contiguous chunk ids under zig-zag
+        check_ring_pairs(lambda r, n, k, layout: ring_pairs(r, n, k, "contiguous"))
+    assert "travel to the right" not in info.value.details
+    # reversed only for the zig-zag layout: no single slip fits, so the cases are shown plainly
+    with fails(r"zigzag, n=3, rank 0, step 1: got .*, expected") as info:
+        check_ring_pairs(lambda r, n, k, layout: ring_pairs(r, n, k, layout,
+                                                            direction=+1 if layout == "zigzag" else -1))
+    assert " — " not in info.value.details
+
+
+from picolib.grading.lesson06 import _PAIR_SLIPS  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(_PAIR_SLIPS))
+def test_each_ring_pairs_slip_is_named_alone(name):
+    with pytest.raises(ExerciseFailed) as info:
+        check_ring_pairs(_PAIR_SLIPS[name])
+    (line,) = info.value.problems
+    assert line.endswith(name), line

@@ -121,7 +121,8 @@ def test_slice_mask_check():
     with fails("the mask is transposed"):
         check_slice_mask(lambda s, i: torch.ones(s[i], sum(s[:i + 1]), dtype=torch.bool).triu(sum(s[:i])))
     check_slice_mask(mask_by_positions)
-    with fails("values differ"):               # only token t−1 and t
+    with fails(r"slices \[3, 3, 2\], slice 0: \d+ of 9 entries wrong, the first: query 2 of the "
+               r"slice \(token 2\) and key 0 — got False, expected True"):   # only token t−1 and t
         check_slice_mask(lambda s, i: mask(s, i) & ~torch.ones(s[i], sum(s[:i + 1]), dtype=torch.bool)
                          .tril(sum(s[:i]) - 2))
     with fails("not written yet"):
@@ -195,3 +196,28 @@ def test_dp_slicer_mistakes(fn, pattern):
 
 def test_dp_slicer_right_by_recursion():
     check_dp_slicer(slicer_by_recursion)
+
+
+def test_pipeline_latency_names_the_context_counting_the_slice():
+    with fails(r"each slice's context counts the slice itself, cost\(lᵢ, cᵢ \+ lᵢ\)") as info:
+        check_pipeline_latency(lambda s, cost, K: latency(
+            s, lambda l, c: cost(l, c + l) if c + l <= sum(s) else cost(l, c), K))
+    assert len(info.value.problems) == 1
+
+
+def test_pipeline_latency_without_a_known_slip_shows_the_slice_times():
+    with fails(r"latency of slices .* got .*, expected .* — with tᵢ = cost\(lᵢ, cᵢ\) = \[.*\], Σt = "
+               r".* and \(K−1\)·max t = ") as info:
+        check_pipeline_latency(lambda s, cost, K: latency(s, cost, K) + 0.5)
+    assert "Σt alone" not in info.value.details
+
+
+from picolib.grading.lesson08 import _LATENCY_SLIPS, _times  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(_LATENCY_SLIPS))
+def test_each_latency_slip_is_named_alone(name):
+    rule = _LATENCY_SLIPS[name]
+    with fails(re.escape(name)) as info:
+        check_pipeline_latency(lambda s, cost, K: rule(_times(s, cost), K))
+    assert len(info.value.problems) == 1 and "fit each" not in info.value.details

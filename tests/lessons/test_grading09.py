@@ -110,8 +110,11 @@ def test_check_split_sizes():
 
 def test_check_moe_critical_batch():
     check_moe_critical_batch(lambda d, e, k, g: d * e / k / g)
-    with fails("bandwidth gain divides"):
+    with fails("the bandwidth gain is left out: it divides the tokens needed"):
         check_moe_critical_batch(lambda d, e, k, g: d * e / k)
+    with fails("k is left out") as info:                  # k = gain in two of the cases
+        check_moe_critical_batch(lambda d, e, k, g: d * e / g)
+    assert "gain" not in info.value.problems[0].split(" — ")[1], info.value.details
     with fails("not k/E"):
         check_moe_critical_batch(lambda d, e, k, g: d * k / e / g)
     check_moe_critical_batch(lambda d, e, k, g: d / (k / e) / g)   # right, written differently
@@ -159,3 +162,32 @@ def test_capacity_and_split_sizes_name_each_mistake():
     with fails(r"group of 2 in \[\[0, 2\], \[1, 3\]\] rank 0: the group of your all_to_all is that "
                "of all 4 ranks"):
         check_split_sizes(lambda c, group=None: split_sizes(c, None))
+
+
+def capacity_shared_by_all_experts(scores, k, cap):
+    """Wrong, and no known slip: one capacity for all experts together (E·cap slots)."""
+    choice = scores.topk(k, dim=-1).indices
+    if cap is None:
+        return choice, torch.ones_like(choice, dtype=torch.bool)
+    order = torch.arange(choice.numel()).view(k, -1).t()           # rank of each assignment, first choices first
+    return choice, order < cap * scores.shape[1]
+
+
+def test_top_k_capacity_names_only_a_slip_that_fits_every_case():
+    with fails(r"keep: \d+ of \d+ elements wrong, the first at \[\d+, \d+\]: got 1, expected 0") as info:
+        check_top_k_capacity(capacity_shared_by_all_experts)
+    assert " — " not in info.value.details, info.value.details
+    with fails("token by token") as info:
+        check_top_k_capacity(token_by_token)
+    assert "off by one" not in info.value.details and "nothing dropped" not in info.value.details
+
+
+from picolib.grading.lesson09 import _MOE_SLIPS  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(_MOE_SLIPS))
+def test_each_moe_slip_is_named_alone(name):
+    with pytest.raises(ExerciseFailed) as info:
+        check_moe_critical_batch(_MOE_SLIPS[name])
+    (line,) = info.value.problems
+    assert line.endswith(name), line

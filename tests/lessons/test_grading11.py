@@ -39,7 +39,7 @@ def test_critical_tokens():
     check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * c / (2 * w))
     with fails("not written yet"):
         check_critical_tokens(stub)
-    with fails("FSDP moves twice"):
+    with fails("FSDP's count is DP's: FSDP moves twice DP's bytes"):
         check_critical_tokens(lambda c, w, fsdp: c / (2 * w))
     with fails("2× too large"):
         check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * c / w)
@@ -87,12 +87,12 @@ def test_fits_more_mistakes():
         check_fits(lambda n, tp, pp, dp, z, a, hbm: (
             fits(n, tp, pp, dp, z, a, hbm)[0] - 4 * n / (tp * pp) / (dp if z else 1),) * 1
             + (True,))
-    with fails("another stage's count"):        # ZeRO-2 that forgets to shard the gradients
+    with fails("ZeRO-1's count, not ZeRO-2's"):  # ZeRO-2 that forgets to shard the gradients
         check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, 1 if z == 2 else z, a, hbm))
     with fails("use ≤, not <"):
         check_fits(lambda n, tp, pp, dp, z, a, hbm: (fits(n, tp, pp, dp, z, a, hbm)[0],
                                                      fits(n, tp, pp, dp, z, a, hbm)[0] < hbm))
-    with fails("not 80 GiB"):
+    with fails("compared with 80 GiB \\(85.9·10⁹ bytes\\) whatever hbm is"):
         check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, z, a, 80 * 2**30))
     with fails("return \\(bytes, fits\\)"):
         check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, z, a, hbm)[0])
@@ -179,3 +179,96 @@ def test_spine_batch():
         check_spine_batch(leaf)
     with fails("return \\(tokens per GPU"):
         check_spine_batch(lambda c, lv, X, Y: spine_batch(c, lv, X, Y)[0])
+
+
+def fits_by_parts(n, tp, pp, dp, zero, act, hbm):
+    """Right, written differently: bytes per parameter summed by stage, the verdict as a
+    negation."""
+    per = {0: 16, 1: 4 + 12 / dp, 2: 2 + 14 / dp, 3: 16 / dp}[zero]
+    total = per * n / (tp * pp) + act
+    return total, not total > hbm
+
+
+def test_fits_reads_hbm():
+    check_fits(fits_by_parts)
+    with fails("compared with 80·10⁹ bytes whatever hbm is: compare with the argument hbm") as info:
+        check_fits(lambda n, tp, pp, dp, z, a, hbm: fits(n, tp, pp, dp, z, a, 80e9))
+    assert len(info.value.problems) == 1 and "or " not in info.value.problems[0], info.value.details
+
+
+def spine_batch_written_in(peak, levels, X, Y):
+    """Wrong: the book's spine figure written in (6.4 TB/s per GPU at 256-way), C/(2W) right —
+    2× off on the link-derived spine, so not a C/W mistake."""
+    return peak / (2 * 6.4e12), Y * peak / (2 * 6.4e12)
+
+
+def spine_batch_by_levels(peak, levels, X, Y):
+    """Right, written differently: the slowest level's bandwidth per GPU, then C/(2W)."""
+    reached = [(s, w, b) for (s, w), b in zip(levels, (1,) + tuple(s for s, _ in levels)) if X * Y > b]
+    w = min(max(Y, b) * t / s for s, t, b in reached)
+    return peak / w / 2, peak / w / 2 * Y
+
+
+def test_spine_batch_names_a_slip_only_when_it_alone_fits():
+    check_spine_batch(spine_batch_by_levels)
+    with pytest.raises(ExerciseFailed) as info:
+        check_spine_batch(spine_batch_written_in)
+    assert "C/(2W), not C/W" not in info.value.details, info.value.details
+    assert "tokens per GPU: got" in info.value.details
+
+
+def test_critical_tokens_w_counted_twice_is_not_called_an_fsdp_mistake():
+    with pytest.raises(ExerciseFailed) as info:
+        check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * c / (4 * w))
+    assert "FSDP" not in info.value.details and "2× too small: in-network" in info.value.details
+    assert len(info.value.problems) == 1
+
+
+def test_all_reduce_time_names_a_slip_only_when_it_fits_every_case():
+    # N steps of latency where 2(N−1) are due, and only beyond 8 GPUs: no single slip gives that
+    with pytest.raises(ExerciseFailed) as info:
+        check_all_reduce_time(lambda b, n, w, a: ring_all_reduce(b, n, w, a) + (2 * a if n > 8 else 0))
+    assert " — " not in info.value.details, info.value.details
+    check_all_reduce_time(lambda b, n, w, a: 2 * (n - 1) * (a + b / (n * w)))   # right, factored
+
+
+# every known slip run through its check: the check names it (and only names another slip with
+# it where the two give the same answers in every case)
+from picolib.grading import lesson11 as _l11  # noqa: E402
+
+
+def _named_alone_or_with_twins(check, name, student):
+    with pytest.raises(ExerciseFailed) as info:
+        check(student)
+    (line,) = info.value.problems
+    assert name in line, line
+    return line
+
+
+@pytest.mark.parametrize("name", list(_l11._RING_SLIPS))
+def test_each_ring_slip_is_named(name):
+    _named_alone_or_with_twins(check_all_reduce_time, name, _l11._RING_SLIPS[name])
+
+
+@pytest.mark.parametrize("name", list(_l11._CRITICAL_SLIPS))
+def test_each_critical_tokens_slip_is_named(name):
+    factor = _l11._CRITICAL_SLIPS[name]
+    line = _named_alone_or_with_twins(check_critical_tokens, name,
+                                      lambda c, w, fsdp: factor(fsdp) * (2 if fsdp else 1) * c / (2 * w))
+    assert "fit each" not in line, line
+
+
+@pytest.mark.parametrize("name", list(_l11._sharded_variants(8192, 28672, 8, 1, BOOK_LEVELS)))
+def test_each_sharded_all_reduce_slip_is_named(name):
+    line = _named_alone_or_with_twins(check_sharded_all_reduce, name,
+                                      lambda *case: _l11._sharded_variants(*case)[name])
+    assert "fit each" not in line, line
+
+
+@pytest.mark.parametrize("name", list(_l11._spine_slips(989e12, BOOK_LEVELS, 4, 256)))
+def test_each_spine_slip_is_named(name):
+    def student(*case):
+        per_gpu, replica = _l11._spine_slips(*case)[name]
+        return per_gpu, replica if replica is not None else per_gpu * case[3]
+    line = _named_alone_or_with_twins(check_spine_batch, name, student)
+    assert "fit each" not in line, line

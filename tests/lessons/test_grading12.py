@@ -39,7 +39,7 @@ def test_roofline_time_right_answers_pass():
 def test_roofline_time_names_each_mistake(fn, pattern):
     with fails(pattern) as info:
         check_roofline_time(fn)
-    assert len(info.value.problems) == 1
+    assert len(info.value.problems) == 1 and "fit each" not in info.value.details
 
 
 def test_roofline_time_not_written():
@@ -93,6 +93,7 @@ def test_attention_bytes_names_each_mistake(fn, pattern):
     with fails(pattern) as info:
         check_attention_bytes(fn)
     assert len(info.value.problems) <= 2      # one line per part (naive, tiled) that is wrong
+    assert "fit each" not in info.value.details
 
 
 # ------------------------------------------------------------------ FP8 quantization
@@ -132,8 +133,9 @@ def test_fp8_quantize_right_answers_pass():
     (lambda x, g: _fp8(x, g)[..., :-1], "return the dequantized tensor in x's shape"),
 ], ids=["no scale", "nan", "per tensor", "per row", "e5m2", "e5m2 max", "signed max", "codes", "shape"])
 def test_fp8_quantize_names_each_mistake(fn, pattern):
-    with fails(pattern):
+    with fails(pattern) as info:
         check_fp8_quantize(fn)
+    assert "fit each" not in info.value.details
 
 
 def test_fp8_quantize_not_written_and_wrong_type():
@@ -153,8 +155,8 @@ def test_chip_anatomy_right_answers_pass():
     check_cuda_cores(lambda sm, sub, ln: sum(ln for _ in range(sm * sub)))          # counted
     check_vector_flops(lambda sm, sub, ln, f: sm * sub * ln * 2 * f)
     check_vector_flops(lambda sm, sub, ln, f: (sm * sub * ln) * f * 2.0)
-    check_critical_rows(lambda c, w, e: e * c / (2 * w))
-    check_critical_rows(lambda c, w, e: (c / w) / (2 / e))                         # ridge / (FLOPs per byte per row)
+    check_critical_rows(lambda c, w, e: math.ceil(e * c / (2 * w)))
+    check_critical_rows(lambda c, w, e: -(-(c / w) // (2 / e)))                    # ridge / (FLOPs per byte per row), rounded up
     check_on_chip_bytes(lambda sm, s, r, sub: (sm * s, sm * sub * r * 4))
     check_on_chip_bytes(lambda sm, s, r, sub: [s * sm, r * 32 // 8 * sub * sm])
 
@@ -178,6 +180,10 @@ def test_chip_anatomy_blanks_fail():
     (check_critical_rows, lambda c, w, e: c / w, "that is the ridge in FLOPs per byte"),
     (check_critical_rows, lambda c, w, e: 2 * c / w, "fixed at 4 \\(fp32\\)"),
     (check_critical_rows, lambda c, w, e: e * w / (2 * c), "bandwidth over peak"),
+    (check_critical_rows, lambda c, w, e: math.ceil(e * c / w), "a multiply-add is 2 FLOPs"),
+    (check_critical_rows, lambda c, w, e: e * c / (2 * w), "not a whole number: B counts rows"),
+    (check_critical_rows, lambda c, w, e: round(e * c / (2 * w)), "rounded to the nearest: 295 rows fall short"),
+    (check_critical_rows, lambda c, w, e: int(e * c / (2 * w)), "rounded down: ⌊B⌋ rows stay below"),
     (check_on_chip_bytes, lambda sm, s, r, sub: (s, sm * sub * r * 4), "SMEM: that is one SM's"),
     (check_on_chip_bytes, lambda sm, s, r, sub: (sm * s * sub, sm * sub * r * 4), "SMEM is per SM, not per subpartition"),
     (check_on_chip_bytes, lambda sm, s, r, sub: (sm * s, sm * sub * r), "multiply the count by 4 bytes"),
@@ -186,14 +192,28 @@ def test_chip_anatomy_blanks_fail():
     (check_on_chip_bytes, lambda sm, s, r, sub: (sm * s, sm * sub * r * 32), "4 bytes, not 32"),
 ], ids=["cores per SM", "cores no subpartitions", "cores no lanes", "no FMA", "flops per SM",
         "flops no subpartitions", "clock as GHz", "no clock", "rows no FMA", "rows = ridge", "rows fp32",
-        "rows swapped", "smem per SM", "smem per subpartition", "register words", "registers per SM",
+        "rows swapped", "rows no FMA ceil", "rows unrounded", "rows rounded", "rows floored", "smem per SM", "smem per subpartition", "register words", "registers per SM",
         "registers no subpartitions", "register bits"])
 def test_chip_anatomy_names_each_mistake(check, fn, pattern):
     with fails(pattern) as info:
         check(fn)
-    assert len(info.value.problems) == 1
+    assert len(info.value.problems) == 1 and "fit each" not in info.value.details
 
 
 def test_on_chip_bytes_wants_a_pair():
     with fails("expected a pair"):
         check_on_chip_bytes(lambda sm, s, r, sub: sm * s)
+
+
+def test_a_rounded_down_block_count_is_named_as_such():
+    with fails("number of query blocks rounded down: a last, partial block is still a block") as info:
+        check_attention_bytes(lambda s, d, b, e, tiled: e * (2 * s * d + (s // b) * 2 * s * d)
+                              if tiled else attention_bytes(s, d, b, e, False))
+    assert "Q is read and O written once" not in info.value.details
+
+
+def test_fp8_with_an_unknown_mistake_says_which_element_differs():
+    with fails(r"group='tensor': against FP8 e4m3 with one scale amax/448 per tensor, \d+ of 2048 "
+               r"elements wrong, the first at \[\d+, \d+\]: got -?[\d.e+-]+, expected") as info:
+        check_fp8_quantize(lambda x, g: _fp8(x, g, fmax=440.0))
+    assert "values differ" not in info.value.details

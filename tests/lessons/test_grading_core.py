@@ -17,3 +17,32 @@ def test_a_permutation_is_named_and_other_errors_are_not_guessed():
     assert diagnose(want + torch.tensor([0.0, 0.0, 0.0, 1.0]), want) == ""
     assert compare("x", want, want) == []
     assert "wrong order" in compare("buckets", [[2], [0, 1]], [[0, 1], [2]])[0]
+
+
+def test_a_mask_is_not_called_a_permutation_and_the_difference_is_shown():
+    want = torch.tensor([True, False, True, False])
+    assert diagnose(want.flip(0).float(), want.float()) == ""
+    (line,) = compare("keep", torch.tensor([1, 0, 0, 1]), want.long())
+    assert line.startswith("keep: 2 of 4 elements wrong, the first at [2]: got 0, expected 1"), line
+    (line,) = compare("loss", torch.tensor(2.5), torch.tensor(2.0))
+    assert line == "loss: got 2.5, expected 2", line
+
+
+def test_the_sub_group_hint_is_only_for_a_rank_outside_the_group():
+    from picolib.grading._core import _PEER_NOT_IN_GROUP
+    assert _PEER_NOT_IN_GROUP.search("ValueError: Global rank 3 is not part of group <ProcessGroup>")
+    assert not _PEER_NOT_IN_GROUP.search(
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
+        "peer [127.0.0.1]:4242 (ProcessGroupGloo)")
+    assert not _PEER_NOT_IN_GROUP.search("RuntimeError: ProcessGroupGloo::allreduce: invalid tensor size")
+
+
+def test_a_flattened_model_is_compared_parameter_by_parameter():
+    from picolib.grading._core import compare_parameters
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    want = torch.cat([p.detach().flatten() for p in model.parameters()])
+    got = want.clone()
+    got[8] += 1.0                                    # after 6 weights and 2 biases: layer 1, weight[0, 0]
+    (line,) = compare_parameters("weights", got, want, model)
+    assert line.startswith("weights: 1 of 11 values wrong, the first 1.weight[0, 0]: got"), line
+    assert compare_parameters("weights", want, want, model) == []
