@@ -61,6 +61,9 @@ _UNIT_FAMILY = {"ms": "time", "µs": "time", "us": "time", "ns": "time", "s": "t
                 "GB": "bytes", "GiB": "bytes", "MB": "bytes", "MiB": "bytes", "KB": "bytes", "KiB": "bytes",
                 "TB": "bytes", "TiB": "bytes", "TFLOP/s": "rate", "PFLOP/s": "rate", "EFLOP/s": "rate",
                 "TFLOPS": "rate", "GFLOP": "flop", "TFLOP": "flop", "tokens/s": "tps"}
+_UNIT_SCALE = {"ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9, "GB/s": 1e9, "TB/s": 1e12, "MB/s": 1e6,
+               "GB": 1e9, "MB": 1e6, "KB": 1e3, "TB": 1e12, "GiB": 2**30, "MiB": 2**20, "KiB": 2**10,
+               "TiB": 2**40, "TFLOP/s": 1e12, "PFLOP/s": 1e15, "EFLOP/s": 1e18, "TFLOPS": 1e12}
 SCALE = {"k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 WORDS_BEFORE_STRUCTURE = re.compile(
     r"(?:§|\blessons?|\bsections?|\bcells?|\bEx(?:ercise)?s?\.?|\bTables?|\bFig(?:ure)?s?\.?|"
@@ -102,6 +105,8 @@ class Number:
             candidates = [abs(other)] if other_percent else [abs(other) * 100]
         else:                            # 0.18 or 18 may be printed as 18%
             candidates = [abs(other), abs(other) / 100] if other_percent else [abs(other)]
+        if self.physical in _UNIT_SCALE and not other_physical and not other_percent:
+            candidates.append(abs(other) / _UNIT_SCALE[self.physical])   # 400 TFLOP/s is 400e12 in code
         return any(abs(c - mine) <= tol for c in candidates)
 
 

@@ -69,6 +69,11 @@ def test_a_unit_binds_only_its_own_kind():
     assert unbound(cells, {1: "8.9%"}) == ["9"]
 
 
+def test_a_unit_binds_the_same_quantity_in_base_units():
+    cells = [md("## 1 · A"), code("rate = 400e12\nspine = 50e9"), md("At 400 TFLOP/s and 50 GB/s; 45 TFLOP/s.")]
+    assert unbound(cells) == ["45"]
+
+
 def test_code_literals_bind_comments_do_not():
     cells = [md("## 1 · A"), code("gpus = 640  # 2048 would not fit\nassert ratio < 1.5"),
              md("On 640 GPUs the gain stays under 1.5; 2048 would not fit.")]
