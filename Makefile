@@ -40,7 +40,7 @@ test-notebooks: $(STAMP)
 # The torch range picolib supports, oldest and newest; CI (.ci/run) runs every lesson and solution
 # on both besides `make test` on the pinned one. `make test-torch TORCH_VERSION=2.6.0` runs them
 # under that release of PyPI's torch, from an environment kept outside the clone, in
-# ${XDG_CACHE_HOME:-~/.cache}/picolib/ and reused while pyproject.toml is unchanged
+# ${XDG_CACHE_HOME:-~/.cache}/picolib/ and reused while pyproject.toml's dependencies are unchanged
 # (tools/torch_env.py; the first build downloads 2-6 GB). `make test-setup TORCH_VERSION=...`
 # runs lesson 00 from its setup cell in a fresh environment that has only that torch.
 TORCH_OLDEST  ?= 2.6.0

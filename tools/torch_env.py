@@ -2,8 +2,8 @@
 
 Prints the environment's path. It lives outside the clone, under
 ${XDG_CACHE_HOME:-~/.cache}/picolib/, named after the torch version, the Python and a hash of
-pyproject.toml, so CI reuses it between runs on the same machine and a change of dependencies
-builds a new one. It holds torch (PyPI's wheel: the CUDA build on Linux, which also runs on a
+what it installs besides torch (pyproject.toml's dependencies and the test tools), so CI reuses
+it between runs on the same machine and a change of dependencies builds a new one. It holds torch (PyPI's wheel: the CUDA build on Linux, which also runs on a
 CPU), picolib's dependencies and what pytest needs to run notebooks — not picolib itself: the
 caller puts the clone on PYTHONPATH, so one environment serves every clone.
 
@@ -52,7 +52,8 @@ def main() -> int:
     pyproject = ROOT / "pyproject.toml"
     py = subprocess.run([args.python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                         capture_output=True, text=True, check=True).stdout.strip()
-    key = hashlib.sha256(pyproject.read_bytes()).hexdigest()[:10]
+    wanted = requirements(pyproject)
+    key = hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:10]
     env = cache_dir() / f"venv-torch-{args.version}-py{py}-{key}"
     stamp = env / ".complete"
     cache_dir().mkdir(parents=True, exist_ok=True)
@@ -64,12 +65,11 @@ def main() -> int:
                   file=sys.stderr)
             subprocess.run([args.python, "-m", "venv", str(env)], check=True)
             subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install", "-q",
-                            "--progress-bar", "off", f"torch=={args.version}",
-                            *requirements(pyproject)],
+                            "--progress-bar", "off", f"torch=={args.version}", *wanted],
                            check=True, env=no_constraints())
             stamp.touch()
             for old in cache_dir().glob(f"venv-torch-{args.version}-py{py}-*"):
-                if old != env:                               # made from an older pyproject.toml
+                if old != env:                               # made for other requirements
                     shutil.rmtree(old, ignore_errors=True)
     print(env)
     return 0
