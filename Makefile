@@ -43,12 +43,14 @@ test-notebooks: $(STAMP)
 # ${XDG_CACHE_HOME:-~/.cache}/picolib/ and reused while pyproject.toml's dependencies are unchanged
 # (tools/torch_env.py; the first build downloads 2-6 GB). `make test-setup TORCH_VERSION=...`
 # runs lesson 00 from its setup cell in a fresh environment that has only that torch.
+# TORCH_PYTHON picks the Python of the environment (e.g. python3.13).
 TORCH_OLDEST  ?= 2.6.0
 TORCH_NEWEST  ?= 2.15.0
 TORCH_VERSION ?= $(TORCH_NEWEST)
+TORCH_PYTHON  ?= $(PYTHON)
 
 test-torch:
-	env=$$($(PYTHON) tools/torch_env.py $(TORCH_VERSION)) && \
+	env=$$($(PYTHON) tools/torch_env.py $(TORCH_VERSION) --python $(TORCH_PYTHON)) && \
 	  PYTHONPATH=$(CURDIR) $$env/bin/python -m pytest -q $(NOTEBOOKS) $(NBVAL) -p no:cacheprovider
 
 test-setup:
