@@ -221,10 +221,10 @@ def _native(op, call, nbytes, group, async_op, rank_in_group=0, root=0, meta=Non
 
 
 def _sum_then_divide(op: str, tensor, group) -> bool:
-    """gloo's average is not the same in every torch: before 2.8 its all-reduce refuses AVG
-    (pytorch/pytorch#149781 added it) and its reduce-scatter sums instead (torch 2.6, measured;
-    pytorch/pytorch#162338). On gloo picolib sums and divides by the group's size itself —
-    what gloo's own AVG does where it has one; NCCL keeps its AVG."""
+    """gloo's average is not the same in every torch: torch 2.6's all-reduce refuses AVG and
+    its reduce-scatter sums instead (both measured; pytorch/pytorch#149781 added AVG to gloo in
+    2025, and #162338 reports wrong gloo averages after that). On gloo picolib sums and divides
+    by the group's size itself — what gloo's own AVG does where it has one; NCCL keeps AVG."""
     if op != "avg":
         return False
     backend = str(dist.get_backend(group)).lower()
