@@ -228,9 +228,12 @@ def _skip_meta_messages():
         def wrapped(tensor, *args, **kwargs):
             return _Done() if tensor.is_meta else call(tensor, *args, **kwargs)
         return wrapped
+    from torch.distributed import distributed_c10d
     for name in ("broadcast", "send", "recv", "isend", "irecv", "all_reduce",
                  "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
         setattr(dist, name, skipping(getattr(dist, name)))
+    for name in ("isend", "irecv"):       # a P2POp accepts only the functions c10d itself holds
+        setattr(distributed_c10d, name, getattr(dist, name))
     batch = dist.batch_isend_irecv
 
     def batch_isend_irecv(ops):
