@@ -17,7 +17,7 @@ NBVAL  := --nbval-lax --nbval-current-env
 # and opens on lesson 00 (tests/repo/test_lab.py starts exactly this).
 LAB_ARGS := --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_collectives.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test test-lib test-notebooks exercises bench clean site slides
+.PHONY: lab test test-lib test-notebooks test-torch test-setup exercises bench clean site slides
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,25 @@ test-lib: $(STAMP)
 
 test-notebooks: $(STAMP)
 	$(PY) -m pytest -q $(NOTEBOOKS) $(NBVAL)
+
+# The torch range picolib supports, oldest and newest; CI (.ci/run) runs every lesson and solution
+# on both besides `make test` on the pinned one. `make test-torch TORCH_VERSION=2.6.0` runs them
+# under that release of PyPI's torch, from an environment kept outside the clone, in
+# ${XDG_CACHE_HOME:-~/.cache}/picolib/ and reused while pyproject.toml's dependencies are unchanged
+# (tools/torch_env.py; the first build downloads 2-6 GB). `make test-setup TORCH_VERSION=...`
+# runs lesson 00 from its setup cell in a fresh environment that has only that torch.
+# TORCH_PYTHON picks the Python of the environment (e.g. python3.13).
+TORCH_OLDEST  ?= 2.6.0
+TORCH_NEWEST  ?= 2.15.0
+TORCH_VERSION ?= $(TORCH_NEWEST)
+TORCH_PYTHON  ?= $(PYTHON)
+
+test-torch:
+	env=$$($(PYTHON) tools/torch_env.py $(TORCH_VERSION) --python $(TORCH_PYTHON)) && \
+	  PYTHONPATH=$(CURDIR) $$env/bin/python -m pytest -q $(NOTEBOOKS) $(NBVAL) -p no:cacheprovider
+
+test-setup:
+	$(PYTHON) tools/test_setup.py $(TORCH_VERSION)
 
 exercises: $(STAMP)
 	$(PY) tools/make_exercises.py

@@ -181,11 +181,14 @@ class _Timed:
     """Wraps an async Work so that wait() completes the ledger record's time (and keeps a
     CPU copy staged for gloo alive until then)."""
 
-    def __init__(self, work, record: Record, t0: float, staged=None):
-        self._work, self._record, self._t0, self._staged = work, record, t0, staged
+    def __init__(self, work, record: Record, t0: float, staged=None, then=None):
+        self._work, self._record, self._t0, self._staged, self._then = work, record, t0, staged, then
 
     def wait(self):
         self._work.wait()
+        if self._then is not None:
+            self._then()
+            self._then = None
         self._record.seconds = time.perf_counter() - self._t0
         self._staged = None
         return True
@@ -201,7 +204,8 @@ def _members(group, peer: int | None = None) -> tuple:
                  else range(dist.get_world_size()))
 
 
-def _native(op, call, nbytes, group, async_op, rank_in_group=0, root=0, meta=None, peer=None):
+def _native(op, call, nbytes, group, async_op, rank_in_group=0, root=0, meta=None, peer=None,
+            then=None):
     n = dist.get_world_size(group)
     rec = Record(op, n, nbytes, ring_sent_bytes(op, nbytes, n, rank_in_group, root), None,
                  meta=meta or {}, ranks=_members(group, peer))
@@ -209,17 +213,39 @@ def _native(op, call, nbytes, group, async_op, rank_in_group=0, root=0, meta=Non
     t0 = time.perf_counter()
     work = call(async_op)
     if async_op:
-        return _Timed(work, rec, t0)
+        return _Timed(work, rec, t0, then=then)
+    if then is not None:
+        then()
     rec.seconds = time.perf_counter() - t0
     return None
+
+
+def _sum_then_divide(op: str, tensor, group) -> bool:
+    """gloo's average is not the same in every torch: torch 2.6's all-reduce refuses AVG and
+    its reduce-scatter sums instead (both measured; pytorch/pytorch#149781 added AVG to gloo in
+    2025, and #162338 reports wrong gloo averages after that). On gloo picolib sums and divides
+    by the group's size itself — what gloo's own AVG does where it has one; NCCL keeps AVG."""
+    if op != "avg":
+        return False
+    backend = str(dist.get_backend(group)).lower()
+    return "gloo" in backend and not (tensor.is_cuda and "nccl" in backend)
+
+
+def _reduction(op: str, result, group):
+    """(the ReduceOp to call, what to do to `result` once it has arrived, or None)."""
+    if _sum_then_divide(op, result, group):
+        n = dist.get_world_size(group)
+        return dist.ReduceOp.SUM, lambda: result.div_(n)
+    return _REDUCE_OPS[op], None
 
 
 def all_reduce(tensor, op: str = "sum", group=None, async_op: bool = False):
     """In place: every rank ends with the reduction (sum / avg / max) of all ranks' tensors."""
     if Ledger._on_rings():
         return _routed(_rings_all_reduce, async_op, tensor, op, group)
-    return _native("all_reduce", lambda a: dist.all_reduce(tensor, _REDUCE_OPS[op], group, a),
-                   _bytes(tensor), group, async_op)
+    reduce_op, then = _reduction(op, tensor, group)
+    return _native("all_reduce", lambda a: dist.all_reduce(tensor, reduce_op, group, a),
+                   _bytes(tensor), group, async_op, then=then)
 
 
 def reduce_scatter(output, input, op: str = "sum", group=None, async_op: bool = False):
@@ -227,8 +253,9 @@ def reduce_scatter(output, input, op: str = "sum", group=None, async_op: bool = 
     if Ledger._on_rings():
         return _routed(_rings_reduce_scatter, async_op, output, input, op, group)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return _native("reduce_scatter", lambda a: fn(output, input, _REDUCE_OPS[op], group, a),
-                   _bytes(input), group, async_op)
+    reduce_op, then = _reduction(op, output, group)
+    return _native("reduce_scatter", lambda a: fn(output, input, reduce_op, group, a),
+                   _bytes(input), group, async_op, then=then)
 
 
 def all_gather(output, input, group=None, async_op: bool = False):

@@ -168,8 +168,12 @@ def repeat_kv(x, n_rep: int):
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-# SDPA takes K/V heads unrepeated (GQA) from torch 2.5 on; before, they are repeated here
-SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+# SDPA takes K/V heads unrepeated (enable_gqa) from torch 2.5 on, but the CPU's fused kernel
+# only from 2.9 (pytorch/pytorch#157893): before, a CPU call with enable_gqa falls back to the
+# math path, which saves the s×s probabilities; there the K/V heads are repeated here instead
+_TORCH = torch.torch_version.TorchVersion(torch.__version__)
+SDPA_GQA = _TORCH >= (2, 5)
+SDPA_GQA_CPU = _TORCH >= (2, 9)
 
 
 def attention_core(q, k, v, impl: str = "eager", causal: bool = True):
@@ -179,9 +183,10 @@ def attention_core(q, k, v, impl: str = "eager", causal: bool = True):
     n_rep = q.shape[1] // k.shape[1]
     s_q, s_k = q.shape[-2], k.shape[-2]
     if impl == "sdpa":
-        if not SDPA_GQA:
+        gqa_ok = SDPA_GQA_CPU or (SDPA_GQA and q.device.type != "cpu")
+        if not gqa_ok:
             k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        gqa = {"enable_gqa": n_rep > 1} if SDPA_GQA else {}
+        gqa = {"enable_gqa": n_rep > 1} if gqa_ok else {}
         if s_q == s_k or not causal:                   # SDPA's is_causal aligns top-left
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(s_q, s_k, q.device), **gqa)

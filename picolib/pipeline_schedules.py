@@ -311,7 +311,7 @@ def from_torch(pipeline_order: dict, n_micro: int, name: str = "torch") -> Sched
     ops, stage_ranks = [[] for _ in pipeline_order], {}
     for r in sorted(pipeline_order):
         for a in pipeline_order[r]:
-            for act in (a.sub_actions or (a,)) if a is not None else ():
+            for act in (getattr(a, "sub_actions", None) or (a,)) if a is not None else ():
                 kind = kinds.get(act.computation_type.value)
                 if kind is not None:
                     ops[r].append(Op(kind, act.stage_index, act.microbatch_index))

@@ -247,6 +247,8 @@ def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
     ZeRO's unit sizes). FSDP2's calls are counted by wrapping `dist.all_gather_single` and
     `dist.reduce_scatter_single` (before torch 2.12: `all_gather_into_tensor` and
     `reduce_scatter_tensor`) for the duration of its step."""
+    import inspect
+
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -262,9 +264,12 @@ def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
     wrapped = {op: getattr(dist, name) for op, name in names.items()}
 
     def counting(op):
-        def call(output, input, *args, **kwargs):
+        params = list(inspect.signature(wrapped[op]).parameters)[:2]
+
+        def call(*args, **kwargs):     # FSDP2 passes the tensors by keyword in some releases
+            output, input = (args[i] if i < len(args) else kwargs[name] for i, name in enumerate(params))
             calls[op].append(max(output.numel(), input.numel()))    # the full buffer
-            return wrapped[op](output, input, *args, **kwargs)
+            return wrapped[op](*args, **kwargs)
         return call
 
     x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())

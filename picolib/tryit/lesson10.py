@@ -36,13 +36,19 @@ def zero_under_micro_batches(variants, ms=(1, 2, 4), n_layers: int = 8, rows: in
     bytes this rank held — the .grads, the reduced shards, and the flat buffers of
     reduce-scatters in flight — sampled after every parameter's gradient lands and after
     every backward (*measured* on the tensors' storages); the bytes sent by collective, from
-    the ledger (gloo's calls: counted by the ring formula, not measured); the updated weights.
+    the ledger (gloo's calls: counted by the ring formula, not measured); the weights after
+    one SGD step at lr 1 (the reduced gradient subtracted).
     """
     from ..zero import ZeRO
     r, out = dist.get_rank(), {}
     for (name, stage, every), m in ((v, m) for v in variants for m in ms):
         model = TinyLlama(LlamaConfig(n_layers=n_layers))
-        z = ZeRO(model, stage, optimizer="adam", lr=1e-3, reduce_every_micro_batch=every)
+        # SGD at lr 1: the update is the reduced gradient itself, so the two ways of reducing
+        # (summed in another order) agree to fp32 rounding, and a wrong scale would show. Adam's
+        # first step, lr·g/(|g| + eps), would turn the rounding of a gradient that nearly cancels
+        # into a visible share of lr: 2.5e-6 at lr 1e-3 under torch 2.6, more than 1e-6 under 2.11
+        # (measured; which elements cancel depends on each release's summation order)
+        z = ZeRO(model, stage, optimizer="sgd", lr=1.0, reduce_every_micro_batch=every)
         peak = [0]
 
         def sample(*_):
