@@ -83,15 +83,16 @@ def test_zero3_latency_crossing_by_closed_form_and_by_ring_time():
 
     from picolib.hardware import ALPHA
     from picolib.model import LlamaConfig
+    from picolib.plan_search import MATMUL_CEILING
     from picolib.planner import layer_numel
     llama8b = LlamaConfig(vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                           ffn_hidden=14336)
     found = {}
     for name, cfg in (("8B", llama8b), ("70B", LLAMA3_70B)):
-        backward = 4 * layer_numel(cfg) * 4096 / (0.6 * H100.bf16)
+        backward = 4 * layer_numel(cfg) * 4096 / (MATMUL_CEILING * H100.bf16)   # the planner's rate
         by_ring = next(n for n in range(2, 10**5)
                        if ring_time("all_gather", 0, n, 1) + ring_time("reduce_scatter", 0, n, 1) > backward)
         assert by_ring == math.floor(1 + backward / (2 * ALPHA)) + 1
         found[name] = by_ring
-    assert found["8B"] > 512 and found["70B"] > 3 * found["8B"]
+    assert 256 < found["8B"] < 1024 and found["70B"] > 3 * found["8B"]      # 8B: DP 512 in order of magnitude
     assert round(critical_tokens_dp(H100, 2048, fsdp=True) * 2048 / 1e6, 2) == 5.06   # the book's 5 M
