@@ -240,9 +240,13 @@ def _code_literals(src: str) -> tuple[list[Value], list[str]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "say":
                 for arg in node.args:
+                    # an f-string is read whole, each interpolated value a blank: its sentences
+                    # (and the source they name) stay in one piece
+                    parts = arg.values if isinstance(arg, ast.JoinedStr) else [arg]
+                    prose.append("".join(p.value if isinstance(p, ast.Constant) and isinstance(p.value, str)
+                                         else " \u2039\u203a " for p in parts))
                     for sub in ast.walk(arg):
                         if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
-                            prose.append(sub.value)
                             said.add(id(sub))
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
