@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -155,15 +156,30 @@ def _forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets, timel
         # DualPipe: each end holds its half of the micro-batches' mean; times 2, its own mean
         return loss if loss is None else loss * len(sched.pipes)
     model, wrapper = stages[0], wrappers[0]
-    loss = 0.0
+    loss = None
     for i, (x, y) in enumerate(zip(tokens, targets)):
         last = i == len(tokens) - 1
         with contextlib.nullcontext() if last else wrapper.no_sync(), \
                 (timeline.span("FB", mb=i) if timeline else contextlib.nullcontext()):
             micro = model.loss(x, y) / len(tokens)
             micro.backward()
-        loss += micro.item()
+        loss = micro.detach() if loss is None else loss + micro.detach()   # summed on the device
     return loss
+
+
+def _train_step(cfg, stages, wrappers, optimizers, sched, mesh, tokens, targets, timeline):
+    """One optimizer step: forward and backward, the gradients reduced and clipped, the
+    update. Returns this rank's loss (None off the last stage) and the global gradient norm,
+    both device tensors: nothing here waits for the device (a host sync) except the
+    data-parallel wrappers' verdict on a NaN or inf gradient (`finish_gradient_sync`); the
+    loop reads the logged values once, after the step."""
+    loss = _step(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline)
+    for w in wrappers.values():      # reduced gradients, then the global norm
+        w.finish_gradient_sync()
+    grad_norm = clip_grad_norm_(cfg, wrappers, max_norm=cfg.clip_grad)
+    for opt in optimizers:
+        opt.step()
+    return loss, grad_norm
 
 
 def _state_bytes(wrappers) -> int:
@@ -287,14 +303,12 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
             t0 = time.perf_counter()
             with Ledger() as led, SavedActivations() as act:
                 try:
-                    loss = _step(cfg, stages, wrappers, sched, mesh, tokens, targets, tl)
-                    for w in wrappers.values():      # reduced gradients, then the global norm
-                        w.finish_gradient_sync()
-                    grad_norm = clip_grad_norm_(cfg, wrappers, max_norm=cfg.clip_grad).item()
-                    for opt in optimizers:
-                        opt.step()
+                    loss, grad_norm = _train_step(cfg, stages, wrappers, optimizers, sched, mesh,
+                                                  tokens, targets, tl)
                 except FloatingPointError as e:      # raised on every rank alike
                     raise _not_finite(step, _gradient_detail(e), cfg) from None
+                if mesh.device.type == "cuda":       # the step's time: until the device is done
+                    torch.cuda.synchronize(mesh.device)
             seconds = time.perf_counter() - t0
             state = _state_bytes(wrappers)
             lr = schedulers[0].get_last_lr()[0]      # the rate this step used
@@ -302,16 +316,19 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
                 opt.zero_grad()
             for s in schedulers:
                 s.step()
-            total = torch.tensor([0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0],
-                                 dtype=torch.float64)
+            total = torch.zeros(2, dtype=torch.float64, device=mesh.device)
+            if loss is not None:
+                total = torch.stack([loss.double(), torch.ones_like(total[0])])
             dist.all_reduce(total)
-            if not torch.isfinite(total).all():      # the same sum on every rank
-                raise _not_finite(step, f"the loss is {total[0].item()}", cfg)
+            # the logged values, read once: the loss summed over ranks, its count, the norm
+            loss_sum, count, grad_norm = torch.cat([total, grad_norm.view(1).double()]).tolist()
+            if not math.isfinite(loss_sum):          # the same sum on every rank
+                raise _not_finite(step, f"the loss is {loss_sum}", cfg)
             sent = {op: s["sent_bytes"] for op, s in led.summary().items()}
             by_kind = _sent_by_kind(led, mesh, replicas, kinds)
             busiest = _max_over_ranks([seconds, state, act.peak] + [sent.get(op, 0) for op in OPS]
                                       + [by_kind.get(k, 0) for k in KINDS])
-            rec = {"step": step, "loss": total[0].item() / total[1].item(), "lr": lr,
+            rec = {"step": step, "loss": loss_sum / count, "lr": lr,
                    "grad_norm": grad_norm,
                    "seconds": busiest[0],
                    "tokens_per_s": tokens_per_step / busiest[0],
