@@ -18,7 +18,8 @@ the mean loss over every token of `--eval-batches K` held-out batches, computed 
 every layout (the pipeline's last stage; summed over dp and cp by tokens).
 
 Each step logs the global mean loss, the learning rate, tokens/s, MFU and HFU against a stated
-peak, the memory of the busiest rank and the bytes it sent by collective and by kind (DP, TP,
+peak (model FLOPs by picolib.plan_search.model_flops_per_token: 6 × active parameters without
+the input embedding, plus causal attention), the memory of the busiest rank and the bytes it sent by collective and by kind (DP, TP,
 PP, CP, EP);
 `--log FILE` writes them as one JSON object per line, `--trace FILE` a Perfetto/Chrome trace
 of the last step.
@@ -47,12 +48,13 @@ from . import comm
 from .compose import LR_SCHEDULES, MODEL_PRESETS, TrainConfig, build, check_config, lr_factor, open_data
 from .context_parallel import ALGORITHMS, LAYOUTS, positions
 from .data import global_mean_loss
-from .memory import SavedActivations, hardware_flops, model_flops
+from .memory import SavedActivations
 from .mesh import Mesh
 from .model import param_count, random_tokens
 from .pipeline_parallel import run_schedule
 from .pipeline_schedules import SCHEDULES
-from .planner import Plan
+from .plan_search import model_flops_per_token
+from .planner import MoEShape, Plan
 from .rank import device
 from .timeline import Timeline, gather, to_chrome_trace
 
@@ -182,6 +184,11 @@ def _train_step(cfg, stages, wrappers, optimizers, sched, mesh, tokens, targets,
     return loss, grad_norm
 
 
+def _moe_shape(cfg: TrainConfig) -> MoEShape | None:
+    """The trainer's experts as the planner describes them (each of the preset MLP's size)."""
+    return MoEShape(cfg.experts, cfg.top_k, cfg.model_config().ffn_hidden) if cfg.experts else None
+
+
 def _state_bytes(wrappers) -> int:
     """Parameters, gradients and optimizer state this rank holds: the wrappers' `memory()`
     (DDP or ZeRO alike, the data-parallel contract)."""
@@ -284,7 +291,9 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
             cfg.eval_batches, cfg.batch, cfg.seq, mesh.coordinate("dp"), cfg.dp, _columns(cfg, mesh))]
     peak, peak_text = _peak_flops(cfg, mesh.device)
     n_params, tokens_per_step = param_count(cfg.model_config()), cfg.batch * cfg.seq
-    hw_recompute = "full" if cfg.recompute == "full" else "none"
+    model_flops = model_flops_per_token(cfg.model_config(), cfg.seq, _moe_shape(cfg)) * tokens_per_step
+    # full recomputation runs each forward (a third of the model FLOPs) twice
+    hardware_flops = model_flops * (4 / 3 if cfg.recompute == "full" else 1)
     rank0 = dist.get_rank() == 0
     bar = report = None
     if rank0 and cfg.progress and progress_to:
@@ -332,9 +341,8 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
                    "grad_norm": grad_norm,
                    "seconds": busiest[0],
                    "tokens_per_s": tokens_per_step / busiest[0],
-                   "mfu": model_flops(n_params, tokens_per_step) / (busiest[0] * cfg.world_size * peak),
-                   "hfu": hardware_flops(n_params, tokens_per_step, hw_recompute)
-                   / (busiest[0] * cfg.world_size * peak),
+                   "mfu": model_flops / (busiest[0] * cfg.world_size * peak),
+                   "hfu": hardware_flops / (busiest[0] * cfg.world_size * peak),
                    "state_bytes": int(busiest[1]), "activation_bytes": int(busiest[2]),
                    "sent_bytes": {op: int(b) for op, b in zip(OPS, busiest[3:3 + len(OPS)]) if b},
                    "sent_bytes_by_kind": {k: int(b) for k, b in zip(KINDS, busiest[3 + len(OPS):]) if b}}
