@@ -440,6 +440,8 @@ HELP = {
     "peak_tflops": "peak per rank for MFU (default: H100 dense BF16 on GPUs, measured on CPUs)",
     "log": "write one JSON object per step to this file (under torchrun: --log-file)",
     "trace": "write a Perfetto/Chrome trace of the last step to this file",
+    "compile": "torch.compile each transformer block (off by default; not with --tp, --cp, "
+               "--experts or --zero 3)",
     "progress": "show a progress bar and a summary (--no-progress: quiet)",
     "save": "write checkpoints (torch.distributed.checkpoint) into this folder, one step-NNNNNN "
             "folder each, at the end",
