@@ -189,6 +189,23 @@ def _model(data):
               f"{data['peak_source']} peak ({data['peak_flops'] / 1e12:,.2f} TFLOP/s).")
 
 
-RENDERERS = {"model": _model, "model_gpu": _model, "launch": _launch, "dp_zero": _dp_zero, "tp_sp": _tp_sp, "pipeline": _pipeline,
+def _train_gpu(data):
+    c, z = data["sizes"]["cfg"], data["sizes"]
+    rows = [[f"{r['name']}{', compiled' if r['compiled'] else ''}", r["batch"],
+             f"{1e3 * r['step_s']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.3f}",
+             f"{r['peak_bytes'] / MiB:,.1f}", f"{r['ratio']:.2f}"] for r in data["rows"]]
+    where = (f"{data['device']} (torch {data['torch']})" if data["cuda"] else "CPU, one thread")
+    head = (f"{where}: the {data['preset']} preset (h = {c['hidden']}, {c['n_layers']} layers, "
+            f"{c['n_heads']} heads / {c['n_kv_heads']} KV heads, FFN {c['ffn_hidden']}, vocabulary "
+            f"{c['vocab_size']:,}), sequence {z['seq']}, {z['dtype']}, median of {z['timed']} steps "
+            f"after {z['warmup']}" + ("" if data["transformers_version"] else
+                                     "; transformers not installed: no transformers rows") + ".")
+    return (head + "\n\n" + _table(["one training step", "batch", "median ms", "tokens/s", "MFU",
+                                    "peak MiB", "step / model alone"], rows)
+            + f"\n\nMFU by `model_flops_per_token` against a peak of "
+              f"{data['peak_flops'] / 1e12:,.2f} TFLOP/s ({data['peak_source']}).")
+
+
+RENDERERS = {"train_gpu": _train_gpu, "train_cpu": _train_gpu, "model": _model, "model_gpu": _model, "launch": _launch, "dp_zero": _dp_zero, "tp_sp": _tp_sp, "pipeline": _pipeline,
              "context_parallel": _context_parallel, "terapipe": _terapipe, "moe": _moe,
              "train_5d": _train_5d}

@@ -12,9 +12,9 @@ asserted equal in fp32 before anything is timed. A step is forward, the mean
 cross-entropy of the logits (in fp32, the same line on both sides), backward and an AdamW
 step. Both sides run in one process, in alternating rounds of ROUND steps, so a busy
 neighbour on a shared machine slows both; each side reports the median step of its timed
-steps. tokens/s = batch × sequence / median step. MFU = 6·N·tokens / step / peak
-(`picolib.memory.model_flops`, N every parameter, attention's s² FLOPs not counted), the
-peak being the GPU's dense bf16 datasheet peak (H100/H200: 989 TFLOP/s) or, on a CPU, the
+steps. tokens/s = batch × sequence / median step. MFU = model FLOPs / step / peak, the
+FLOPs by picolib's one convention (`picolib.plan_search.model_flops_per_token` × tokens: 6 ×
+the parameters without the input embedding, plus causal attention), the peak being the GPU's dense bf16 datasheet peak (H100/H200: 989 TFLOP/s) or, on a CPU, the
 measured fp32 matmul peak of one thread (`picolib.roofline.measure_peak`). Peak memory:
 the side's weights and optimizer state plus the most one step allocates above what was
 allocated before it (CUDA allocator; both models share the GPU); on a CPU, torch's
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
 from picolib.hardware import hardware  # noqa: E402
-from picolib.memory import model_flops  # noqa: E402
+from picolib.plan_search import model_flops_per_token  # noqa: E402
 from picolib.model import LlamaConfig, TinyLlama, param_count, random_tokens  # noqa: E402
 from picolib.roofline import measure_peak  # noqa: E402
 
@@ -197,7 +197,7 @@ def main():
         med = statistics.median(times[name])
         held = [models[name], opt]
         rows[name] = {"step_s": round(med, 5), "tokens_per_s": round(tokens / med, 1),
-                      "mfu": round(model_flops(n, tokens) / med / peak, 4),
+                      "mfu": round(model_flops_per_token(CFG, SEQ) * tokens / med / peak, 4),
                       "peak_bytes": peak_bytes(step, x, y, held),
                       "steps": [round(t, 5) for t in times[name]]}
         print(name, {k: v for k, v in rows[name].items() if k != "steps"}, flush=True)

@@ -13,7 +13,9 @@ first set of data-parallel replicas counts it, and within that set each replica 
 part it answers for (`holdings`: a ZeRO shard, or a 1/n slice of a DDP replica's whole
 tensor). One all-reduce of one number over all ranks then sums tp slices, ZeRO shards,
 pipeline stages and experts alike. Every rank gets the same norm and scales the gradients
-its optimizer reads by the same factor. Call it after the data-parallel wrappers have
+its optimizer reads by the same factor, min(1, max_norm / (norm + 1e-6)), computed on the
+device: nothing waits for the norm (a factor of exactly 1 leaves the gradients as they were).
+Call it after the data-parallel wrappers have
 reduced the gradients (`finish_gradient_sync()`) and before the optimizer steps.
 """
 from __future__ import annotations
@@ -34,22 +36,22 @@ def clip_grad_norm_(cfg, wrappers: dict, optimizer=None, max_norm: float = 1.0) 
     `optimizer`: only for a DDP that does not own one (the wrappers' own are used).
     A collective: every rank calls it."""
     place = {(p.stage, p.local): p for p in placements(cfg, dist.get_rank())}
-    grads, squares = [], []
+    grads, owns = [], []
     for stage, wrapper in wrappers.items():
         for held in holdings(wrapper, optimizer, create_state=False).items:
             if held.grad is None:
                 continue
             grads.append(held.grad)
             if place[(stage, held.name)].first:
-                own = held.grad[held.own_lo - held.lo:held.own_hi - held.lo]
-                squares.append(own.double().pow(2).sum())
+                owns.append(held.grad[held.own_lo - held.lo:held.own_hi - held.lo])
     device = grads[0].device if grads else torch.device("cpu")
-    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if owns:       # one kernel for every tensor's norm; their squares summed in float64
+        total = torch.stack(torch._foreach_norm(owns, 2, dtype=torch.float64)).pow(2).sum()
     dist.all_reduce(total)            # one number over all ranks: stages, slices, shards, experts
     norm = total.sqrt()
-    if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1:
-            for g in grads:
-                g.mul_(coef.to(g.dtype))
+    if max_norm > 0 and grads:        # on the device: no branch on the norm, no wait for it
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for dtype in {g.dtype for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], coef.to(dtype))
     return norm

@@ -23,7 +23,7 @@ from .data_parallel import DDP
 from .expert_parallel import apply_expert_parallel, expert_gradient_groups
 from .materialize import materialize
 from .mesh import Mesh, check_mesh
-from .model import LlamaConfig, TinyLlama
+from .model import Block, LlamaConfig, TinyLlama
 from .moe import apply_moe, aux_loss_in_backward, check_moe
 from .pipeline_parallel import pair_gradient_groups, schedule_stages
 from .pipeline_schedules import SCHEDULES, make_schedule
@@ -88,6 +88,7 @@ class TrainConfig:
     save_every: int = 0           # also save every this many steps (0: only at the end)
     keep: int = 2                 # complete step folders kept (older ones deleted)
     resume: str | None = None     # continue from this checkpoint, on any mesh
+    compile: bool = False         # torch.compile each transformer block (not with tp, cp, experts, ZeRO-3)
     progress: bool = True
 
     @property
@@ -229,9 +230,32 @@ def check_config(cfg: TrainConfig, world_size: int | None = None, read_data: boo
         checkpoint.check_save(cfg.save)
     if cfg.resume:
         checkpoint.check_resume(cfg.resume, cfg)
+    if cfg.compile:
+        check_compile(cfg)
     if cfg.zero == 3 and cfg.recompute != "none":
         raise ValueError("ZeRO-3 frees parameters after forward: --recompute needs --zero ≤ 2")
     open_data(cfg, check=read_data)
+
+
+def check_compile(cfg: TrainConfig) -> None:
+    """--compile compiles each block, which on these layouts holds collectives, hooks that swap
+    its parameters, or routing whose shapes depend on the data: refused there, naming why."""
+    why = {"--tp": (cfg.tp > 1, "tensor parallelism calls collectives inside each block"),
+           "--cp": (cfg.cp > 1, "context parallelism exchanges K/V inside each block's attention"),
+           "--experts": (cfg.experts > 0, "routing sends data-dependent numbers of tokens to each expert"),
+           "--zero 3": (cfg.zero == 3, "ZeRO-3 gathers and frees each block's parameters around it")}
+    for flag, (used, reason) in why.items():
+        if used:
+            raise ValueError(f"--compile does not work with {flag}: {reason}; drop --compile or {flag}")
+
+
+def compile_blocks(stages: dict) -> None:
+    """torch.compile every transformer block of this rank's stages in place (`Module.compile`:
+    the parameters, their names and the hooks the wrappers put on them stay the same)."""
+    for stage in stages.values():
+        for module in stage.modules():
+            if isinstance(module, Block):
+                module.compile()
 
 
 def open_data(cfg: TrainConfig, check: bool = True):
@@ -317,6 +341,8 @@ def build(cfg: TrainConfig, mesh: Mesh):
     and the schedule. The only place that asks which wrapper: below. A resume then reads
     each rank's part into them (`checkpoint.load_into`)."""
     stages, sched, expert_groups = build_stages(cfg, mesh)
+    if cfg.compile:
+        compile_blocks(stages)
     replicas = mesh.group("dp", "cp") if cfg.cp > 1 else mesh.group("dp")
     adamw = dict(optimizer=torch.optim.AdamW, lr=cfg.lr)
     if cfg.zero:   # bf16: compute copies of the weights; fp32 masters (and autocast, train.py)

@@ -93,10 +93,14 @@ def attention_flops(cfg: LlamaConfig, seq: int, causal: bool = True) -> float:
 
 def model_flops_per_token(cfg: LlamaConfig, seq: int, moe: MoEShape | None = None,
                           causal: bool = True) -> float:
-    """Model FLOPs per token of one training step: 6 × the active parameters (forward 2,
-    backward 4) plus 3 × each layer's attention core (`attention_flops`). The MFU convention
-    picolib uses; `causal=False` gives Megatron-LM's whole-square count."""
-    return 6 * active_params(cfg, moe) + 3 * cfg.n_layers * attention_flops(cfg, seq, causal)
+    """Model FLOPs per token of one training step, picolib's one MFU convention (the trainer's
+    log, the planner and bench/ use it): 6 × the active parameters (forward 2, backward 4;
+    a MoE's top-k routed and shared experts and its router), without the input embedding
+    table (a lookup, no FLOPs; the output head is a matmul and counts), plus 3 × each
+    layer's causal attention core (`attention_flops`). `causal=False` gives Megatron-LM's
+    whole-square count."""
+    return (6 * (active_params(cfg, moe) - cfg.vocab_size * cfg.hidden)
+            + 3 * cfg.n_layers * attention_flops(cfg, seq, causal))
 
 
 def _stage_seconds(cfg, par, hw, moe, eff, ceiling):

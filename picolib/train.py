@@ -18,7 +18,8 @@ the mean loss over every token of `--eval-batches K` held-out batches, computed 
 every layout (the pipeline's last stage; summed over dp and cp by tokens).
 
 Each step logs the global mean loss, the learning rate, tokens/s, MFU and HFU against a stated
-peak, the memory of the busiest rank and the bytes it sent by collective and by kind (DP, TP,
+peak (model FLOPs by picolib.plan_search.model_flops_per_token: 6 × active parameters without
+the input embedding, plus causal attention), the memory of the busiest rank and the bytes it sent by collective and by kind (DP, TP,
 PP, CP, EP);
 `--log FILE` writes them as one JSON object per line, `--trace FILE` a Perfetto/Chrome trace
 of the last step.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -46,12 +48,13 @@ from . import comm
 from .compose import LR_SCHEDULES, MODEL_PRESETS, TrainConfig, build, check_config, lr_factor, open_data
 from .context_parallel import ALGORITHMS, LAYOUTS, positions
 from .data import global_mean_loss
-from .memory import SavedActivations, hardware_flops, model_flops
+from .memory import SavedActivations
 from .mesh import Mesh
 from .model import param_count, random_tokens
 from .pipeline_parallel import run_schedule
 from .pipeline_schedules import SCHEDULES
-from .planner import Plan
+from .plan_search import model_flops_per_token
+from .planner import MoEShape, Plan
 from .rank import device
 from .timeline import Timeline, gather, to_chrome_trace
 
@@ -155,15 +158,35 @@ def _forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets, timel
         # DualPipe: each end holds its half of the micro-batches' mean; times 2, its own mean
         return loss if loss is None else loss * len(sched.pipes)
     model, wrapper = stages[0], wrappers[0]
-    loss = 0.0
+    loss = None
     for i, (x, y) in enumerate(zip(tokens, targets)):
         last = i == len(tokens) - 1
         with contextlib.nullcontext() if last else wrapper.no_sync(), \
                 (timeline.span("FB", mb=i) if timeline else contextlib.nullcontext()):
             micro = model.loss(x, y) / len(tokens)
             micro.backward()
-        loss += micro.item()
+        loss = micro.detach() if loss is None else loss + micro.detach()   # summed on the device
     return loss
+
+
+def _train_step(cfg, stages, wrappers, optimizers, sched, mesh, tokens, targets, timeline):
+    """One optimizer step: forward and backward, the gradients reduced and clipped, the
+    update. Returns this rank's loss (None off the last stage) and the global gradient norm,
+    both device tensors: nothing here waits for the device (a host sync) except the
+    data-parallel wrappers' verdict on a NaN or inf gradient (`finish_gradient_sync`); the
+    loop reads the logged values once, after the step."""
+    loss = _step(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline)
+    for w in wrappers.values():      # reduced gradients, then the global norm
+        w.finish_gradient_sync()
+    grad_norm = clip_grad_norm_(cfg, wrappers, max_norm=cfg.clip_grad)
+    for opt in optimizers:
+        opt.step()
+    return loss, grad_norm
+
+
+def _moe_shape(cfg: TrainConfig) -> MoEShape | None:
+    """The trainer's experts as the planner describes them (each of the preset MLP's size)."""
+    return MoEShape(cfg.experts, cfg.top_k, cfg.model_config().ffn_hidden) if cfg.experts else None
 
 
 def _state_bytes(wrappers) -> int:
@@ -268,7 +291,9 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
             cfg.eval_batches, cfg.batch, cfg.seq, mesh.coordinate("dp"), cfg.dp, _columns(cfg, mesh))]
     peak, peak_text = _peak_flops(cfg, mesh.device)
     n_params, tokens_per_step = param_count(cfg.model_config()), cfg.batch * cfg.seq
-    hw_recompute = "full" if cfg.recompute == "full" else "none"
+    model_flops = model_flops_per_token(cfg.model_config(), cfg.seq, _moe_shape(cfg)) * tokens_per_step
+    # full recomputation runs each forward (a third of the model FLOPs) twice
+    hardware_flops = model_flops * (4 / 3 if cfg.recompute == "full" else 1)
     rank0 = dist.get_rank() == 0
     bar = report = None
     if rank0 and cfg.progress and progress_to:
@@ -287,14 +312,12 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
             t0 = time.perf_counter()
             with Ledger() as led, SavedActivations() as act:
                 try:
-                    loss = _step(cfg, stages, wrappers, sched, mesh, tokens, targets, tl)
-                    for w in wrappers.values():      # reduced gradients, then the global norm
-                        w.finish_gradient_sync()
-                    grad_norm = clip_grad_norm_(cfg, wrappers, max_norm=cfg.clip_grad).item()
-                    for opt in optimizers:
-                        opt.step()
+                    loss, grad_norm = _train_step(cfg, stages, wrappers, optimizers, sched, mesh,
+                                                  tokens, targets, tl)
                 except FloatingPointError as e:      # raised on every rank alike
                     raise _not_finite(step, _gradient_detail(e), cfg) from None
+                if mesh.device.type == "cuda":       # the step's time: until the device is done
+                    torch.cuda.synchronize(mesh.device)
             seconds = time.perf_counter() - t0
             state = _state_bytes(wrappers)
             lr = schedulers[0].get_last_lr()[0]      # the rate this step used
@@ -302,22 +325,24 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
                 opt.zero_grad()
             for s in schedulers:
                 s.step()
-            total = torch.tensor([0.0 if loss is None else float(loss), 0.0 if loss is None else 1.0],
-                                 dtype=torch.float64)
+            total = torch.zeros(2, dtype=torch.float64, device=mesh.device)
+            if loss is not None:
+                total = torch.stack([loss.double(), torch.ones_like(total[0])])
             dist.all_reduce(total)
-            if not torch.isfinite(total).all():      # the same sum on every rank
-                raise _not_finite(step, f"the loss is {total[0].item()}", cfg)
+            # the logged values, read once: the loss summed over ranks, its count, the norm
+            loss_sum, count, grad_norm = torch.cat([total, grad_norm.view(1).double()]).tolist()
+            if not math.isfinite(loss_sum):          # the same sum on every rank
+                raise _not_finite(step, f"the loss is {loss_sum}", cfg)
             sent = {op: s["sent_bytes"] for op, s in led.summary().items()}
             by_kind = _sent_by_kind(led, mesh, replicas, kinds)
             busiest = _max_over_ranks([seconds, state, act.peak] + [sent.get(op, 0) for op in OPS]
                                       + [by_kind.get(k, 0) for k in KINDS])
-            rec = {"step": step, "loss": total[0].item() / total[1].item(), "lr": lr,
+            rec = {"step": step, "loss": loss_sum / count, "lr": lr,
                    "grad_norm": grad_norm,
                    "seconds": busiest[0],
                    "tokens_per_s": tokens_per_step / busiest[0],
-                   "mfu": model_flops(n_params, tokens_per_step) / (busiest[0] * cfg.world_size * peak),
-                   "hfu": hardware_flops(n_params, tokens_per_step, hw_recompute)
-                   / (busiest[0] * cfg.world_size * peak),
+                   "mfu": model_flops / (busiest[0] * cfg.world_size * peak),
+                   "hfu": hardware_flops / (busiest[0] * cfg.world_size * peak),
                    "state_bytes": int(busiest[1]), "activation_bytes": int(busiest[2]),
                    "sent_bytes": {op: int(b) for op, b in zip(OPS, busiest[3:3 + len(OPS)]) if b},
                    "sent_bytes_by_kind": {k: int(b) for k, b in zip(KINDS, busiest[3 + len(OPS):]) if b}}
@@ -415,6 +440,8 @@ HELP = {
     "peak_tflops": "peak per rank for MFU (default: H100 dense BF16 on GPUs, measured on CPUs)",
     "log": "write one JSON object per step to this file (under torchrun: --log-file)",
     "trace": "write a Perfetto/Chrome trace of the last step to this file",
+    "compile": "torch.compile each transformer block (off by default; not with --tp, --cp, "
+               "--experts or --zero 3)",
     "progress": "show a progress bar and a summary (--no-progress: quiet)",
     "save": "write checkpoints (torch.distributed.checkpoint) into this folder, one step-NNNNNN "
             "folder each, at the end",

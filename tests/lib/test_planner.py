@@ -151,7 +151,7 @@ def test_step_time_without_communication_is_the_assumed_efficiency():
     attn = 2 * 2 * s * h / 2                                              # QKᵀ and ·V, causal half
     flops = 3 * (2 * matmul + L * attn) * m * s                           # forward + 2× backward
     assert t["compute"] == pytest.approx(flops / (989e12 * 0.5), rel=1e-12) and t["bubble"] == 0
-    model = (6 * active_params(cfg) + 3 * L * attn) * m * s               # MFU's count
+    model = (6 * (active_params(cfg) - cfg.vocab_size * h) + 3 * L * attn) * m * s  # MFU's
     assert t["mfu"] == pytest.approx(model / (t["seconds"] * 989e12), rel=1e-12)
     assert t["mfu"] == pytest.approx(0.5 * model / flops, rel=1e-12)
     full = step_time(cfg, Parallelism(seq=s, micro_batches=m, recompute="full"), efficiency=0.5)
