@@ -201,6 +201,8 @@ def progress_line(models: list[dict]) -> nbformat.NotebookNode:
             words.append(f"{100 * s.get('value', 0) / (s.get('max') or 1):.0f}%")
         else:
             words.append(html.unescape(re.sub(r"<[^>]*>", "", str(s.get("value", "")))).strip())
+    if sum("%" in w for w in words) > 1:          # tqdm writes the percentage in its text too
+        words = [w for m, w in zip(models, words) if m.get("model_name") not in PROGRESS]
     return nbformat.v4.new_output("stream", name="stdout", text=" ".join(w for w in words if w) + "\n")
 
 

@@ -291,3 +291,8 @@ def test_a_progress_bar_becomes_the_line_it_ended_on():
     text = "".join(o.get("text", "") + str(o.get("data", "")) for o in nb.cells[0].outputs)
     assert text == "dp2 tp2 100% 3/3 [00:04<00:00]\n"
     assert "Model" not in text and "HBox" not in text
+    state["l"]["state"]["value"] = "dp2 tp2: 100%"                # tqdm's own text has the percentage
+    nb.metadata["widgets"] = {site_tool.WIDGET_STATE: {"state": state}}
+    nb.cells[0].outputs = [nbformat.v4.new_output("display_data", data=view)]
+    site_tool.flatten_widgets(nb)
+    assert nb.cells[0].outputs[0]["text"] == "dp2 tp2: 100% 3/3 [00:04<00:00]\n"
