@@ -180,10 +180,30 @@ def static_outputs(model_id: str, state: dict) -> list:
         return [nbformat.from_dict(o) for o in s.get("outputs", [])]
     if name in ("HBoxModel", "VBoxModel", "BoxModel"):
         children = [c.removeprefix("IPY_MODEL_") for c in s.get("children", [])]
+        if any(state.get(c, {}).get("model_name") in PROGRESS for c in children):
+            return [progress_line([state.get(c, {}) for c in children])]
         if all(state.get(c, {}).get("model_name") != "OutputModel" for c in children):
             return [knob_line([knob(state.get(c, {})) for c in children])]
         return [o for c in children for o in static_outputs(c, state)]
     return [knob_line([knob(model)])]
+
+
+PROGRESS = ("FloatProgressModel", "IntProgressModel")
+
+
+def progress_line(models: list[dict]) -> nbformat.NotebookNode:
+    """A progress bar (tqdm's: text, bar, text) as the line it ended on, e.g.
+    "train: 100% 3/3 [00:04<00:00]"."""
+    words = []
+    for m in models:
+        s = m.get("state", {})
+        if m.get("model_name") in PROGRESS:
+            words.append(f"{100 * s.get('value', 0) / (s.get('max') or 1):.0f}%")
+        else:
+            words.append(html.unescape(re.sub(r"<[^>]*>", "", str(s.get("value", "")))).strip())
+    if sum("%" in w for w in words) > 1:          # tqdm writes the percentage in its text too
+        words = [w for m, w in zip(models, words) if m.get("model_name") not in PROGRESS]
+    return nbformat.v4.new_output("stream", name="stdout", text=" ".join(w for w in words if w) + "\n")
 
 
 def knob(model: dict) -> str:

@@ -14,7 +14,7 @@ from ..pipeline_simulator import simulate
 from ..timeline import bubble_ratio, plot_gantt
 
 __all__ = ["schedule_gantt", "CASES", "T_OP", "op_costs", "param_bytes", "every_schedule",
-           "idle_gaps", "idle_per_rank", "schedule_figure", "activation_peaks"]
+           "idle_gaps", "idle_per_rank", "schedule_figure", "name_ops", "activation_peaks"]
 
 _CHUNKS = {"interleaved": 2, "dualpipev": 2}    # stages per rank when v is not given
 
@@ -22,8 +22,9 @@ _CHUNKS = {"interleaved": 2, "dualpipev": 2}    # stages per rank when v is not 
 def schedule_gantt(schedule: str = "1f1b", p: int = 4, m: int = 8, v: int | None = None,
                    plot: bool = True):
     """Simulate `schedule` for p ranks and m micro-batches (v chunks per rank for
-    "interleaved", default 2), draw its Gantt chart and return the bubble fraction
-    (Σ idle / Σ busy over the ranks, ideal time)."""
+    "interleaved", default 2), draw its Gantt chart and return the ideal bubble
+    (Σ idle / Σ busy over the ranks on ideal devices, an F&B pair timed as one chunk: the
+    bubble DeepSeek's formula counts)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
     v = v if v is not None else _CHUNKS.get(schedule, 1)
@@ -39,8 +40,9 @@ def schedule_gantt(schedule: str = "1f1b", p: int = 4, m: int = 8, v: int | None
     if plot:
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(12, 0.45 * p + 1.2), layout="constrained")
-        plot_gantt(events, ax=ax, title=f"{schedule}, p={p}, m={m}: bubble {bubble:.3f} "
-                                        f"of the busy time (simulated)")
+        plot_gantt(events, ax=ax, title=f"{schedule}, p={p}, m={m}: ideal bubble {bubble:.3f} "
+                                        f"of the busy time (an F&B pair timed as one chunk)")
+        name_ops(ax, events)
         ax.set_xlabel("ideal time (F = B = W = 1 per stage of a p-stage cut)")
         plt.show()
     return bubble
@@ -119,6 +121,25 @@ def idle_per_rank(events) -> list[float]:
     return [sum(b - a for a, b in idle_gaps(events, r)) for r in sorted({e["rank"] for e in events})]
 
 
+OP_NAMES = {"F": "F: forward", "BW": "BW: whole backward", "B": "B: input-gradient half",
+            "W": "W: weight-gradient half"}
+
+
+def name_ops(ax, events):
+    """Spell out the ops in the legend plot_gantt drew (BW a whole backward, B and W its two
+    halves) and, when a rank holds two chunks, add the lighter box of chunk 1."""
+    from matplotlib.patches import Patch
+
+    legend = ax.get_legend()
+    handles, texts = legend.legend_handles, [t.get_text() for t in legend.get_texts()]
+    labels = [OP_NAMES.get(t, t) for t in texts]
+    if any(e["meta"].get("chunk", 0) for e in events):
+        handles = [*handles, Patch(facecolor="#dddddd", edgecolor="#999999")]
+        labels.append("lighter: the rank's chunk 1")
+    ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              frameon=False, fontsize=9)
+
+
 def schedule_figure(panels: dict, xmax: float, unit: str = "ms", xlabel: str | None = None):
     """One figure, one panel per (title → events), stacked on a shared time axis up to
     `xmax` seconds; each panel's title carries its bubble (Σ idle / Σ busy over the ranks).
@@ -134,6 +155,7 @@ def schedule_figure(panels: dict, xmax: float, unit: str = "ms", xlabel: str | N
             e["meta"]["label"] = str(e["meta"]["mb"])    # micro-batch numbers fit in small boxes
         plot_gantt(evs, ax=ax, unit=unit, xmax=xmax,
                    title=f"{title} — bubble {bubble_ratio(evs):.3f} of the busy time")
+        name_ops(ax, evs)
         ax.set_xlabel("")
     axes[-1, 0].set_xlabel(xlabel or f"time ({unit})")
     return fig

@@ -27,7 +27,8 @@ REQUIRED = {
     "Ulysses": "ulysses", "ZB-H2": "zb-h2", "F&B": "overlapped forward and backward",
     "shared expert": "shared expert", "sigmoid router": "sigmoid router",
     "capacity": "capacity", "critical batch": "critical batch",
-    "5-D parallelism": "5-d parallelism",
+    "5-D parallelism": "5-d parallelism", "turn rank": "turn rank", "chunk": "chunk",
+    "B/W split": "split backward",
 }
 
 

@@ -275,3 +275,24 @@ def test_a_split_lesson_follows_its_first_half_in_the_index_and_the_links(tmp_pa
     assert "11" in site_tool.course_plan()["11b"]["builds on"]
     names = [p.name for p in slides_tool.lessons()]           # the real lessons, as make site orders them
     assert names.index("11b_planner_case_studies.ipynb") == names.index("11_cluster_planning.ipynb") + 1
+
+
+def test_a_progress_bar_becomes_the_line_it_ended_on():
+    # tqdm.auto in a notebook draws HBox(HTML, FloatProgress, HTML); the page shows its text
+    state = {"box": {"model_name": "HBoxModel", "state": {"children": ["IPY_MODEL_l", "IPY_MODEL_b", "IPY_MODEL_r"]}},
+             "l": {"model_name": "HTMLModel", "state": {"value": "dp2 tp2&nbsp;"}},
+             "b": {"model_name": "FloatProgressModel", "state": {"value": 3.0, "max": 3.0}},
+             "r": {"model_name": "HTMLModel", "state": {"value": " 3/3 [00:04&lt;00:00]"}}}
+    nb = nbformat.v4.new_notebook(metadata={"widgets": {site_tool.WIDGET_STATE: {"state": state}}})
+    view = {site_tool.WIDGET_VIEW: {"model_id": "box"}, "text/plain": "HBox(children=(HTML(value='')))"}
+    cell = nbformat.v4.new_code_cell("main()", outputs=[nbformat.v4.new_output("display_data", data=view)])
+    nb.cells.append(cell)
+    site_tool.flatten_widgets(nb)
+    text = "".join(o.get("text", "") + str(o.get("data", "")) for o in nb.cells[0].outputs)
+    assert text == "dp2 tp2 100% 3/3 [00:04<00:00]\n"
+    assert "Model" not in text and "HBox" not in text
+    state["l"]["state"]["value"] = "dp2 tp2: 100%"                # tqdm's own text has the percentage
+    nb.metadata["widgets"] = {site_tool.WIDGET_STATE: {"state": state}}
+    nb.cells[0].outputs = [nbformat.v4.new_output("display_data", data=view)]
+    site_tool.flatten_widgets(nb)
+    assert nb.cells[0].outputs[0]["text"] == "dp2 tp2: 100% 3/3 [00:04<00:00]\n"
