@@ -125,19 +125,20 @@ OP_NAMES = {"F": "F: forward", "BW": "BW: whole backward", "B": "B: input-gradie
             "W": "W: weight-gradient half"}
 
 
-def name_ops(ax, events):
-    """Spell out the ops in the legend plot_gantt drew (BW a whole backward, B and W its two
-    halves) and, when a rank holds two chunks, add the lighter box of chunk 1."""
+def name_ops(panel, events):
+    """Spell out the ops in the legend plot_gantt drew on `panel` (BW a whole backward, B and W
+    its two halves) and, when a rank holds two chunks, add the lighter box of chunk 1. It
+    relabels a drawn panel; it draws nothing of its own."""
     from matplotlib.patches import Patch
 
-    legend = ax.get_legend()
+    legend = panel.get_legend()
     handles, texts = legend.legend_handles, [t.get_text() for t in legend.get_texts()]
     labels = [OP_NAMES.get(t, t) for t in texts]
     if any(e["meta"].get("chunk", 0) for e in events):
         handles = [*handles, Patch(facecolor="#dddddd", edgecolor="#999999")]
         labels.append("lighter: the rank's chunk 1")
-    ax.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(1.0, 1.0),
-              frameon=False, fontsize=9)
+    panel.legend(handles=handles, labels=labels, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                 frameon=False, fontsize=9)
 
 
 def schedule_figure(panels: dict, xmax: float, unit: str = "ms", xlabel: str | None = None):
