@@ -85,19 +85,14 @@ def test_llama3_70b_on_640_ranks(tmp_path):
 
 
 def _planner(cfg, pp_rank, recompute=None):
-    """The planner's bytes for one pipeline position of a trainer configuration (its
-    Llama-block activation count; `recompute="selective"`: no s×s scores, as flash)."""
+    """The planner's bytes for one pipeline position of a trainer configuration: its layout
+    as it is (`Parallelism.of`), counted with the Llama-block activation model
+    (`recompute="selective"`: no s×s scores, as flash)."""
     from picolib import planner
-    par = planner.Parallelism(
-        dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp,
-        schedule=cfg.schedule, v=cfg.chunks if cfg.schedule == "interleaved" else 1,
-        micro_batches=cfg.micro_batches, micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches),
-        seq=cfg.seq, recompute=recompute or cfg.recompute, precision=cfg.precision,
-        activations="picolib", cp_algorithm=cfg.cp_algorithm)
+    par = planner.Parallelism.of(cfg, activations="picolib", recompute=recompute or cfg.recompute)
     with _with_presets():
         mcfg = cfg.model_config()
-    moe = planner.MoEShape(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
-    return planner.memory(mcfg, par, pp_rank, moe), planner.traffic(mcfg, par, pp_rank, moe)
+    return planner.memory(mcfg, par, pp_rank), planner.traffic(mcfg, par, pp_rank)
 
 
 def _exact(report, mem, sent):
