@@ -87,10 +87,11 @@ class Parallelism(Layout):
     @classmethod
     def of(cls, layout: Layout, **assumptions) -> "Parallelism":
         """`layout` (a Layout, a TrainConfig: its Layout fields as they are) with the planner's
-        `assumptions`; the micro-batch size is the layout's own where it has one (a
-        TrainConfig's batch / (dp·m)), else 1."""
+        `assumptions` (a layout field among them counts the layout as if it were so: the
+        s×s scores dropped by recompute="selective", as a flash kernel does); the micro-batch
+        size is the layout's own where it has one (a TrainConfig's batch / (dp·m)), else 1."""
         mbs = getattr(layout, "micro_batch_size", 1)
-        return cls(**asdict(layout_of(layout)), **{"micro_batch_size": mbs, **assumptions})
+        return cls(**{**asdict(layout_of(layout)), "micro_batch_size": mbs, **assumptions})
 
 
 @dataclass(frozen=True)
