@@ -82,10 +82,8 @@ def _with_presets():
 
 
 def representatives(cfg: TrainConfig) -> list[int]:
-    """The rank at dp = cp = tp = 0 of each pipeline position (refusing, as the trainer's
-    ranks would, a model whose layers do not split into the schedule's stages)."""
-    from .layout import rank_at, stage_layers
-    stage_layers(cfg, 0)
+    """The rank at dp = cp = tp = 0 of each pipeline position."""
+    from .parallel_layout import rank_at
     return [rank_at(cfg, pp=p, dp=0, cp=0, tp=0) for p in range(cfg.pp)]
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .parallel_layout import coordinates, rank_at
 
-__all__ = ["Placement", "global_shapes", "coordinates", "rank_at", "stage_layers",
+__all__ = ["Placement", "global_shapes", "stage_layers",
            "placements", "boxes_of_range", "Held", "Holdings", "holdings"]
 
 

@@ -336,8 +336,8 @@ def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-
     "none" would keep the eager s×s scores that a flash kernel never saves, so the ladder
     starts at "selective" (the scores recomputed in backward, as flash attention does).
     `trainer=True` keeps only layouts picolib's trainer runs as they are (`trainer_refuses`):
-    where it refuses the cheapest that fits (ZeRO-3 with recomputation, a pipeline that
-    does not split the layers evenly), the search goes on down the ladder. Each result: {"par", "plan" (`planner.Plan`: the model, `par` and `moe`, which
+    where it refuses the cheapest that fits (ZeRO-3 with recomputation), the search goes
+    on down the ladder. Each result: {"par", "plan" (`planner.Plan`: the model, `par` and `moe`, which
     `Plan.to_json` writes and the trainer runs: `python -m picolib.train --plan FILE`),
     "memory" (the worst rank), "time" (step_time)}."""
     hw = hardware(hw)

@@ -376,7 +376,7 @@ def dry_vs_planner(cfg, world: int, gpu: str = "H100-SXM", pp_ranks=None) -> lis
     keeps), in the configuration's precision; its gradients are their peak (the dry run's
     `grads_peak`)."""
     from ..dry_run import _with_presets, dry_run
-    from ..layout import rank_at
+    from ..parallel_layout import rank_at
     from ..planner import traffic
     positions = range(cfg.pp) if pp_ranks is None else pp_ranks
     reports = dry_run(cfg, world, gpu, ranks=[rank_at(cfg, pp=p, dp=0, cp=0, tp=0) for p in positions])

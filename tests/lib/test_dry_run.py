@@ -167,7 +167,7 @@ def test_planner_is_exact_at_real_shapes(name):
     backward's weight-gradient inputs from B until its W (the planner frees them at B), and
     a mixture of experts saves its experts' inputs for top_k copies of the tokens (the planner
     counts a dense MLP)."""
-    from picolib.layout import rank_at
+    from picolib.parallel_layout import rank_at
     layout, pps = GRID[name]
     cfg = TrainConfig(**layout)
     reports = dry_run(cfg, cfg.world_size, ranks=[rank_at(cfg, pp=p, dp=0, cp=0, tp=0) for p in pps])
