@@ -216,7 +216,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     "slowest" (its pipeline rank) and "ranks" (the same parts for every pipeline rank)."""
     from .pipeline_simulator import simulate
     from .parallel_layout import pieces as n_pieces_of, stage_layers
-    from .planner import _schedule, stage_piece, traffic
+    from .planner import _schedule, moe_of, stage_piece, traffic
     hw = hardware(hw)
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
@@ -224,6 +224,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
         raise ValueError(f"ceiling must be in (0, 1] and ep_overlap in [0, 1]; got {ceiling}, {ep_overlap}")
     if ep_nodes is not None and ep_nodes < 1:
         raise ValueError(f"ep_nodes must be ≥ 1, not {ep_nodes}")
+    moe = moe_of(cfg, par, moe)            # the layout's experts where no MoEShape is given
     m, p = par.micro_batches, par.pp
     comp = _stage_seconds(cfg, par, hw, moe, efficiency, ceiling)
     full = par.recompute == "full"
