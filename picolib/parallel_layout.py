@@ -19,10 +19,15 @@ import dataclasses
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
+from .context_parallel import check_context_parallel
+from .mesh import DIMS, check_mesh   # DIMS: outermost → innermost
+from .moe import check_moe
+from .pipeline_schedules import SCHEDULES, make_schedule
+from .tensor_parallel import check_tensor_parallel
+
 __all__ = ["Layout", "layout_of", "check_layout", "stage_layers", "stage_ranges", "pieces",
            "coordinates", "rank_at", "ZERO3_PIPELINE", "DIMS"]
 
-DIMS = ("pp", "dp", "cp", "tp")  # outermost → innermost (picolib.mesh)
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -63,7 +68,6 @@ class Layout:
 
     def make_schedule(self):
         """picolib's schedule of this layout (pp > 1), `pipeline_schedules.make_schedule`."""
-        from .pipeline_schedules import make_schedule
         return make_schedule(self.schedule, self.pp, self.micro_batches, self.v)
 
     def replace(self, **changes):
@@ -83,7 +87,6 @@ def pieces(layout: Layout) -> int:
 
 @lru_cache(maxsize=1024)
 def _pieces(schedule: str, p: int, m: int, v: int) -> int:
-    from .pipeline_schedules import make_schedule
     return len(make_schedule(schedule, p, m, v).pipes[0][0])
 
 
@@ -152,11 +155,6 @@ def check_layout(layout: Layout, model, world_size: int | None = None, *, fp8: b
     ep dp ranks. The switches allow what the planner prices but the trainer does not run:
     `fp8` precision, ZeRO-3 with recomputation (`zero3_recompute`) or with experts spread
     over ep > 1 (`zero3_ep`), DualPipe with ep > 1 (`dualpipe_ep`)."""
-    from .context_parallel import check_context_parallel
-    from .mesh import check_mesh
-    from .moe import check_moe
-    from .pipeline_schedules import SCHEDULES
-    from .tensor_parallel import check_tensor_parallel
     _positive(layout, ("dp", "tp", "pp", "cp", "ep", "chunks", "micro_batches", "seq"))
     if world_size is not None:
         check_mesh(world_size, **{d: getattr(layout, d) for d in DIMS})
