@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .memory import storage_key
 
 __all__ = ["group_size", "views", "padded_numel", "shard_bounds", "broadcast_from_first_rank",
-           "storage_key", "unique_bytes", "is_finite", "check_finite", "GradientSyncSwitch"]
+           "unique_bytes", "is_finite", "check_finite", "GradientSyncSwitch"]
 
 
 def group_size(group) -> int:
@@ -77,10 +78,6 @@ def broadcast_from_first_rank(tensors, group=None) -> None:
             t.copy_(view)
 
 
-def storage_key(t: torch.Tensor):
-    return t.untyped_storage().data_ptr() or ("empty", id(t))
-
-
 def unique_bytes(tensors) -> int:
     """Bytes of the tensors' storages, each storage counted once."""
     return sum({storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
@@ -88,7 +85,10 @@ def unique_bytes(tensors) -> int:
 
 def is_finite(t: torch.Tensor) -> torch.Tensor:
     """A bool tensor: no NaN or inf in `t`. Its smallest and largest elements tell (a NaN
-    becomes both), in one pass and without a mask the size of `t`."""
+    becomes both), in one pass and without a mask the size of `t`. A meta tensor (the dry
+    run) has no values: finite, on the CPU, so that every check that reads it goes on."""
+    if t.is_meta:
+        return torch.tensor(True)
     return torch.isfinite(torch.stack(torch.aminmax(t))).all()
 
 
@@ -140,4 +140,4 @@ class GradientSyncSwitch:
         try:
             yield
         finally:
-            self._sync = before
+            self.set_requires_gradient_sync(before)

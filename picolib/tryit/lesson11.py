@@ -388,13 +388,12 @@ def dry_vs_planner(cfg, world: int, gpu: str = "H100-SXM", pp_ranks=None) -> lis
     scores dropped (`activations="picolib", recompute="selective"`: what a flash kernel
     keeps), in the configuration's precision; its gradients are their peak (the dry run's
     `grads_peak`)."""
-    from ..dry_run import _with_presets, dry_run
+    from ..dry_run import dry_run
     from ..layout import rank_at
     from ..planner import MoEShape, traffic
     positions = range(cfg.pp) if pp_ranks is None else pp_ranks
     reports = dry_run(cfg, world, gpu, ranks=[rank_at(cfg, pp=p, dp=0, cp=0, tp=0) for p in positions])
-    with _with_presets():
-        mcfg = cfg.model_config()
+    mcfg = cfg.model_config()
     moe = MoEShape(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
     par = Parallelism(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp,
                       schedule=cfg.schedule, v=cfg.chunks if cfg.schedule == "interleaved" else 1,
