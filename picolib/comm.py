@@ -197,16 +197,6 @@ class _Timed:
         return self._work.is_completed()
 
 
-class _Moved:
-    """The handle of a call made on meta tensors: nothing to wait for."""
-
-    def wait(self):
-        return True
-
-    def is_completed(self):
-        return True
-
-
 def _nothing_to_move(*tensors) -> bool:
     """Meta tensors (the dry run, lesson 11) have no values to move: a call on them is recorded
     in the ledger as any other and not handed to the backend (torch 2.6 has no meta kernels
@@ -228,7 +218,7 @@ def _native(op, call, nbytes, group, async_op, rank_in_group=0, root=0, meta=Non
                  meta=meta or {}, ranks=_members(group, peer))
     Ledger._add(rec)
     t0 = time.perf_counter()
-    work = _Moved() if _nothing_to_move(*tensors) else call(async_op)
+    work = _Done() if _nothing_to_move(*tensors) else call(async_op)
     if async_op:
         return _Timed(work, rec, t0, then=then)
     if then is not None:
@@ -305,7 +295,7 @@ def all_to_all(output, input, group=None, output_split_sizes=None, input_split_s
     rec = Record("all_to_all", n, _bytes(input), sent, None, ranks=_members(group))
     Ledger._add(rec)
     t0 = time.perf_counter()
-    work = _Moved() if _nothing_to_move(output, input) else dist.all_to_all_single(
+    work = _Done() if _nothing_to_move(output, input) else dist.all_to_all_single(
         output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
     if async_op:
         return _Timed(work, rec, t0)
@@ -345,7 +335,7 @@ def isend(tensor, dst: int, group=None):
                  meta={"peer": dst}, ranks=_members(group, dst))
     Ledger._add(rec)
     out = _outgoing(tensor, group)
-    work = _Moved() if _nothing_to_move(tensor) else dist.isend(out, dst, group)
+    work = _Done() if _nothing_to_move(tensor) else dist.isend(out, dst, group)
     return _Timed(work, rec, time.perf_counter(), staged=out)
 
 
@@ -441,7 +431,7 @@ def _ring_record(op, nbytes, group):
     Ledger._add(rec)
 
 
-def _reduce_scatter_steps(chunks, n, me, right, left, group, op: str = "sum"):
+def _reduce_scatter_steps(chunks, n, me, right, left, group, op: str = "sum", on_step=None):
     """N−1 steps: in step k, send the running sum of chunk (me−k−1) to the right, add what
     arrives from the left into chunk (me−k−2). Afterwards chunk me holds the full sum
     (the maximum for op="max"; "avg" sums, the caller divides)."""
@@ -449,6 +439,8 @@ def _reduce_scatter_steps(chunks, n, me, right, left, group, op: str = "sum"):
     for k in range(n - 1):
         s, r = (me - k - 1) % n, (me - k - 2) % n
         incoming = torch.empty_like(chunks[r])
+        if on_step is not None:
+            on_step(chunks[s], right)
         sent += _ring_step(chunks[s], incoming, right, left, group)
         if op == "max":
             torch.maximum(chunks[r], incoming, out=chunks[r])
@@ -457,11 +449,13 @@ def _reduce_scatter_steps(chunks, n, me, right, left, group, op: str = "sum"):
     return sent
 
 
-def _all_gather_steps(chunks, n, me, right, left, group):
+def _all_gather_steps(chunks, n, me, right, left, group, on_step=None):
     """N−1 steps: pass along the chunk received last; each rank ends with all N."""
     sent = 0
     for k in range(n - 1):
         s, r = (me - k) % n, (me - k - 1) % n
+        if on_step is not None:
+            on_step(chunks[s], right)
         sent += _ring_step(chunks[s], chunks[r], right, left, group)
     return sent
 
@@ -493,13 +487,15 @@ def ring_all_gather(shard, group=None) -> torch.Tensor:
     return out
 
 
-def ring_all_reduce(tensor, group=None) -> torch.Tensor:
-    """In place sum over ranks = ring reduce-scatter followed by ring all-gather."""
+def ring_all_reduce(tensor, group=None, on_step=None) -> torch.Tensor:
+    """In place sum over ranks = ring reduce-scatter followed by ring all-gather. `on_step`:
+    called as on_step(chunk, right) before each step sends `chunk` (a view of `tensor`) to
+    global rank `right` (lesson 00 draws the steps)."""
     n, me, right, left = ring_neighbours(group)
     chunks = _ring_chunks(tensor, n, "ring_all_reduce")
     with _ring_record("all_reduce", _bytes(tensor), group) as rec:
-        rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group)
-        rec.sent_bytes += _all_gather_steps(chunks, n, me, right, left, group)
+        rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group, on_step=on_step)
+        rec.sent_bytes += _all_gather_steps(chunks, n, me, right, left, group, on_step=on_step)
     return tensor
 
 
@@ -507,7 +503,8 @@ def ring_all_reduce(tensor, group=None) -> torch.Tensor:
 # (while a Ledger(rings=True) is open): any size, chunks as even as torch.tensor_split makes them
 
 class _Done:
-    """The handle of a routed collective called with async_op: it has already finished."""
+    """The handle of a call that has already finished (a routed collective called with
+    async_op) or had nothing to move (meta tensors)."""
 
     def wait(self):
         return True
