@@ -8,7 +8,7 @@ checkpoint written at dp2×tp2 resumes at tp4, pp2 or on one process.
 Sharded: no rank ever builds a whole tensor. Each rank hands DCP only the boxes of the whole
 tensors it answers for, read from where each parameter lives (`picolib.layout`): its tp
 slices, its pipeline stages, its experts, and of what its data-parallel replicas share, its
-own part (`layout.holdings`: its ZeRO shard; with DDP a 1/n slice of the replicated tensor);
+own part (the wrapper's `holdings()`: its ZeRO shard; with DDP a 1/n slice of the replicated tensor);
 a box held by several tp ranks (a norm, a KV head) is written by the first of them. A flat
 ZeRO range of a 2-D slice is at most three boxes (`layout.boxes_of_range`). DCP writes every
 element once, in parallel, each rank its own file, from views of the rank's own tensors
@@ -46,7 +46,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .layout import STATE, boxes_of_range, global_shapes, holdings, placements
+from .flat import STATE
+from .layout import boxes_of_range, global_shapes, placements
 
 __all__ = ["STATE", "save", "load", "load_into", "latest", "step_folders", "check_resume",
            "check_save"]
@@ -109,7 +110,7 @@ def _state_dict(cfg, stages: dict, wrappers: dict, optimizers: list, own: bool):
     place = {(p.stage, p.local): p for p in placements(cfg, dist.get_rank())}
     sd, held = {}, {}
     for s in stages:
-        held[s] = h = holdings(wrappers[s])
+        held[s] = h = wrappers[s].holdings()
         for item in h.items:
             p = place[(s, item.name)]
             lo, hi = (item.own_lo, item.own_hi) if own else (item.lo, item.hi)

@@ -10,7 +10,7 @@ several tp ranks, every data-parallel replica (too large).
 `clip_grad_norm_` counts each element of the whole gradient exactly once, from where each
 parameter lives (`picolib.layout`): of the ranks that hold the same box (copies), only the
 first set of data-parallel replicas counts it, and within that set each replica counts the
-part it answers for (`holdings`: a ZeRO shard, or a 1/n slice of a DDP replica's whole
+part it answers for (the wrapper's `holdings()`: a ZeRO shard, or a 1/n slice of a DDP replica's whole
 tensor). One all-reduce of one number over all ranks then sums tp slices, ZeRO shards,
 pipeline stages and experts alike. Every rank gets the same norm and scales the gradients
 its optimizer reads by the same factor, min(1, max_norm / (norm + 1e-6)), computed on the
@@ -23,22 +23,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .layout import holdings, placements
+from .layout import placements
 
 __all__ = ["clip_grad_norm_"]
 
 
 @torch.no_grad()
-def clip_grad_norm_(cfg, wrappers: dict, optimizer=None, max_norm: float = 1.0) -> torch.Tensor:
+def clip_grad_norm_(cfg, wrappers: dict, max_norm: float = 1.0) -> torch.Tensor:
     """The L2 norm of the whole model's gradient (a 0-d float64 tensor, equal on every rank),
     after scaling every rank's gradients by min(1, max_norm / (norm + 1e-6)); `max_norm` 0:
-    measure only. `cfg`: the TrainConfig; `wrappers`: {stage: DDP or ZeRO} of this rank;
-    `optimizer`: only for a DDP that does not own one (the wrappers' own are used).
+    measure only. `cfg`: the TrainConfig; `wrappers`: {stage: DDP or ZeRO} of this rank.
     A collective: every rank calls it."""
     place = {(p.stage, p.local): p for p in placements(cfg, dist.get_rank())}
     grads, owns = [], []
     for stage, wrapper in wrappers.items():
-        for held in holdings(wrapper, optimizer, create_state=False).items:
+        for held in wrapper.holdings(create_state=False).items:
             if held.grad is None:
                 continue
             grads.append(held.grad)

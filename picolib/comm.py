@@ -197,6 +197,13 @@ class _Timed:
         return self._work.is_completed()
 
 
+def _nothing_to_move(*tensors) -> bool:
+    """Meta tensors (the dry run, lesson 11) have no values to move: a call on them is recorded
+    in the ledger as any other and not handed to the backend (torch 2.6 has no meta kernels
+    for the collectives)."""
+    return all(t.is_meta for t in tensors)
+
+
 def _members(group, peer: int | None = None) -> tuple:
     if peer is not None:
         return dist.get_rank(), peer
@@ -205,13 +212,13 @@ def _members(group, peer: int | None = None) -> tuple:
 
 
 def _native(op, call, nbytes, group, async_op, rank_in_group=0, root=0, meta=None, peer=None,
-            then=None):
+            then=None, tensors=()):
     n = dist.get_world_size(group)
     rec = Record(op, n, nbytes, ring_sent_bytes(op, nbytes, n, rank_in_group, root), None,
                  meta=meta or {}, ranks=_members(group, peer))
     Ledger._add(rec)
     t0 = time.perf_counter()
-    work = call(async_op)
+    work = _Done() if _nothing_to_move(*tensors) else call(async_op)
     if async_op:
         return _Timed(work, rec, t0, then=then)
     if then is not None:
@@ -245,7 +252,7 @@ def all_reduce(tensor, op: str = "sum", group=None, async_op: bool = False):
         return _routed(_rings_all_reduce, async_op, tensor, op, group)
     reduce_op, then = _reduction(op, tensor, group)
     return _native("all_reduce", lambda a: dist.all_reduce(tensor, reduce_op, group, a),
-                   _bytes(tensor), group, async_op, then=then)
+                   _bytes(tensor), group, async_op, then=then, tensors=(tensor,))
 
 
 def reduce_scatter(output, input, op: str = "sum", group=None, async_op: bool = False):
@@ -255,7 +262,7 @@ def reduce_scatter(output, input, op: str = "sum", group=None, async_op: bool = 
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     reduce_op, then = _reduction(op, output, group)
     return _native("reduce_scatter", lambda a: fn(output, input, reduce_op, group, a),
-                   _bytes(input), group, async_op, then=then)
+                   _bytes(input), group, async_op, then=then, tensors=(output, input))
 
 
 def all_gather(output, input, group=None, async_op: bool = False):
@@ -264,7 +271,7 @@ def all_gather(output, input, group=None, async_op: bool = False):
         return _routed(_rings_all_gather, async_op, output, input, group)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return _native("all_gather", lambda a: fn(output, input, group, a),
-                   _bytes(output), group, async_op)
+                   _bytes(output), group, async_op, tensors=(output, input))
 
 
 def broadcast(tensor, src: int, group=None, async_op: bool = False):
@@ -272,7 +279,7 @@ def broadcast(tensor, src: int, group=None, async_op: bool = False):
     me = dist.get_rank(group)
     root = dist.get_group_rank(group, src) if group is not None else src
     return _native("broadcast", lambda a: dist.broadcast(tensor, src, group, a),
-                   _bytes(tensor), group, async_op, rank_in_group=me, root=root)
+                   _bytes(tensor), group, async_op, rank_in_group=me, root=root, tensors=(tensor,))
 
 
 def all_to_all(output, input, group=None, output_split_sizes=None, input_split_sizes=None,
@@ -288,8 +295,8 @@ def all_to_all(output, input, group=None, output_split_sizes=None, input_split_s
     rec = Record("all_to_all", n, _bytes(input), sent, None, ranks=_members(group))
     Ledger._add(rec)
     t0 = time.perf_counter()
-    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                  group=group, async_op=async_op)
+    work = _Done() if _nothing_to_move(output, input) else dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
     if async_op:
         return _Timed(work, rec, t0)
     rec.seconds = time.perf_counter() - t0
@@ -317,7 +324,7 @@ def send(tensor, dst: int, group=None):
     """Blocking point-to-point send to global rank `dst`."""
     out = _outgoing(tensor, group)
     return _native("send", lambda a: dist.send(out, dst, group), _bytes(tensor), group, False,
-                   peer=dst)
+                   peer=dst, tensors=(tensor,))
 
 
 def isend(tensor, dst: int, group=None):
@@ -328,13 +335,15 @@ def isend(tensor, dst: int, group=None):
                  meta={"peer": dst}, ranks=_members(group, dst))
     Ledger._add(rec)
     out = _outgoing(tensor, group)
-    return _Timed(dist.isend(out, dst, group), rec, time.perf_counter(), staged=out)
+    work = _Done() if _nothing_to_move(tensor) else dist.isend(out, dst, group)
+    return _Timed(work, rec, time.perf_counter(), staged=out)
 
 
 def recv(tensor, src: int, group=None):
     """Blocking point-to-point receive from global rank `src`, into `tensor`."""
     buf, back = _incoming(tensor, group)
-    _native("recv", lambda a: dist.recv(buf, src, group), _bytes(tensor), group, False, peer=src)
+    _native("recv", lambda a: dist.recv(buf, src, group), _bytes(tensor), group, False, peer=src,
+            tensors=(tensor,))
     if back:
         tensor.copy_(buf)
 
@@ -378,7 +387,8 @@ def exchange(sends=(), recvs=(), group=None, async_op: bool = False):
     for r in recs:
         Ledger._add(r)
     t0 = time.perf_counter()
-    handle = _Exchange(dist.batch_isend_irecv(ops) if ops else [], recs, t0,
+    moves = ops and not _nothing_to_move(*(t for t, _ in (*sends, *recvs)))
+    handle = _Exchange(dist.batch_isend_irecv(ops) if moves else [], recs, t0,
                        [back for _, back in incoming if back])
     if async_op:
         return handle
@@ -421,7 +431,7 @@ def _ring_record(op, nbytes, group):
     Ledger._add(rec)
 
 
-def _reduce_scatter_steps(chunks, n, me, right, left, group, op: str = "sum"):
+def _reduce_scatter_steps(chunks, n, me, right, left, group, op: str = "sum", on_step=None):
     """N−1 steps: in step k, send the running sum of chunk (me−k−1) to the right, add what
     arrives from the left into chunk (me−k−2). Afterwards chunk me holds the full sum
     (the maximum for op="max"; "avg" sums, the caller divides)."""
@@ -429,6 +439,8 @@ def _reduce_scatter_steps(chunks, n, me, right, left, group, op: str = "sum"):
     for k in range(n - 1):
         s, r = (me - k - 1) % n, (me - k - 2) % n
         incoming = torch.empty_like(chunks[r])
+        if on_step is not None:
+            on_step(chunks[s], right)
         sent += _ring_step(chunks[s], incoming, right, left, group)
         if op == "max":
             torch.maximum(chunks[r], incoming, out=chunks[r])
@@ -437,11 +449,13 @@ def _reduce_scatter_steps(chunks, n, me, right, left, group, op: str = "sum"):
     return sent
 
 
-def _all_gather_steps(chunks, n, me, right, left, group):
+def _all_gather_steps(chunks, n, me, right, left, group, on_step=None):
     """N−1 steps: pass along the chunk received last; each rank ends with all N."""
     sent = 0
     for k in range(n - 1):
         s, r = (me - k) % n, (me - k - 1) % n
+        if on_step is not None:
+            on_step(chunks[s], right)
         sent += _ring_step(chunks[s], chunks[r], right, left, group)
     return sent
 
@@ -473,13 +487,15 @@ def ring_all_gather(shard, group=None) -> torch.Tensor:
     return out
 
 
-def ring_all_reduce(tensor, group=None) -> torch.Tensor:
-    """In place sum over ranks = ring reduce-scatter followed by ring all-gather."""
+def ring_all_reduce(tensor, group=None, on_step=None) -> torch.Tensor:
+    """In place sum over ranks = ring reduce-scatter followed by ring all-gather. `on_step`:
+    called as on_step(chunk, right) before each step sends `chunk` (a view of `tensor`) to
+    global rank `right` (lesson 00 draws the steps)."""
     n, me, right, left = ring_neighbours(group)
     chunks = _ring_chunks(tensor, n, "ring_all_reduce")
     with _ring_record("all_reduce", _bytes(tensor), group) as rec:
-        rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group)
-        rec.sent_bytes += _all_gather_steps(chunks, n, me, right, left, group)
+        rec.sent_bytes = _reduce_scatter_steps(chunks, n, me, right, left, group, on_step=on_step)
+        rec.sent_bytes += _all_gather_steps(chunks, n, me, right, left, group, on_step=on_step)
     return tensor
 
 
@@ -487,7 +503,8 @@ def ring_all_reduce(tensor, group=None) -> torch.Tensor:
 # (while a Ledger(rings=True) is open): any size, chunks as even as torch.tensor_split makes them
 
 class _Done:
-    """The handle of a routed collective called with async_op: it has already finished."""
+    """The handle of a call that has already finished (a routed collective called with
+    async_op) or had nothing to move (meta tensors)."""
 
     def wait(self):
         return True

@@ -37,13 +37,25 @@ __all__ = ["MODEL_PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "open
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 WSD_DECAY = 0.2   # wsd (warmup-stable-decay): the last 20% of the steps after warmup decay
 
-MODEL_PRESETS = {  # model shapes: a few hundred thousand to a few million parameters (150m: for a GPU)
+MODEL_PRESETS = {  # model shapes; the first three train on a CPU (0.1 to a few million parameters)
     "tiny": dict(hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64),
     "small": dict(hidden=64, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=192),
     "base": dict(hidden=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=768),
     # for a GPU: 145 M parameters, SDPA attention (the flash kernel under bf16)
     "150m": dict(hidden=1024, n_layers=12, n_heads=16, n_kv_heads=4, ffn_hidden=3072,
                  attn_impl="sdpa"),
+    # Published models' shapes, for the dry run (`--dry-run`, lesson 11) and GPU clusters. They
+    # take fused attention (`sdpa`): nobody trains at 8k tokens with s×s score matrices saved.
+    "llama3-8b": dict(vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_hidden=14336, rope_theta=500000.0, attn_impl="sdpa"),
+    "llama3-70b": dict(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                       ffn_hidden=28672, rope_theta=500000.0, attn_impl="sdpa"),
+    "llama3-405b": dict(vocab_size=128256, hidden=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                        ffn_hidden=53248, rope_theta=500000.0, attn_impl="sdpa"),
+    # DeepSeek-V3's sizes on picolib's blocks (GQA instead of MLA; every layer a mixture of
+    # --experts of this ffn size; no shared expert): use with --experts 256 --top-k 8
+    "deepseek-v3-like": dict(vocab_size=129280, hidden=7168, n_layers=61, n_heads=128,
+                             n_kv_heads=128, ffn_hidden=2048, attn_impl="sdpa"),
 }
 
 
@@ -90,17 +102,16 @@ class TrainConfig(Layout):
     def from_plan(cls, plan, **options) -> "TrainConfig":
         """The run of a planner's `Plan` (picolib.planner; each `plan_search.search` result's
         "plan"): the plan's layout as it is (`layout_of(plan.par)`: the same fields, no
-        renaming), the model as the preset of its shape (`MODEL_PRESETS`; the dry run's large
-        ones too), the global `batch` of dp × micro_batches × micro_batch_size sequences.
+        renaming), the model as the preset of its shape (`MODEL_PRESETS`), the global `batch`
+        of dp × micro_batches × micro_batch_size sequences.
         `options`: the rest of the run (steps, lr, data, ...); one that contradicts the plan
         is refused, as are a model of no preset's shape and experts the trainer's MoE cannot
         build (shared ones, or another size than the preset's MLP); `check_config` then judges
         the layout as for any run. The planner's own assumptions (`activations`, `flash`,
         `fp32_grad_accum`) change what it counts, not what runs."""
-        from .dry_run import LARGE_PRESETS
         shape = ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
         want = {k: getattr(plan.model, k) for k in shape}
-        presets = {name: LlamaConfig(**kw) for name, kw in {**MODEL_PRESETS, **LARGE_PRESETS}.items()}
+        presets = {name: LlamaConfig(**kw) for name, kw in MODEL_PRESETS.items()}
         preset = next((n for n, c in presets.items() if {k: getattr(c, k) for k in shape} == want), None)
         if preset is None:
             raise ValueError(f"the plan's model ({', '.join(f'{k}={v}' for k, v in want.items())}) "

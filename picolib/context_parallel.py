@@ -44,7 +44,7 @@ from .mappings import all_gather_to_region
 from .mesh import dim_group
 from .model import AttentionCore, LlamaConfig, TinyLlama, repeat_kv, upcast
 
-__all__ = ["LAYOUTS", "ALGORITHMS", "chunk_ids", "positions", "shard_sequence",
+__all__ = ["LAYOUTS", "ALGORITHMS", "chunk_len", "chunk_ids", "positions", "shard_sequence",
            "unshard_sequence", "check_context_parallel", "ring_attention", "allgather_attention",
            "ulysses_attention", "ContextParallelAttention", "apply_context_parallel",
            "ring_step_cost"]
@@ -66,7 +66,9 @@ def chunk_ids(layout: str, rank: int, n: int) -> list[int]:
     return [rank] if _layout(layout) == "contiguous" else [rank, 2 * n - 1 - rank]
 
 
-def _chunk_len(layout: str, n: int, seq: int) -> int:
+def chunk_len(layout: str, n: int, seq: int) -> int:
+    """Tokens per chunk of a sequence of `seq` over n cp ranks: N chunks (contiguous) or 2N
+    (zig-zag); a ValueError when they do not divide it."""
     parts = n if _layout(layout) == "contiguous" else 2 * n
     if seq % parts:
         raise ValueError(f"the sequence length {seq} must divide by {parts} "
@@ -76,13 +78,13 @@ def _chunk_len(layout: str, n: int, seq: int) -> int:
 
 def positions(layout: str, rank: int, n: int, seq: int) -> torch.Tensor:
     """Positions (for RoPE) of the tokens rank `rank` holds of a `seq`-token sequence."""
-    c = _chunk_len(layout, n, seq)
+    c = chunk_len(layout, n, seq)
     return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_ids(layout, rank, n)])
 
 
 def shard_sequence(x: torch.Tensor, layout: str, rank: int, n: int, dim: int = 1) -> torch.Tensor:
     """The tokens rank `rank` holds of `x` (its chunks along `dim`, concatenated)."""
-    c = _chunk_len(layout, n, x.shape[dim])
+    c = chunk_len(layout, n, x.shape[dim])
     return torch.cat([x.narrow(dim, i * c, c) for i in chunk_ids(layout, rank, n)], dim)
 
 
@@ -109,7 +111,7 @@ def check_context_parallel(cfg: LlamaConfig, cp: int, algorithm: str = "ring",
         raise ValueError(f"Ulysses splits the {cfg.n_heads // tp} query heads of a rank "
                          f"(n_heads={cfg.n_heads}, tp={tp}) over cp={cp}: they must divide by cp")
     if seq is not None:
-        _chunk_len(layout, cp, seq)
+        chunk_len(layout, cp, seq)
 
 
 # ------------------------------------------------------------------ ring attention
@@ -347,7 +349,7 @@ def ring_step_cost(seq: int, cp: int, n_heads: int, n_kv_heads: int, head_dim: i
     (tp divides the compute and the bytes alike, so it does not move the condition)."""
     if min(seq, cp, n_heads, n_kv_heads, head_dim, tp, dtype_bytes) < 1 or flops <= 0 or link <= 0:
         raise ValueError("need positive sizes, flops and link")
-    _chunk_len("zigzag", cp, seq)
+    chunk_len("zigzag", cp, seq)
     if n_heads % tp or n_kv_heads % tp or n_heads % n_kv_heads:
         raise ValueError(f"{n_heads} heads and {n_kv_heads} KV heads must divide by tp={tp}, "
                          f"and the heads by the KV heads")

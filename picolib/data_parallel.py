@@ -41,11 +41,12 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .flat import (GradientSyncSwitch, broadcast_from_first_rank, check_finite, group_size,
-                   is_finite, unique_bytes)
+from .flat import (STATE, GradientSyncSwitch, Held, Holdings, broadcast_from_first_rank,
+                   check_finite, fresh_state, group_size, is_finite, own_range, unique_bytes)
 from .sharded_optim import make_optimizer
 
 __all__ = ["all_reduce_gradients", "assign_buckets", "DistributedDataParallel", "DDP",
@@ -333,6 +334,35 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         return {"params": unique_bytes(self.module.parameters()),
                 "grads": unique_bytes(b.buffer for b in self.buckets),
                 "optimizer": unique_bytes(state)}
+
+    def holdings(self, create_state: bool = True) -> Holdings:
+        """What this rank holds (`flat.Holdings`): every parameter whole, each replica
+        answering for a 1/n slice of it (n: its bucket's group), with views of its value,
+        gradient and the owned optimizer's state — created as the first step would with
+        `create_state` (a checkpoint is loaded into it)."""
+        groups = {id(p): b.group for b in self.buckets for p in b.params}
+        if create_state:
+            self._own_optimizer()
+        items, params = [], []
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            g = groups.get(id(p)) or self.group
+            st = fresh_state(self.optimizer, p, create_state)
+            own = own_range(dist.get_world_size(g), dist.get_rank(g), 0, p.numel())
+            items.append(Held(name, 0, p.numel(), *own, p.detach().view(-1),
+                              None if p.grad is None else p.grad.view(-1),
+                              {k: st[k].view(-1) for k in STATE if k in st}))
+            params.append(p)
+
+        def get_step():
+            first = self.optimizer.state.get(params[0], {}) if params and self.optimizer else {}
+            return int(first.get("step", 0))
+
+        def set_step(n):
+            for p in params:
+                self.optimizer.state[p]["step"] = torch.tensor(float(n))
+        return Holdings(items, get_step, set_step, lambda: None)
 
     def state_dict(self, *args, **kwargs) -> dict:
         """{"model": the module's state_dict (its own names, no "module." prefix),

@@ -129,10 +129,12 @@ class ExpertParallelMoE(MoE):
         k = self.top_k
         order, counts = sort_by_expert(routing.choice, routing.keep, self.n_experts)  # 1. sort
         recv_counts = exchange_counts(counts, self.group)                                # 2. exchange
+        if routing.choice.is_meta:   # balanced routing (moe): every rank sends as this one
+            recv_counts = counts.view(self.ep, -1)[self.ep_rank].expand(self.ep, -1)
         send = counts.view(self.ep, self.n_local).sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
         arrived = all_to_all(x[order // k], recv, send, self.group)                      # 3. dispatch
-        perm = group_by_local_expert(recv_counts)                                        # 4. experts
+        perm = group_by_local_expert(recv_counts).to(x.device)                           # 4. experts
         y = run_experts(self.experts, arrived[perm], recv_counts.sum(0))
         y = torch.empty_like(y).index_copy(0, perm, y)
         back = all_to_all(y, send, recv, self.group)                                     # 5. combine

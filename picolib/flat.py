@@ -12,20 +12,26 @@ What: the pieces DDP (picolib/data_parallel.py) and ZeRO (picolib/zero.py) both 
 - `is_finite`, `check_finite`: after a gradient reduction, every rank raises together
   when a gradient is NaN or inf, naming the ranks whose own gradient was non-finite;
 - `GradientSyncSwitch`: `no_sync()` and `set_requires_gradient_sync(flag)`, the one
-  switch both wrappers give to a training loop or a pipeline executor.
+  switch both wrappers give to a training loop or a pipeline executor;
+- `Held`, `Holdings`: what a wrapper's `holdings()` answers — per parameter, the elements
+  this rank holds and answers for, with views of its values, gradient and optimizer state
+  (checkpoints and gradient clipping read them; neither asks which wrapper it holds).
 Why: one home for each, so the two wrappers cannot drift apart.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from . import comm
+from .memory import storage_key
 
 __all__ = ["group_size", "views", "padded_numel", "shard_bounds", "broadcast_from_first_rank",
-           "storage_key", "unique_bytes", "is_finite", "check_finite", "GradientSyncSwitch"]
+           "unique_bytes", "is_finite", "check_finite", "GradientSyncSwitch",
+           "STATE", "Held", "Holdings", "fresh_state", "own_range"]
 
 
 def group_size(group) -> int:
@@ -77,10 +83,6 @@ def broadcast_from_first_rank(tensors, group=None) -> None:
             t.copy_(view)
 
 
-def storage_key(t: torch.Tensor):
-    return t.untyped_storage().data_ptr() or ("empty", id(t))
-
-
 def unique_bytes(tensors) -> int:
     """Bytes of the tensors' storages, each storage counted once."""
     return sum({storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
@@ -88,7 +90,10 @@ def unique_bytes(tensors) -> int:
 
 def is_finite(t: torch.Tensor) -> torch.Tensor:
     """A bool tensor: no NaN or inf in `t`. Its smallest and largest elements tell (a NaN
-    becomes both), in one pass and without a mask the size of `t`."""
+    becomes both), in one pass and without a mask the size of `t`. A meta tensor (the dry
+    run) has no values: finite, on the CPU, so that every check that reads it goes on."""
+    if t.is_meta:
+        return torch.tensor(True)
     return torch.isfinite(torch.stack(torch.aminmax(t))).all()
 
 
@@ -140,4 +145,60 @@ class GradientSyncSwitch:
         try:
             yield
         finally:
-            self._sync = before
+            self.set_requires_gradient_sync(before)
+
+
+# --------------------------------------------------------------------------- what a wrapper holds
+
+STATE = ("exp_avg", "exp_avg_sq")     # AdamW's state shaped like its parameter
+
+
+@dataclass
+class Held:
+    """One parameter on this rank: the elements [lo, hi) of its flattened local tensor that
+    this rank holds (its optimizer updates them), [own_lo, own_hi) ⊆ [lo, hi) the ones it
+    answers for (each element of the box on exactly one of the replicas), and flat views of
+    the held range: fp32 master `value`, reduced `grad` (None before a backward) and the
+    optimizer `state` {exp_avg, exp_avg_sq}."""
+    name: str
+    lo: int
+    hi: int
+    own_lo: int
+    own_hi: int
+    value: torch.Tensor
+    grad: torch.Tensor | None
+    state: dict = field(default_factory=dict)
+
+
+class Holdings:
+    """What one data-parallel wrapper (DDP with its torch.optim optimizer, or ZeRO) holds:
+    `items` (one `Held` per parameter), the optimizer's `step`, and `after_load()`, which
+    makes the wrapper's other copies agree with values written into the `Held` views."""
+
+    def __init__(self, items, get_step, set_step, after_load):
+        self.items, self._get, self._set, self.after_load = items, get_step, set_step, after_load
+
+    @property
+    def step(self) -> int:
+        return self._get()
+
+    @step.setter
+    def step(self, n: int):
+        self._set(n)
+
+
+def own_range(n: int, r: int, lo: int, hi: int) -> tuple[int, int]:
+    """The part of [lo, hi) replica r of n answers for (ZeRO's shard bounds over the range)."""
+    a, b = shard_bounds(hi - lo, n, r)
+    return lo + min(a, hi - lo), lo + min(b, hi - lo)
+
+
+def fresh_state(optimizer, p, create: bool = True) -> dict:
+    """`optimizer.state[p]`; with `create`, made as AdamW's first step would (zeros, step 0)
+    where absent, so a checkpoint can be loaded into it; without, {} where absent."""
+    if not create:
+        return {} if optimizer is None else optimizer.state.get(p, {})
+    st = optimizer.state[p]
+    if "exp_avg" not in st:
+        st.update(step=torch.tensor(0.0), **{k: torch.zeros_like(p) for k in STATE})
+    return st

@@ -24,25 +24,22 @@ group, no tensor — so it can describe any rank of a cluster this machine canno
 transformed modules: every rank's tensor, put in its box, is the single-process tensor.
 
 What the data-parallel wrapper does inside a box (DDP keeps it whole on every replica; ZeRO
-keeps one flat shard of a unit of parameters) is read through `holdings`, the one function
-here that looks inside the wrappers: per parameter, the element range of its flattened
-local tensor that this rank holds (the optimizer updates) and the part of it this rank
-answers for (disjoint over the replicas: each element once), with views of the master
-values, the reduced gradient and the optimizer state.
+keeps one flat shard of a unit of parameters) the wrapper answers itself: `holdings()`, the
+one method DDP and ZeRO both have (`picolib.flat.Holdings`), so nothing here or in their
+readers looks inside them.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-import torch.distributed as dist
 
 from .parallel_layout import coordinates, rank_at
 
 __all__ = ["Placement", "global_shapes", "stage_layers",
-           "placements", "boxes_of_range", "Held", "Holdings", "holdings"]
+           "placements", "boxes_of_range"]
 
 
 @dataclass(frozen=True)
@@ -183,123 +180,3 @@ def boxes_of_range(sizes: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple
             out.append(((row, 0), (n // cols, cols), at - lo))
         at += n
     return out
-
-
-# --------------------------------------------------------------------------- inside the wrappers
-
-@dataclass
-class Held:
-    """One parameter on this rank: the elements [lo, hi) of its flattened local tensor that
-    this rank holds (its optimizer updates them), [own_lo, own_hi) ⊆ [lo, hi) the ones it
-    answers for (each element of the box on exactly one of the replicas), and flat views of
-    the held range: fp32 master `value`, reduced `grad` (None before a backward) and the
-    optimizer `state` {exp_avg, exp_avg_sq}."""
-    name: str
-    lo: int
-    hi: int
-    own_lo: int
-    own_hi: int
-    value: torch.Tensor
-    grad: torch.Tensor | None
-    state: dict = field(default_factory=dict)
-
-
-class Holdings:
-    """What one data-parallel wrapper (DDP with its torch.optim optimizer, or ZeRO) holds:
-    `items` (one `Held` per parameter), the optimizer's `step`, and `after_load()`, which
-    makes the wrapper's other copies agree with values written into the `Held` views."""
-
-    def __init__(self, items, get_step, set_step, after_load):
-        self.items, self._get, self._set, self.after_load = items, get_step, set_step, after_load
-
-    @property
-    def step(self) -> int:
-        return self._get()
-
-    @step.setter
-    def step(self, n: int):
-        self._set(n)
-
-
-STATE = ("exp_avg", "exp_avg_sq")
-
-
-def _own(n: int, r: int, lo: int, hi: int) -> tuple[int, int]:
-    from .flat import shard_bounds
-    a, b = shard_bounds(hi - lo, n, r)
-    return lo + min(a, hi - lo), lo + min(b, hi - lo)
-
-
-def _fresh_state(optimizer, p) -> dict:
-    """`optimizer.state[p]`, created as AdamW's first step would (zeros, step 0) if absent,
-    so a checkpoint can be loaded into it."""
-    st = optimizer.state[p]
-    if "exp_avg" not in st:
-        st.update(step=torch.tensor(0.0), **{k: torch.zeros_like(p) for k in STATE})
-    return st
-
-
-def holdings(wrapper, optimizer=None, create_state: bool = True) -> Holdings:
-    """The one reader of DDP's and ZeRO's internals (see the module docstring). The
-    optimizer is the wrapper's own (`wrapper.optimizer`, the data-parallel contract);
-    `optimizer` is only for a DDP that does not own one. With `create_state` the optimizer's
-    state is created (zeros, step 0, as its first step would) where it does not exist yet,
-    so a checkpoint can be loaded into it; without, such a `Held` has no state."""
-    optimizer = getattr(wrapper, "optimizer", None) or optimizer
-    if hasattr(wrapper, "units"):                                   # ZeRO
-        from .flat import shard_bounds
-        items, pieces = [], []
-        for u, group in zip(wrapper.units, wrapper._groups):
-            lo, hi = shard_bounds(u.numel, dist.get_world_size(group), dist.get_rank(group))
-            grad = u.master.grad if u.master.grad is not None else u.grad   # what the optimizer reads
-            states = []
-            for _, pa, pb, piece in u.pieces:    # each a view of the master: what the optimizer steps
-                st = _fresh_state(optimizer, piece) if create_state else optimizer.state.get(piece, {})
-                states.append((pa, pb, st))
-                pieces.append(piece)
-            at = 0
-            for name, p in zip(u.names, u.params):
-                a, b = max(lo, at), min(hi, at + p.numel())
-                if a < b:                         # a parameter lies inside one piece (one group)
-                    sa, sb = a - lo, b - lo
-                    pa, _, st = next(x for x in states if x[0] <= sa and sb <= x[1])
-                    items.append(Held(name, a - at, b - at, a - at, b - at, u.master.detach()[sa:sb],
-                                      grad[sa:sb], {k: st[k][sa - pa:sb - pa] for k in STATE if k in st}))
-                else:
-                    items.append(Held(name, 0, 0, 0, 0, u.master.detach()[:0], grad[:0], {}))
-                at += p.numel()
-
-        def set_step(n):
-            wrapper.steps = n
-            for piece in pieces:
-                if piece in optimizer.state:
-                    optimizer.state[piece]["step"] = torch.tensor(float(n))
-
-        def after_load():
-            from . import comm
-            with torch.no_grad():
-                for u, group in zip(wrapper.units, wrapper._groups):
-                    if u.shard.data_ptr() != u.master.data_ptr():
-                        u.shard.copy_(u.master)
-                    if wrapper.stage < 3:
-                        comm.all_gather(u.full, u.shard, group=group)
-        return Holdings(items, lambda: wrapper.steps, set_step, after_load)
-
-    groups = {id(p): b.group for b in wrapper.buckets for p in b.params}     # DDP
-    items, params = [], []
-    for name, p in wrapper.module.named_parameters():
-        if not p.requires_grad:
-            continue
-        g = groups.get(id(p)) or wrapper.group
-        st = _fresh_state(optimizer, p) if create_state else optimizer.state.get(p, {})
-        own = _own(dist.get_world_size(g), dist.get_rank(g), 0, p.numel())
-        items.append(Held(name, 0, p.numel(), *own, p.detach().view(-1),
-                          None if p.grad is None else p.grad.view(-1),
-                          {k: st[k].view(-1) for k in STATE if k in st}))
-        params.append(p)
-
-    def set_step(n):
-        for p in params:
-            optimizer.state[p]["step"] = torch.tensor(float(n))
-    return Holdings(items, lambda: int(optimizer.state.get(params[0], {}).get("step", 0)) if params else 0,
-                    set_step, lambda: None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["FP8", "fp8_max", "quantize", "dequantize", "fake_quantize", "relative_error",
+__all__ = ["FP8", "fp8_max", "as_groups", "quantize", "dequantize", "fake_quantize", "relative_error",
            "DynamicLossScaler", "Fp8Linear", "fp8_model"]
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -33,7 +33,7 @@ def fp8_max(fmt: str = "e4m3") -> float:
     return float(torch.finfo(FP8[fmt]).max)
 
 
-def _groups(x: torch.Tensor, group: str, tile: int = 128) -> torch.Tensor:
+def as_groups(x: torch.Tensor, group: str, tile: int = 128) -> torch.Tensor:
     """x viewed as (groups, elements per group): one group for "tensor", one per row (last
     dimension) for "row", one per 1×tile piece of a row for "tile"."""
     if group == "tensor":
@@ -50,7 +50,7 @@ def _groups(x: torch.Tensor, group: str, tile: int = 128) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, group: str = "tensor", fmt: str = "e4m3", tile: int = 128):
     """(FP8 codes shaped like the groups, fp32 scale per group): x ≈ codes · scale."""
-    g = _groups(x.float(), group, tile)
+    g = as_groups(x.float(), group, tile)
     amax = g.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / fp8_max(fmt), torch.ones_like(amax))
     return (g / scale).to(FP8[fmt]), scale

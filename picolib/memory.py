@@ -15,15 +15,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-__all__ = ["param_bytes", "grad_bytes", "optimizer_state_bytes", "Breakdown", "measure", "Sample",
+__all__ = ["storage_key", "param_bytes", "grad_bytes", "optimizer_state_bytes", "Breakdown", "measure", "Sample",
            "SavedActivations", "MemoryTrace", "gpt_param_count", "bytes_per_param",
            "model_state_bytes", "activation_bytes", "model_flops", "hardware_flops",
            "plot_breakdown", "plot_trace"]
 
 
-def _key(t: torch.Tensor):
-    """Identity of a tensor's storage (shared by all its views)."""
-    return (t.device, t.untyped_storage().data_ptr())
+def storage_key(t: torch.Tensor):
+    """Identity of a tensor's storage (shared by all its views): its device and address. A
+    meta storage (the dry run, lesson 11) has no address: the storage object itself stands
+    for it; an empty one, the tensor."""
+    s = t.untyped_storage()
+    if t.is_meta:
+        return "meta", s._cdata
+    return t.device, s.data_ptr() or ("empty", id(t))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -34,7 +39,7 @@ def _unique_bytes(tensors) -> int:
     seen = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            seen.setdefault(_key(t), _nbytes(t))
+            seen.setdefault(storage_key(t), _nbytes(t))
     return sum(seen.values())
 
 
@@ -121,7 +126,7 @@ class SavedActivations:
 
     def __enter__(self):
         if self.model is not None:
-            self._skip = {_key(t) for t in (*self.model.parameters(), *self.model.buffers())}
+            self._skip = {storage_key(t) for t in (*self.model.parameters(), *self.model.buffers())}
             if self.per_module:
                 for name, mod in self.model.named_modules():
                     self._handles += [mod.register_forward_pre_hook(
@@ -143,14 +148,14 @@ class SavedActivations:
 
     def _is_param(self, t) -> bool:
         if self.model is not None:
-            return _key(t) in self._skip
+            return storage_key(t) in self._skip
         base = t._base if t._base is not None else t
         return base.is_leaf and base.requires_grad
 
     def _pack(self, t):
         if self._is_param(t):
             return _Held(t, None, self)
-        key = _key(t)
+        key = storage_key(t)
         ref = self._refs.get(key)
         if ref is None:
             nbytes = _nbytes(t)

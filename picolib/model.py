@@ -188,6 +188,9 @@ def attention_core(q, k, v, impl: str = "eager", causal: bool = True):
             k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         gqa = {"enable_gqa": n_rep > 1} if gqa_ok else {}
         if s_q == s_k or not causal:                   # SDPA's is_causal aligns top-left
+            if q.is_meta:                              # the flash kernel's bytes (picolib.meta)
+                from .meta import flash_attention
+                return flash_attention(q, k, v)
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(s_q, s_k, q.device), **gqa)
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
@@ -352,7 +355,9 @@ class TinyLlama(nn.Module):
     def reset_parameters(self, seed: int):
         """Normal(0, 0.02) weights and unit norms, drawn from a private generator (seeded)
         in parameter order (`init_tensor`); a rank replays this stream to build only its
-        part (`picolib.materialize`)."""
+        part (`picolib.materialize`). On meta there is nothing to draw."""
+        if next(self.parameters()).is_meta:
+            return
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             p.copy_(init_tensor(name, p.shape, g))

@@ -22,6 +22,13 @@ Pieces, each a plain function a lesson can call:
 - `MoE.update_bias`: DeepSeek-V3's auxiliary-loss-free balancing, b_e += rate ·
   sign(mean load − load_e) after each step.
 
+On meta tensors (the dry run, lesson 11) the router's choice has no values, so which expert
+each token goes to is ASSUMED: a *balanced* routing, each expert receiving assignments/E of
+the assignments (`balanced_counts`; the first experts one more when it does not divide).
+`keep_mask` keeps every assignment (a capacity, whose drops depend on the values, is
+refused), `sort_by_expert` returns the balanced counts (on the CPU: their sizes split the
+rows), `expert_counts` a meta tensor.
+
 Token groups: capacity and the balancing statistics are computed per *group* of tokens
 (GShard's groups): the flattened batch is cut into `token_groups` equal groups along the
 batch. Under expert and data parallelism each rank's micro-batch is one group, so one
@@ -46,7 +53,8 @@ import torch.nn.functional as F
 
 from .model import SwiGLU, TinyLlama, init_tensor
 
-__all__ = ["ROUTERS", "check_moe", "capacity", "keep_mask", "sort_by_expert", "run_experts",
+__all__ = ["ROUTERS", "check_moe", "capacity", "keep_mask", "balanced_counts", "sort_by_expert",
+           "expert_counts", "run_experts",
            "balancing_loss", "Routing", "Expert", "Router", "MoE", "MoELoss", "AuxLossGradient",
            "aux_loss_in_backward", "moe_layers", "apply_moe"]
 
@@ -82,7 +90,13 @@ def capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float | N
 
 def keep_mask(choice: torch.Tensor, n_experts: int, cap: int | None) -> torch.Tensor:
     """(T, k) bool: which assignments fit their expert's `cap` slots. Priority: every
-    token's first choice before any second choice; within a rank, earlier tokens first."""
+    token's first choice before any second choice; within a rank, earlier tokens first.
+    On meta: dropless only, every assignment kept (a CPU tensor: counted as a real one)."""
+    if choice.is_meta:
+        if cap is not None:
+            raise NotImplementedError("the dry run cannot drop tokens past an expert's capacity: "
+                                      "which ones overflow depends on the router's values")
+        return torch.ones(choice.shape, dtype=torch.bool)
     if cap is None:
         return torch.ones_like(choice, dtype=torch.bool)
     queue = choice.t().reshape(-1)                        # first choices of all tokens, then second
@@ -91,13 +105,32 @@ def keep_mask(choice: torch.Tensor, n_experts: int, cap: int | None) -> torch.Te
     return (position < cap).view(choice.shape[1], choice.shape[0]).t()
 
 
+def balanced_counts(assignments: int, n_experts: int) -> list[int]:
+    """The routing assumed on meta tensors: each expert receives assignments/n_experts of the
+    (token, choice) assignments — tokens·top_k/n_experts — the first `assignments mod
+    n_experts` experts one more when it does not divide."""
+    base, extra = divmod(assignments, n_experts)
+    return [base + (e < extra) for e in range(n_experts)]
+
+
 def sort_by_expert(choice: torch.Tensor, keep: torch.Tensor, n_experts: int):
     """The kept assignments (flat index t·k + j) in expert order (stable: token order
-    within an expert) and the number per expert. `order // k` are their tokens."""
+    within an expert) and the number per expert. `order // k` are their tokens. On meta:
+    every assignment, in order, and the `balanced_counts` (module docstring)."""
+    if choice.is_meta:
+        return (torch.arange(choice.numel(), device=choice.device),
+                torch.tensor(balanced_counts(choice.numel(), n_experts)))
     flat = choice.reshape(-1)
     kept = keep.reshape(-1).nonzero().squeeze(1)
     order = kept[torch.argsort(flat[kept], stable=True)]
     return order, torch.bincount(flat[kept], minlength=n_experts)
+
+
+def expert_counts(choice: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(E,) how many of the assignments `choice` chose each expert (a meta tensor on meta)."""
+    if choice.is_meta:
+        return choice.new_empty(n_experts)
+    return torch.bincount(choice.reshape(-1), minlength=n_experts)
 
 
 def run_experts(experts, x_sorted: torch.Tensor, counts) -> torch.Tensor:
@@ -118,12 +151,12 @@ def balancing_loss(scores: torch.Tensor, choice: torch.Tensor, n_experts: int,
     own tokens only, so the caller weights the loss by the group's size (the replicas'
     average divides by it)."""
     if group is None:
-        f = torch.bincount(choice.reshape(-1), minlength=n_experts).to(scores.dtype) / choice.numel()
+        f = expert_counts(choice, n_experts).to(scores.dtype) / choice.numel()
         p = (scores / scores.sum(-1, keepdim=True)).mean(0)
         return n_experts * (f * p).sum()
     from . import comm
     from .mappings import reduce_from_region
-    counts = torch.bincount(choice.reshape(-1), minlength=n_experts).to(scores.dtype)
+    counts = expert_counts(choice, n_experts).to(scores.dtype)
     comm.all_reduce(counts, group=group)
     tokens = choice.shape[0] * dist.get_world_size(group)
     p = reduce_from_region((scores / scores.sum(-1, keepdim=True)).sum(0), group) / tokens
@@ -206,6 +239,8 @@ class MoE(nn.Module):
         """Normal(0, 0.02) weights from a private generator, as TinyLlama's (`init_tensor`);
         `seed` is kept: a rank building only its experts replays this stream."""
         self.seed = seed
+        if next(self.parameters()).is_meta:     # nothing to draw
+            return
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             p.copy_(init_tensor(name, p.shape, g))
@@ -235,7 +270,7 @@ class MoE(nn.Module):
             routing = self.route(group)
             outs.append(self.dispatch_combine(group, routing))
             aux.append(balancing_loss(routing.scores, routing.choice, self.n_experts, self.stats_group))
-            load = load + torch.bincount(routing.choice.reshape(-1), minlength=self.n_experts)
+            load = load + expert_counts(routing.choice, self.n_experts)
             dropped += int((~routing.keep).sum())
         self.aux_loss, self.load, self.dropped = torch.stack(aux).mean(), load, dropped
         out = torch.cat(outs)

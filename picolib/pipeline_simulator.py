@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .pipeline_schedules import Op, Schedule
 
-__all__ = ["ScheduleError", "validate", "simulate", "comm_latency"]
+__all__ = ["ScheduleError", "check_ops", "validate", "simulate", "comm_latency"]
 
 
 class ScheduleError(ValueError):
@@ -37,7 +37,10 @@ def _needs(op: Op, sched: Schedule) -> list[Op]:
     return []
 
 
-def _check_ops(sched: Schedule):
+def check_ops(sched: Schedule):
+    """Raise ScheduleError unless every rank's ops are well formed: known kinds, stages and
+    micro-batches in range, each op once and on its stage's rank, every F with its backward
+    (the checks that need no simulation)."""
     S, m = sched.n_stages, sched.n_micro
     where: dict = {}
     for r, seq in enumerate(sched.ops):
@@ -93,7 +96,7 @@ def simulate(sched: Schedule, cost=None, check: bool = True, overlap: bool = Tru
     timeline.plot_gantt / bubble_ratio. Raises ScheduleError on a deadlock, naming what
     each stuck rank waits for."""
     if check:
-        _check_ops(sched)
+        check_ops(sched)
     c = {"F": 1.0, "B": 1.0, "W": 1.0, "comm": 0.0, **(cost if isinstance(cost, dict) else {})}
     if comm is not None:
         c["comm"] = comm
@@ -164,6 +167,6 @@ def comm_latency(events, sched: Schedule) -> float:
 def validate(sched: Schedule) -> Schedule:
     """Raise ScheduleError if the schedule misses or doubles an op, runs a backward before
     its forward or a W before its B, or deadlocks; return it unchanged otherwise."""
-    _check_ops(sched)
+    check_ops(sched)
     simulate(sched, check=False)
     return sched

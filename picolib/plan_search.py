@@ -216,7 +216,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     "slowest" (its pipeline rank) and "ranks" (the same parts for every pipeline rank)."""
     from .pipeline_simulator import simulate
     from .parallel_layout import pieces as n_pieces_of, stage_layers
-    from .planner import _schedule, moe_of, stage_piece, traffic
+    from .planner import cached_schedule, moe_of, stage_piece, traffic
     hw = hardware(hw)
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
@@ -228,7 +228,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     m, p = par.micro_batches, par.pp
     comp = _stage_seconds(cfg, par, hw, moe, efficiency, ceiling)
     full = par.recompute == "full"
-    sched = _schedule(par.schedule, p, m, par.v) if p > 1 else None
+    sched = cached_schedule(par.schedule, p, m, par.v) if p > 1 else None
     n_pieces = n_pieces_of(par)
     sent = [traffic(cfg, par, r, moe) for r in range(p)]
     e = 4 if par.precision == "fp32" else 2
@@ -307,12 +307,10 @@ _CHEAPEST_FIRST = [(0, "none"), (1, "none"), (2, "none"), (0, "selective"), (1, 
 
 def trainer_refuses(plan: Plan) -> str | None:
     """Why picolib's trainer cannot run `plan` as it is (`TrainConfig.from_plan`, then
-    `check_config`, a published model's shape as its dry-run preset), or None when it can."""
+    `check_config`, a published model's shape as its preset), or None when it can."""
     from .compose import TrainConfig, check_config
-    from .dry_run import _with_presets
     try:
-        with _with_presets():
-            check_config(TrainConfig.from_plan(plan))
+        check_config(TrainConfig.from_plan(plan))
     except ValueError as e:
         return str(e)
     return None
@@ -407,8 +405,8 @@ def build_parser():
         description="Search the layouts of a model on N GPUs that fit and that picolib's trainer "
                     "runs as they are; print the fastest and write the best as a plan for "
                     "`python -m picolib.train --plan FILE` (or --dry-run --plan FILE).")
-    p.add_argument("--preset", default="tiny", help="model shape: a trainer or dry-run preset "
-                   "(picolib.compose.MODEL_PRESETS, picolib.dry_run.LARGE_PRESETS)")
+    p.add_argument("--preset", default="tiny", help="model shape: a trainer preset "
+                   "(picolib.compose.MODEL_PRESETS)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) of the run")
     p.add_argument("--batch", type=int, required=True, help="global batch in sequences per step")
     p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
@@ -426,12 +424,10 @@ def build_parser():
 
 
 def main(argv=None) -> list[dict]:
-    from .compose import MODEL_PRESETS
-    from .dry_run import LARGE_PRESETS
+    from .compose import MODEL_PRESETS as presets
     from .model import LlamaConfig
     parser = build_parser()
     a = parser.parse_args(argv)
-    presets = {**MODEL_PRESETS, **LARGE_PRESETS}
     if a.preset not in presets:
         parser.error(f"unknown preset {a.preset!r}; choose one of {', '.join(presets)}")
     cfg = LlamaConfig(**presets[a.preset])
@@ -447,8 +443,8 @@ def main(argv=None) -> list[dict]:
         print(describe(cfg, r["par"], a.gpu, moe), "\n")
     if a.json:
         found[0]["plan"].to_json(a.json)
-        dry = " --dry-run" if a.preset in LARGE_PRESETS else ""   # a shape only the dry run builds
-        print(f"the best plan written to {a.json}: python -m picolib.train{dry} --plan {a.json}")
+        print(f"the best plan written to {a.json}: python -m picolib.train --plan {a.json} "
+              "(--dry-run: what each rank would hold and send, without training)")
     return found
 
 

@@ -217,7 +217,7 @@ def rank_layers(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0) -> list[in
         raise ValueError(f"pp_rank must be in [0, {par.pp}), not {pp_rank}")
     if par.pp == 1:
         return [0]
-    return _schedule(par.schedule, par.pp, par.micro_batches, par.v).stages_of(pp_rank)
+    return cached_schedule(par.schedule, par.pp, par.micro_batches, par.v).stages_of(pp_rank)
 
 
 def _stage_parts(cfg: LlamaConfig, par: Parallelism, pp_rank: int):
@@ -307,7 +307,7 @@ def _end_bytes(cfg: LlamaConfig, par: Parallelism) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=512)
-def _schedule(name: str, p: int, m: int, v: int):
+def cached_schedule(name: str, p: int, m: int, v: int):
     """picolib's schedule (cached); the planner reads stages, ops and pipes off it."""
     return make_schedule(name, p, m, v)
 
@@ -315,7 +315,7 @@ def _schedule(name: str, p: int, m: int, v: int):
 @lru_cache(maxsize=512)
 def _ops(name: str, p: int, m: int, v: int):
     """Each rank's ops of picolib's schedule as (kind, stage) pairs."""
-    return tuple(tuple((op.kind, op.stage) for op in ops) for ops in _schedule(name, p, m, v).ops)
+    return tuple(tuple((op.kind, op.stage) for op in ops) for ops in cached_schedule(name, p, m, v).ops)
 
 
 @lru_cache(maxsize=4096)
@@ -323,7 +323,7 @@ def _pp_messages(name: str, p: int, m: int, v: int, rank: int) -> int:
     """Messages rank `rank` sends: one per forward of a stage that is not the last of its
     pipeline, one per backward (BW, or B of a split backward) of a stage that is not the
     first (DualPipe: each of its two pipelines)."""
-    sched = _schedule(name, p, m, v)
+    sched = cached_schedule(name, p, m, v)
     return sum(1 for op in sched.ops[rank]
                if (op.kind == "F" and not sched.is_last(op.stage))
                or (op.kind in ("BW", "B") and not sched.is_first(op.stage)))
@@ -360,7 +360,7 @@ def _stage_bytes(cfg, par) -> tuple:
     counts = stage_layers(cfg.n_layers, n)
     layer = layer_activation_bytes(cfg, par)
     first, last = _end_bytes(cfg, par)
-    n_stages = 1 if par.pp == 1 else len(_schedule(par.schedule, par.pp, par.micro_batches, par.v).stage_ranks)
+    n_stages = 1 if par.pp == 1 else len(cached_schedule(par.schedule, par.pp, par.micro_batches, par.v).stage_ranks)
     return tuple(counts[k] * layer + (first if k == 0 else 0) + (last if k == n - 1 else 0)
                  for k in (stage_piece(par, s) for s in range(n_stages)))
 
@@ -496,7 +496,7 @@ def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoEShape 
     layers = sum(n for n, _, _ in parts)
     m, e = par.micro_batches, elem_bytes(par.precision)
     if par.pp > 1:   # DualPipe: each of its two pipelines carries half of the micro-batches
-        m //= len(_schedule(par.schedule, par.pp, par.micro_batches, par.v).pipes)
+        m //= len(cached_schedule(par.schedule, par.pp, par.micro_batches, par.v).pipes)
     gdt = 4 if par.precision == "fp32" else 2
     groups = dp_groups(cfg, par, pp_rank, moe)
     dp = 0

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .flat import padded_numel, shard_bounds, storage_key, unique_bytes, views
+from .flat import padded_numel, shard_bounds, unique_bytes, views
+from .memory import storage_key
 
 __all__ = ["NAMES", "optimizer_state_factor", "make_optimizer", "check_elementwise",
            "state_bytes_per_element", "split_units", "unit_numels", "ShardedUnit",

@@ -26,8 +26,6 @@ of the last step.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import math
 import os
@@ -36,33 +34,28 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import fields
 
 import torch
 import torch.distributed as dist
 
 from . import checkpoint
+from .cli import build_parser, config_from_args
 from .clipping import clip_grad_norm_
 from .comm import Ledger
 from . import comm
-from .compose import LR_SCHEDULES, MODEL_PRESETS, TrainConfig, build, check_config, lr_factor, open_data
-from .context_parallel import ALGORITHMS, LAYOUTS, positions
+from .compose import MODEL_PRESETS, TrainConfig, build, check_config, lr_factor, open_data
+from .context_parallel import positions
 from .data import global_mean_loss
 from .memory import SavedActivations
 from .mesh import Mesh
 from .model import param_count, random_tokens
-from .pipeline_parallel import run_schedule
-from .pipeline_schedules import SCHEDULES
 from .plan_search import model_flops_per_token
-from .planner import MoEShape, Plan
+from .planner import MoEShape
 from .rank import device
+from .step import forward_backward, sent_by_kind
 from .timeline import Timeline, gather, to_chrome_trace
 
 __all__ = ["MODEL_PRESETS", "TrainConfig", "check_config", "config_from_args", "train", "main"]
-
-DESCRIPTION = ("Train the tiny Llama on one process or on any mix of data (DDP or ZeRO-1/2/3), "
-               "tensor (+ sequence), pipeline, context and expert parallelism; every layout "
-               "gives the one-process loss curve.")
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
 KINDS = ("DP", "TP", "PP", "CP", "EP", "other")
@@ -142,40 +135,13 @@ def _forward_loss(cfg, stages, sched, mesh, tokens, targets):
     return None
 
 
-def _step(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline):
-    """Forward and backward of one step; returns this rank's loss (None off the last stage).
-    `--precision bf16`: forward and loss under torch's bf16 autocast, on every layout (the
-    weights DDP averages gradients for stay fp32; ZeRO computes on bf16 copies of fp32
-    masters); backward follows the dtypes autocast chose."""
-    with torch.autocast(mesh.device_mesh.device_type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
-        return _forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline)
-
-
-def _forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline):
-    if sched is not None:
-        loss = run_schedule(sched, stages, tokens, targets, timeline=timeline,
-                            group_ranks=mesh.peers("pp"), data_parallel=wrappers)["loss"]
-        # DualPipe: each end holds its half of the micro-batches' mean; times 2, its own mean
-        return loss if loss is None else loss * len(sched.pipes)
-    model, wrapper = stages[0], wrappers[0]
-    loss = None
-    for i, (x, y) in enumerate(zip(tokens, targets)):
-        last = i == len(tokens) - 1
-        with contextlib.nullcontext() if last else wrapper.no_sync(), \
-                (timeline.span("FB", mb=i) if timeline else contextlib.nullcontext()):
-            micro = model.loss(x, y) / len(tokens)
-            micro.backward()
-        loss = micro.detach() if loss is None else loss + micro.detach()   # summed on the device
-    return loss
-
-
 def _train_step(cfg, stages, wrappers, optimizers, sched, mesh, tokens, targets, timeline):
     """One optimizer step: forward and backward, the gradients reduced and clipped, the
     update. Returns this rank's loss (None off the last stage) and the global gradient norm,
     both device tensors: nothing here waits for the device (a host sync) except the
     data-parallel wrappers' verdict on a NaN or inf gradient (`finish_gradient_sync`); the
     loop reads the logged values once, after the step."""
-    loss = _step(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline)
+    loss = forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline)
     for w in wrappers.values():      # reduced gradients, then the global norm
         w.finish_gradient_sync()
     grad_norm = clip_grad_norm_(cfg, wrappers, max_norm=cfg.clip_grad)
@@ -210,30 +176,6 @@ def _peak_flops(cfg: TrainConfig, device: torch.device) -> tuple[float, str]:
         n += 1
     rate = _max_over_ranks([2 * 256 ** 3 * n / (time.perf_counter() - t0)])[0]  # one peak for all
     return rate, f"{rate / 1e9:.1f} GFLOP/s per rank (fp32 matmul, one thread, the fastest rank)"
-
-
-def traffic_kind(op: str, dims: tuple[str, ...], replicas: bool = False) -> str:
-    """Which parallelism a collective belongs to, from the mesh dimensions its ranks span;
-    `replicas`: its group is the one gradients are averaged over (dp, or dp × cp) — DP.
-    Inside dp, all-to-alls are EP's and the rest the experts' gradients (DP)."""
-    if replicas:
-        return "DP"
-    if dims == ("dp",):
-        return "EP" if op == "all_to_all" else "DP"
-    return dims[0].upper() if len(dims) == 1 else "other"
-
-
-def _sent_by_kind(ledger: Ledger, mesh: Mesh, replicas, known: dict) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in ledger.records:
-        key = (r.op, r.ranks, r.meta.get("purpose"))
-        if key not in known:   # `replicas` is kept for callers; the data-parallel wrappers tag their collectives (comm.tagged): ranks alone
-            # cannot tell them — with dp = 1 the replicas are the cp ranks (whose all-gather
-            # of K/V is CP's), and an expert's replicas (edp) can be the cp ranks exactly
-            gradients = r.meta.get("purpose") == "gradients"
-            known[key] = traffic_kind(r.op, mesh.spanned(r.ranks), gradients)
-        out[known[key]] = out.get(known[key], 0) + r.sent_bytes
-    return out
 
 
 def _not_finite(step: int, what: str, cfg: TrainConfig) -> FloatingPointError:
@@ -275,7 +217,7 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     check_config(cfg, dist.get_world_size(), read_data=False)   # main read the file through
     mesh = Mesh(device().type, device=device(),     # the rank's device, from here on the mesh's
                 **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
-    stages, wrappers, optimizers, sched, replicas = build(cfg, mesh)
+    stages, wrappers, optimizers, sched, _ = build(cfg, mesh)
     resumed = {"data_position": 0}
     start = checkpoint.load_into(checkpoint.latest(cfg.resume), cfg, stages, wrappers,
                                  optimizers, into=resumed) if cfg.resume else 0
@@ -334,7 +276,7 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
             if not math.isfinite(loss_sum):          # the same sum on every rank
                 raise _not_finite(step, f"the loss is {loss_sum}", cfg)
             sent = {op: s["sent_bytes"] for op, s in led.summary().items()}
-            by_kind = _sent_by_kind(led, mesh, replicas, kinds)
+            by_kind = sent_by_kind(led, mesh, kinds)
             busiest = _max_over_ranks([seconds, state, act.peak] + [sent.get(op, 0) for op in OPS]
                                       + [by_kind.get(k, 0) for k in KINDS])
             rec = {"step": step, "loss": loss_sum / count, "lr": lr,
@@ -400,113 +342,6 @@ def _describe(cfg: TrainConfig) -> str:
 
 
 # --------------------------------------------------------------------------- command line
-
-HELP = {
-    "dp": "data-parallel replicas (each sees batch/dp sequences)",
-    "tp": "tensor-parallel ranks (heads, FFN and vocabulary split)",
-    "pp": "pipeline stages (the layers split by depth)",
-    "cp": "context-parallel ranks (the sequence split; attention by --cp-algorithm)",
-    "sp": "sequence parallelism inside tensor parallelism (norms and residuals split too)",
-    "zero": "0: DDP; 1, 2, 3: ZeRO stage (optimizer state / + gradients / + parameters sharded)",
-    "schedule": "pipeline schedule (dualpipe: two copies of each stage, on pipeline ranks r and p−1−r)",
-    "chunks": "model chunks per rank for --schedule interleaved",
-    "micro_batches": "micro-batches per step (pipelined, or accumulated without a pipeline)",
-    "batch": "global batch in sequences per step", "seq": "tokens per sequence",
-    "steps": "optimizer steps", "preset": "model size",
-    "recompute": "activation recomputation",
-    "precision": "fp32, or bf16: forward under bf16 autocast with fp32 weights (DDP) or bf16 "
-                 "compute copies of fp32 master weights (ZeRO)",
-    "experts": "mixture of experts: this many SwiGLU experts per MLP (0: dense)",
-    "top_k": "experts per token", "ep": "expert-parallel ranks (a block of the dp ranks)",
-    "cp_algorithm": "context-parallel attention",
-    "cp_layout": "who holds which tokens",
-    "data": "text: the shipped 2.5 KB paragraph, all trained on; course: the shipped corpus "
-            "(picolib/data/course.txt, 0.5 MB); random: uniform tokens; or PATH: a UTF-8 text "
-            "file (byte tokens) or a token file NAME.bin (numpy.memmap of uint16, written by "
-            "`python -m picolib.data prepare IN.txt OUT.bin`). For course and PATH the last 10%% "
-            "is held out (never trained on); each dp rank reads only its own sequences",
-    "eval_every": "every this many steps (and after the last) log val_loss: the mean loss over "
-                  "all tokens of --eval-batches held-out batches (0: never)",
-    "eval_batches": "batches of --batch × --seq held-out tokens each evaluation reads (always "
-                    "the first ones of the held-out split)",
-    "lr": "AdamW's peak learning rate", "seed": "seed of the weights and the data",
-    "warmup": "steps of linear warmup from lr/warmup to lr",
-    "lr_schedule": "the learning rate after warmup, from lr to --min-lr at the last step "
-                   "(wsd: constant, then linear over the last 20%% of the steps)",
-    "min_lr": "the learning rate the schedule ends at (not with constant)",
-    "weight_decay": "AdamW's weight decay, on parameters of 2 or more dimensions only (none on "
-                    "norm weights and biases)",
-    "clip_grad": "clip the gradient's global L2 norm (every element counted once) to this; 0: off",
-    "peak_tflops": "peak per rank for MFU (default: H100 dense BF16 on GPUs, measured on CPUs)",
-    "log": "write one JSON object per step to this file (under torchrun: --log-file)",
-    "trace": "write a Perfetto/Chrome trace of the last step to this file",
-    "compile": "torch.compile each transformer block (off by default; not with --tp, --cp, "
-               "--experts or --zero 3)",
-    "progress": "show a progress bar and a summary (--no-progress: quiet)",
-    "save": "write checkpoints (torch.distributed.checkpoint) into this folder, one step-NNNNNN "
-            "folder each, at the end",
-    "save_every": "also save every this many steps (0: only at the end)",
-    "keep": "keep this many newest complete step folders, deleting older ones",
-    "resume": "continue from this folder's newest complete step (or from a step folder), on this "
-              "or any other mesh",
-}
-
-
-# the enumerated options: argparse refuses anything else and --help lists them
-CHOICES = {"schedule": list(SCHEDULES), "recompute": ["none", "selective", "full"],
-           "precision": ["fp32", "bf16"], "cp_algorithm": list(ALGORITHMS),
-           "cp_layout": list(LAYOUTS), "preset": list(MODEL_PRESETS),
-           "lr_schedule": list(LR_SCHEDULES),
-           "zero": [0, 1, 2, 3]}
-
-
-METAVARS = {"data": "{text,course,random,PATH}"}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m picolib.train", description=DESCRIPTION)
-    p.add_argument("--nproc", type=int, default=None,
-                   help="local ranks to start (default: the product of the degrees); ignored under torchrun")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
-                   help="collectives' backend (auto: NCCL with a GPU per rank, else gloo)")
-    for f in fields(TrainConfig):
-        flags = ["--" + f.name.replace("_", "-")]
-        if f.name == "log":   # torchrun reads "--log" as an abbreviation of its own --log-dir
-            flags.append("--log-file")
-        if f.type in ("bool", bool):
-            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=HELP[f.name])
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-            p.add_argument(*flags, type=kind, default=f.default, help=HELP[f.name],
-                           choices=CHOICES.get(f.name), metavar=METAVARS.get(f.name))
-    p.add_argument("--plan", default=None, metavar="FILE",
-                   help="run this plan (picolib.planner.Plan.to_json, e.g. a plan_search result): "
-                        "its model and layout; the options given beside it set the rest and "
-                        "must agree with it")
-    p.add_argument("--dry-run", action="store_true",
-                   help="do not train: build this layout on meta tensors over a fake process "
-                        "group of --world ranks and report each pipeline position's bytes "
-                        "(held, saved, sent by kind); with --gpu NAME, whether it fits; "
-                        "--json FILE writes them (python -m picolib.dry_run --help)")
-    return p
-
-
-def config_from_args(parser: argparse.ArgumentParser, argv, args: dict) -> TrainConfig:
-    """The run a command line asks for: its options, or with --plan FILE the plan's model and
-    layout (`TrainConfig.from_plan`) plus the options typed beside it. A plan the trainer
-    cannot take, or an option that contradicts it: `parser.error` (one line, exit 2)."""
-    path = args.pop("plan")
-    if path is None:
-        return TrainConfig(**args)
-    unset = object()          # what argparse leaves alone: the options not on the command line
-    typed = vars(parser.parse_args(argv, argparse.Namespace(**{k: unset for k in args})))
-    try:
-        with open(path) as f:
-            plan = Plan.from_json(f.read())
-        return TrainConfig.from_plan(plan, **{k: args[k] for k in args if typed.get(k) is not unset})
-    except (OSError, ValueError) as e:
-        parser.error(f"--plan {path}: {e}")
-
 
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)

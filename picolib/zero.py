@@ -62,11 +62,12 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .flat import (GradientSyncSwitch, broadcast_from_first_rank, check_finite, group_size,
-                   is_finite, padded_numel, shard_bounds)
+from .flat import (STATE, GradientSyncSwitch, Held, Holdings, broadcast_from_first_rank,
+                   check_finite, fresh_state, group_size, is_finite, padded_numel, shard_bounds)
 from .sharded_optim import (ShardedUnit, check_elementwise, held_bytes, make_optimizer,
                             optimizer_state_factor, split_units, state_bytes_per_element,
                             unit_numels, zero_memory_bytes, zero_traffic_bytes)
@@ -364,6 +365,47 @@ class ZeRO(GradientSyncSwitch):
         counters (0-dim, one per unit, not per element) are left out, so the bytes equal the
         formulas (`zero_memory_bytes`) exactly. The state appears at the first step."""
         return held_bytes(self.module, self.units)
+
+    def holdings(self, create_state: bool = True) -> Holdings:
+        """What this rank holds (`flat.Holdings`): of each parameter, the elements inside
+        this rank's shard of its unit (it answers for all of them), with views of the fp32
+        master, the reduced gradient and the optimizer's state — created as the first step
+        would with `create_state` (a checkpoint is loaded into it). `after_load` remakes the
+        compute copies (and, stages 1-2, the gathered parameters) from the masters."""
+        items, pieces = [], []
+        for u, group in zip(self.units, self._groups):
+            lo, hi = shard_bounds(u.numel, dist.get_world_size(group), dist.get_rank(group))
+            grad = u.master.grad if u.master.grad is not None else u.grad   # what the optimizer reads
+            states = []
+            for _, pa, pb, piece in u.pieces:    # each a view of the master: what the optimizer steps
+                states.append((pa, pb, fresh_state(self.optimizer, piece, create_state)))
+                pieces.append(piece)
+            at = 0
+            for name, p in zip(u.names, u.params):
+                a, b = max(lo, at), min(hi, at + p.numel())
+                if a < b:                         # a parameter lies inside one piece (one group)
+                    sa, sb = a - lo, b - lo
+                    pa, _, st = next(x for x in states if x[0] <= sa and sb <= x[1])
+                    items.append(Held(name, a - at, b - at, a - at, b - at, u.master.detach()[sa:sb],
+                                      grad[sa:sb], {k: st[k][sa - pa:sb - pa] for k in STATE if k in st}))
+                else:
+                    items.append(Held(name, 0, 0, 0, 0, u.master.detach()[:0], grad[:0], {}))
+                at += p.numel()
+
+        def set_step(n):
+            self.steps = n
+            for piece in pieces:
+                if piece in self.optimizer.state:
+                    self.optimizer.state[piece]["step"] = torch.tensor(float(n))
+
+        @torch.no_grad()
+        def after_load():
+            for u, group in zip(self.units, self._groups):
+                if u.shard.data_ptr() != u.master.data_ptr():
+                    u.shard.copy_(u.master)
+                if self.stage < 3:
+                    comm.all_gather(u.full, u.shard, group=group)
+        return Holdings(items, lambda: self.steps, set_step, after_load)
 
     def state_factor(self) -> int:
         """k: optimizer bytes per parameter element, read from the torch optimizer's state

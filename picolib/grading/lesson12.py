@@ -189,9 +189,9 @@ def _fp8_hint(what, x, group, got, expected) -> str:
 
 
 def _quantize_with(x, group, fmax, signed_max=False, rescale=True):
-    from ..low_precision import _groups
+    from ..low_precision import as_groups
     try:
-        g = _groups(x.float(), group)
+        g = as_groups(x.float(), group)
     except ValueError:
         return None
     amax = (g.amax(dim=1, keepdim=True) if signed_max else g.abs().amax(dim=1, keepdim=True))

@@ -66,8 +66,6 @@ def record_ring_steps(n_chunks: int | None = None) -> dict:
     (found from the sent view's offset in the tensor), the value it carries, its bytes, and a
     snapshot of the whole tensor before the step. Returns {"rank", "n", "steps": [...],
     "final", "ledger_bytes"}."""
-    from unittest import mock
-
     import torch
     import torch.distributed as dist
 
@@ -76,16 +74,15 @@ def record_ring_steps(n_chunks: int | None = None) -> dict:
     n, me = dist.get_world_size(), dist.get_rank()
     per = n_chunks or 1
     x = torch.full((n * per,), float(2 ** me))
-    steps, real_step = [], comm._ring_step
+    steps = []
 
-    def recording(send_buf, recv_buf, right, left, group):
+    def recording(send_buf, right):
         steps.append({"chunk": send_buf.storage_offset() // per,
                       "value": int(send_buf[0].item()), "bytes": send_buf.numel() * send_buf.element_size(),
                       "to": right, "before": x.view(n, per)[:, 0].clone()})
-        return real_step(send_buf, recv_buf, right, left, group)
 
-    with comm.Ledger() as ledger, mock.patch.object(comm, "_ring_step", recording):
-        comm.ring_all_reduce(x)
+    with comm.Ledger() as ledger:
+        comm.ring_all_reduce(x, on_step=recording)
     return {"rank": me, "n": n, "steps": steps, "final": x.view(n, per)[:, 0].clone(),
             "ledger_bytes": ledger.measured_total("sent_bytes")}
 

@@ -10,7 +10,7 @@ against the blocks a real ring counts on its ranks.
 from __future__ import annotations
 
 from ..blockwise_attention import unmasked_scores, visible
-from ..context_parallel import LAYOUTS, _chunk_len, chunk_ids
+from ..context_parallel import LAYOUTS, chunk_len, chunk_ids
 from ..style import rank_color
 
 __all__ = ["work_per_rank", "score_grid"]
@@ -19,7 +19,7 @@ __all__ = ["work_per_rank", "score_grid"]
 def work_per_rank(n: int, layout: str = "zigzag", seq: int = 256) -> list[int]:
     """Unmasked scores (query-key pairs) rank r computes in causal attention over `seq`
     tokens cut over `n` ranks in `layout`: rank r's query chunks against every key chunk."""
-    c = _chunk_len(layout, n, seq)
+    c = chunk_len(layout, n, seq)
     all_ids = [j for r in range(n) for j in chunk_ids(layout, r, n)]
     return [sum(unmasked_scores(kind, c) for i in chunk_ids(layout, r, n) for j in all_ids
                 if (kind := visible(i, j))) for r in range(n)]

@@ -375,13 +375,12 @@ def dry_vs_planner(cfg, world: int, gpu: str = "H100-SXM", pp_ranks=None) -> lis
     scores dropped (`activations="picolib", recompute="selective"`: what a flash kernel
     keeps), in the configuration's precision; its gradients are their peak (the dry run's
     `grads_peak`)."""
-    from ..dry_run import _with_presets, dry_run
+    from ..dry_run import dry_run
     from ..parallel_layout import rank_at
     from ..planner import traffic
     positions = range(cfg.pp) if pp_ranks is None else pp_ranks
     reports = dry_run(cfg, world, gpu, ranks=[rank_at(cfg, pp=p, dp=0, cp=0, tp=0) for p in positions])
-    with _with_presets():
-        mcfg = cfg.model_config()
+    mcfg = cfg.model_config()
     par = Parallelism.of(cfg, activations="picolib",
                          recompute="selective" if cfg.recompute == "none" else cfg.recompute)
     out = []

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from picolib import checkpoint
 from picolib.compose import TrainConfig, build, check_config
 from picolib.launch import run
-from picolib.layout import holdings, placements
+from picolib.layout import placements
 from picolib.mesh import Mesh
 from picolib.train import train
 
@@ -109,7 +109,7 @@ def _save_and_measure(cfg, folder):
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad
     for opt in optimizers:
         opt.step()
-    held = {s: holdings(wrappers[s]) for s in stages}
+    held = {s: wrappers[s].holdings() for s in stages}
     place = {(p.stage, p.local): p for p in placements(cfg, dist.get_rank())}
     own = sum((h.own_hi - h.own_lo) * 4 * 3 for s, hs in held.items() for h in hs.items
               if place[(s, h.name)].first)          # fp32 values, exp_avg, exp_avg_sq

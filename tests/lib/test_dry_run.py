@@ -4,7 +4,7 @@ bytes as the trainer's real run, refuse what a real run refuses, and size Llama-
 import pytest
 
 from picolib.compose import TrainConfig
-from picolib.dry_run import _with_presets, dry_run, main, representatives
+from picolib.dry_run import dry_run, main, representatives
 
 KINDS = ("dp", "tp", "pp", "cp", "ep")
 
@@ -52,10 +52,6 @@ def test_refusals():
     with pytest.raises(SystemExit) as e:                         # the command line: argparse's exit 2
         main(["--preset", "llama3-70b", "--dp", "10", "--tp", "8", "--pp", "4", "--world", "640"])
     assert e.value.code == 2
-    from picolib.compose import check_config               # the trainer itself still refuses
-    with pytest.raises(ValueError, match="unknown preset 'llama3-70b'"):   # the large presets
-        check_config(TrainConfig(preset="llama3-70b", dp=20, tp=8, pp=4, batch=320,
-                                 micro_batches=16, seq=8192), 640)
 
 
 def test_llama3_70b_on_640_ranks(tmp_path):
@@ -70,9 +66,9 @@ def test_llama3_70b_on_640_ranks(tmp_path):
                     "--precision", "bf16", "--world", "640", "--gpu", "H100-SXM", "--json", str(out)])
     assert json.loads(out.read_text()) == reports
     assert [r["pp_rank"] for r in reports] == [0, 1, 2, 3]
-    from picolib.dry_run import LARGE_PRESETS
+    from picolib.compose import MODEL_PRESETS
     from picolib.model import LlamaConfig, param_count
-    n = param_count(LlamaConfig(**LARGE_PRESETS["llama3-70b"]))
+    n = param_count(LlamaConfig(**MODEL_PRESETS["llama3-70b"]))
     # bf16 parameters: 2 bytes each; the tp ranks of a stage hold 1/8 each, plus the norms
     # every tp rank holds whole (2 per block, one final) — so a little more than n·2/8 in all
     held = sum(r["params"] for r in reports)
@@ -88,8 +84,7 @@ def _planner(cfg, pp_rank, recompute=None):
     (`recompute="selective"`: no s×s scores, as flash)."""
     from picolib import planner
     par = planner.Parallelism.of(cfg, activations="picolib", recompute=recompute or cfg.recompute)
-    with _with_presets():
-        mcfg = cfg.model_config()
+    mcfg = cfg.model_config()
     return planner.memory(mcfg, par, pp_rank), planner.traffic(mcfg, par, pp_rank)
 
 
@@ -215,22 +210,22 @@ def test_the_trainer_command_hands_dry_run_over_and_still_trains(tmp_path, capsy
 
 
 def _step_sent_by_kind(cfg):
-    """One rank of a real run: the trainer's build and step (`train._step`, then the
-    wrappers' step, as `train.train` runs them), its bytes sent by kind."""
+    """One rank of a real run: the trainer's build and step (`step.forward_backward`, then
+    the wrappers' step, as `train.train` runs them), its bytes sent by kind."""
     import torch
-    import torch.distributed as dist
-    from picolib import compose, train
+    from picolib import compose
     from picolib.comm import Ledger
     from picolib.mesh import Mesh
+    from picolib.step import forward_backward, sent_by_kind
     mesh = Mesh("cpu", **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
-    stages, wrappers, optimizers, sched, replicas = compose.build(cfg, mesh)
+    stages, wrappers, optimizers, sched, _ = compose.build(cfg, mesh)
     ids = torch.randint(0, 64, (cfg.batch, cfg.seq)).chunk(cfg.dp)[mesh.coordinate("dp")]
     tokens = list(ids.chunk(cfg.micro_batches))
     with Ledger() as led:
-        train._step(cfg, stages, wrappers, sched, mesh, tokens, tokens, None)
+        forward_backward(cfg, stages, wrappers, sched, mesh, tokens, tokens)
         for opt in optimizers:
             opt.step()
-    return mesh.coordinate("pp"), train._sent_by_kind(led, mesh, replicas, {})
+    return mesh.coordinate("pp"), sent_by_kind(led, mesh)
 
 
 def test_zb_h1_under_tp_syncs_every_stage_on_real_ranks():

@@ -50,12 +50,13 @@ def _one_step(cfg):
 
     from picolib import train
     from picolib.compose import build
+    from picolib.step import forward_backward
     from picolib.layout import placements
     from picolib.mesh import Mesh
     mesh = Mesh(**{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
     stages, wrappers, _, sched, _ = build(cfg, mesh)
     tokens, targets = train._batch(cfg, None, 0, mesh)
-    loss = train._step(cfg, stages, wrappers, sched, mesh, tokens, targets, None)
+    loss = forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets, None)
     for w in wrappers.values():
         w.finish_gradient_sync()
     held = {s: dict(m.named_parameters()) for s, m in stages.items()}

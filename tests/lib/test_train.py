@@ -166,7 +166,7 @@ def test_help_lists_the_choices_of_every_enumerated_option(capsys):
     out = capsys.readouterr().out
     for option, values in [("--zero", "{0,1,2,3}"), ("--precision", "{fp32,bf16}"),
                            ("--recompute", "{none,selective,full}"), ("--data", "{text,course,random,PATH}"),
-                           ("--preset", "{tiny,small,base,150m}"), ("--backend", "{auto,gloo,nccl}"),
+                           ("--preset", "{tiny,small,base,150m,llama3-8b,llama3-70b,llama3-405b,deepseek-v3-like}"), ("--backend", "{auto,gloo,nccl}"),
                            ("--cp-algorithm", "{ring,allgather,ulysses}"),
                            ("--cp-layout", "{contiguous,zigzag}"), ("--schedule", "{afab,1f1b,")]:
         assert f"{option} {values}" in out, option
