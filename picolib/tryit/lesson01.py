@@ -249,5 +249,5 @@ def plot_accumulation(g_big, g_acc, peaks: dict, batch: int):
     axes[0].set(xlabel=f"gradient, one batch of {batch}", ylabel=f"gradient, {batch} micro-batches of 1",
                 title="same gradient")
     axes[1].bar([str(k) for k in peaks], [v / 2**20 for v in peaks.values()], color=MEMORY["activations"])
-    axes[1].set(xlabel="micro-batches k", ylabel="peak MiB saved", title="lower peak activation memory")
+    axes[1].set(xlabel="micro-batches m", ylabel="peak MiB saved", title="lower peak activation memory")
     plt.show()

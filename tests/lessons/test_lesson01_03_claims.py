@@ -103,7 +103,7 @@ def test_zero_under_gradient_accumulation_holds_whole_gradients_and_zero3_regath
 
 
 def test_gradient_accumulation_peak_holds_the_gradient_buffer():
-    """Lesson 01 §4: with k > 1 micro-batches the gradients of the first are alive during
+    """Lesson 01 §4: with m > 1 micro-batches the gradients of the first are alive during
     the next forward, so the peak holds 16Ψ of model state (12Ψ without accumulation)."""
     cfg = LlamaConfig(hidden=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=64)
     psi = param_count(cfg)
