@@ -1,6 +1,6 @@
 """Where the bytes of a training step go: parameters, gradients, optimizer state and the
 activations autograd saves for backward — measured, traced over time, and set beside the
-textbook formulas. Lesson 01 (memory on one device) explains every function here; the
+textbook formulas. Lessons 01 and 01b (memory on one device) explain every function here; the
 parallel lessons (DP, ZeRO, TP/SP, PP) use the same measurements per rank.
 
 Everything is counted in bytes of tensor storage, each storage once: two views of one

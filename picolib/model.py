@@ -15,7 +15,7 @@ Choices made for teaching:
 - RoPE is one complex multiply (`apply_rope`); generation keeps the keys and values of
   the tokens seen in a `KVCache` (`picolib.generate`);
 - `recompute="full"` recomputes each block in backward, `"selective"` only the
-  attention core (the softmax(QKᵀ)V part), as in Korthikanti et al. 2022 (lesson 01);
+  attention core (the softmax(QKᵀ)V part), as in Korthikanti et al. 2022 (lesson 01b);
 - weights come from the config's seed alone: same seed → bitwise same model.
 """
 from __future__ import annotations
@@ -213,7 +213,7 @@ class AttentionCore(nn.Module):
     key/value heads unrepeated (GQA), so a core that moves K/V between ranks moves the
     smaller tensors; the fused kernel (`sdpa`) takes them so too, eager attention repeats
     them (the repeated K/V are what it saves). `selective` recomputes it in backward
-    instead of saving the s×s scores (lesson 01)."""
+    instead of saving the s×s scores (lesson 01b)."""
 
     def __init__(self, impl: str = "eager", selective: bool = False):
         super().__init__()

@@ -278,7 +278,7 @@ def _n_blocks(cfg, par, pp_rank):
 def layer_activation_bytes(cfg: LlamaConfig, par: Parallelism) -> int:
     """Bytes one block saves for backward for one micro-batch on one rank (cp splits the
     sequence; recomputation: "full" keeps the block input only, "selective" drops the s×s
-    scores (picolib: softmax and mask, lesson 01))."""
+    scores (picolib: softmax and mask, lesson 01b))."""
     s, b, h, a, t = par.seq // par.cp, par.micro_batch_size, cfg.hidden, cfg.n_heads, par.tp
     e = elem_bytes(par.precision)
     seq_split = t if par.sp else 1

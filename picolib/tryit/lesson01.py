@@ -1,17 +1,20 @@
-"""Lesson 01, try it: the four kinds of training memory of the tiny Llama, measured.
+"""Lessons 01 and 01b, try it: the training memory of the tiny Llama, measured.
 
     from picolib.tryit import knobs
-    from picolib.tryit.lesson01 import memory_bars
-    knobs(memory_bars, batch=(1, 8, 1), seq=[64, 128, 256], recompute=["none", "selective", "full"])
+    from picolib.tryit.lesson01 import memory_bars, step_trace
+    knobs(step_trace, micro_batches=[1, 2, 4, 8], batch=[8, 16], seq=[64, 128])      # lesson 01
+    knobs(memory_bars, batch=(1, 8, 1), seq=[64, 128, 256], recompute=["none", "selective", "full"])  # 01b
 
-One fp32 Adam step on `TinyLlama(LlamaConfig(max_seq=...))`; parameters, gradients and
-optimizer state come from picolib.memory's storage counts, activations from
-`SavedActivations` (bytes autograd saved for backward during the forward)."""
+`step_trace` (lesson 01): two Adam steps, each over `micro_batches` micro-batches (gradient
+accumulation), traced by `MemoryTrace`; it returns the peak of the second step.
+`memory_bars` (lesson 01b): one fp32 Adam step on `TinyLlama(LlamaConfig(max_seq=...))`;
+parameters, gradients and optimizer state come from picolib.memory's storage counts,
+activations from `SavedActivations` (bytes autograd saved for backward during the forward)."""
 from __future__ import annotations
 
 import torch
 
-from ..memory import Breakdown, SavedActivations, measure, plot_breakdown
+from ..memory import Breakdown, MemoryTrace, SavedActivations, measure, plot_breakdown
 from ..model import LlamaConfig, TinyLlama, random_tokens
 
 RECOMPUTE = ("none", "selective", "full")
@@ -43,6 +46,37 @@ def memory_bars(batch: int = 1, seq: int = 64, recompute: str = "none", attn_imp
         ax.get_legend().remove()
         plt.show()
     return bd
+
+
+def step_trace(batch: int = 8, micro_batches: int = 1, seq: int = 64, steps: int = 2,
+               plot: bool = True):
+    """Train the tiny Llama (fp32 Adam) for `steps` steps of `batch` sequences of `seq` tokens,
+    each step accumulated over `micro_batches` micro-batches, under `MemoryTrace`; draw the
+    trace with the 12Ψ and 16Ψ levels. Returns the sample with the most live bytes after the
+    first `zero_grad()` (from step 2 on, when Adam's moments exist)."""
+    batch, micro_batches, seq, steps = int(batch), int(micro_batches), int(seq), int(steps)
+    if micro_batches < 1 or batch % micro_batches:
+        raise ValueError(f"micro_batches must divide batch: {batch} sequences cannot be split "
+                         f"into {micro_batches} equal micro-batches")
+    if steps < 2:
+        raise ValueError(f"steps must be at least 2 (the peak is read from step 2 on), not {steps}")
+    cfg = LlamaConfig(max_seq=max(seq, 256))
+    model = TinyLlama(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = random_tokens(batch, seq, cfg.vocab_size, seed=5)
+    mb = batch // micro_batches
+    with MemoryTrace(model, opt) as trace:
+        for _ in range(steps):
+            for i in range(micro_batches):
+                (model.loss(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) / micro_batches).backward()
+            opt.step()
+            opt.zero_grad()
+    if plot:
+        from ..model import param_count
+        draw_trace(trace, param_count(cfg), title=f"b={batch} in {micro_batches} micro-batch"
+                   f"{'es' if micro_batches > 1 else ''}, s={seq}: {steps} Adam steps")
+    events = [s.event for s in trace.samples]
+    return max(trace.samples[events.index("zero_grad") + 1:], key=lambda s: s.total)
 
 
 # --------------------------------------------------------------------------- the lesson's helpers
@@ -215,5 +249,5 @@ def plot_accumulation(g_big, g_acc, peaks: dict, batch: int):
     axes[0].set(xlabel=f"gradient, one batch of {batch}", ylabel=f"gradient, {batch} micro-batches of 1",
                 title="same gradient")
     axes[1].bar([str(k) for k in peaks], [v / 2**20 for v in peaks.values()], color=MEMORY["activations"])
-    axes[1].set(xlabel="micro-batches k", ylabel="peak MiB saved", title="lower peak activation memory")
+    axes[1].set(xlabel="micro-batches m", ylabel="peak MiB saved", title="lower peak activation memory")
     plt.show()

@@ -1,9 +1,9 @@
-"""Claims of lessons 01 and 03 (issue 31), settled outside the notebooks as well.
+"""Claims of lessons 01, 01b and 03 (issue 31), settled outside the notebooks as well.
 
-Lesson 01: from the second step on, a training step's model state falls to 12N (weights +
-Adam) after zero_grad() and reaches 16N when the last gradient lands; the total peaks at the
-end of the forward. Full recomputation's extra FLOPs are one forward less the LM head and each
-block's last matmul (counted per module by FlopCounterMode).
+Lesson 01: from the second step on, a training step's model state falls to 12Ψ (weights +
+Adam) after zero_grad() and reaches 16Ψ when the last gradient lands; the total peaks at the
+end of the forward. Lesson 01b: full recomputation's extra FLOPs are one forward less the LM
+head and each block's last matmul (counted per module by FlopCounterMode).
 Lesson 03: with m micro-batches under no_sync(), ZeRO-2 and -3 hold whole gradients until the
 last backward, and ZeRO-3 sends (2m+1) ring passes per step — bytes counted on picolib's rings.
 """
@@ -103,7 +103,7 @@ def test_zero_under_gradient_accumulation_holds_whole_gradients_and_zero3_regath
 
 
 def test_gradient_accumulation_peak_holds_the_gradient_buffer():
-    """Lesson 01 §7: with k > 1 micro-batches the gradients of the first are alive during
+    """Lesson 01 §4: with m > 1 micro-batches the gradients of the first are alive during
     the next forward, so the peak holds 16Ψ of model state (12Ψ without accumulation)."""
     cfg = LlamaConfig(hidden=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=64)
     psi = param_count(cfg)

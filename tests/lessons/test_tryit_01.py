@@ -1,11 +1,38 @@
-"""Lesson 01's try-it function: its bars are picolib.memory's measurements of the tiny Llama."""
+"""Lessons 01 and 01b's try-it functions: lesson 01's trace peaks and lesson 01b's bars are
+picolib.memory's measurements of the tiny Llama."""
 import matplotlib
 import pytest
 
 matplotlib.use("Agg")
 
 from picolib.model import LlamaConfig, param_count  # noqa: E402
-from picolib.tryit.lesson01 import memory_bars  # noqa: E402
+from picolib.tryit.lesson01 import memory_bars, step_trace  # noqa: E402
+
+
+def test_the_trace_peak_holds_the_gradients_only_under_accumulation():
+    """Lesson 01's try-it: from step 2 on, one pass peaks at the end of the forward with weights
+    and Adam's moments (12 bytes a parameter) and no gradient; with micro-batches the first
+    micro-batch's gradients (4 more) are alive at the peak, and the saved activations are fewer."""
+    n = param_count(LlamaConfig())
+    peaks = {k: step_trace(8, k, plot=False) for k in (1, 2, 4)}
+    assert peaks[1].grads == 0 and peaks[1].params + peaks[1].optimizer == 12 * n
+    assert peaks[1].event == "forward"
+    for k in (2, 4):
+        assert peaks[k].grads == 4 * n and peaks[k].params + peaks[k].optimizer == 12 * n
+    assert peaks[1].activations > peaks[2].activations > peaks[4].activations > 0
+    longer = step_trace(8, 1, seq=128, plot=False)
+    assert longer.activations > peaks[1].activations and longer.params == peaks[1].params
+
+
+def test_the_trace_refuses_micro_batches_that_do_not_divide_the_batch_and_draws():
+    import matplotlib.pyplot as plt
+    with pytest.raises(ValueError, match="micro_batches must divide batch"):
+        step_trace(8, 3, plot=False)
+    with pytest.raises(ValueError, match="steps"):
+        step_trace(8, 1, steps=1, plot=False)
+    step_trace(4, 2, seq=32)
+    assert plt.gcf().axes[0].get_ylabel() == "MiB"
+    plt.close("all")
 
 
 def test_model_state_is_16_bytes_per_counted_parameter():
