@@ -362,6 +362,8 @@ def main(argv=None) -> list[dict]:
         check_config(cfg, nproc)
     except (ValueError, TypeError) as e:   # bad input: one line and exit 2, as argparse does
         parser.error(str(e))
+    if not under_torchrun:
+        _check_fits_this_machine(parser, cfg, backend, nproc)
     if under_torchrun:
         from .launch import init_from_env
         init_from_env(backend)
@@ -375,6 +377,35 @@ def main(argv=None) -> list[dict]:
             _ProgressBar(os.path.join(folder, "progress.jsonl"), cfg) as bar:
         return run(this.train, nproc, cfg, backend=backend, timeout=timeout,
                    progress_to=bar.path)[0]
+
+
+def _check_fits_this_machine(parser, cfg: TrainConfig, backend: str, nproc: int) -> None:
+    """Ranks on the CPU share this machine's memory, and a step holds at least 16 bytes a
+    parameter in all (fp32 weights and gradients, Adam's two moments: lesson 01), however the
+    layout shards them. A preset beyond that (llama3-70b on a laptop) is refused before any
+    rank allocates; the dry run counts its bytes without allocating them."""
+    from .launch import resolve_backend
+    from .model import param_count
+    try:
+        on_cpu = resolve_backend(backend, nproc) == "gloo"
+    except ValueError:
+        return                        # the launcher names what is wrong with the backend
+    available = _available_bytes()
+    need = 16 * param_count(cfg.model_config())
+    if on_cpu and available is not None and need > available:
+        parser.error(f"the {cfg.preset} preset's training state is {need / 2**30:,.0f} GiB (16 bytes "
+                     f"a parameter), more than the {available / 2**30:,.0f} GiB this machine has "
+                     f"available; count its bytes without allocating them: add --dry-run")
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 class _ProgressBar:

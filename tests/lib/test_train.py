@@ -135,7 +135,9 @@ MORE = [(["--zero", "4"], r"argument --zero: invalid choice: 4 \(choose from 0, 
         (["--backend", "mpi"], r"argument --backend: invalid choice: 'mpi'"),
         (["--dp", "0"], r"dp must be a positive integer, not 0"),
         (["--nproc", "0"], r"--nproc must be at least 1, not 0"),
-        (["--resume", "/no/such/folder"], r"--resume /no/such/folder: no such folder")]
+        (["--resume", "/no/such/folder"], r"--resume /no/such/folder: no such folder"),
+        (["--preset", "llama3-70b", "--backend", "gloo"],
+         r"the llama3-70b preset's training state is [\d,]+ GiB .* add --dry-run")]
 
 
 def _argv(options: dict, world: int) -> list[str]:
