@@ -139,7 +139,7 @@ def symbols_in(expr: str, names: set[str] = frozenset()) -> list[str]:
     e = re.sub(r"\\(?:" + WORD_COMMANDS + r")\s*\{[^{}]*\}", " ", expr)     # \text{bytes}
     e = re.sub(r"\^(\{?\\top\}?|\{T\}|T\b)", " ", e)                        # a transpose
     e = re.sub(r"\\hat\s*\{?([A-Za-z])\}?", lambda m: m.group(1) + "\u0302", e)  # Adam's m̂
-    e = re.sub(r"\\mathcal\s*\{?L\}?", "\u27e8𝓛\u27e9", e)                          # the loss
+    e = re.sub(r"\\mathcal\s*\{?L\}?", "\u27e8ℒ\u27e9", e)                          # the loss
     for name in sorted((n for n in names if re.fullmatch("[A-Za-z]{2,}", n)), key=len, reverse=True):
         e = re.sub(rf"(?<![A-Za-z\\_]){name}(?![A-Za-z])", f"\u27e8{name}\u27e9", e)
     e = re.sub(r"\{\}", " 0 ", e)                                           # an f-string's {}
