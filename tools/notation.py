@@ -139,13 +139,14 @@ def symbols_in(expr: str, names: set[str] = frozenset()) -> list[str]:
     e = re.sub(r"\\(?:" + WORD_COMMANDS + r")\s*\{[^{}]*\}", " ", expr)     # \text{bytes}
     e = re.sub(r"\^(\{?\\top\}?|\{T\}|T\b)", " ", e)                        # a transpose
     e = re.sub(r"\\hat\s*\{?([A-Za-z])\}?", lambda m: m.group(1) + "\u0302", e)  # Adam's m̂
+    e = re.sub(r"\\mathcal\s*\{?L\}?", "\u27e8ℒ\u27e9", e)                          # the loss
     for name in sorted((n for n in names if re.fullmatch("[A-Za-z]{2,}", n)), key=len, reverse=True):
         e = re.sub(rf"(?<![A-Za-z\\_]){name}(?![A-Za-z])", f"\u27e8{name}\u27e9", e)
     e = re.sub(r"\{\}", " 0 ", e)                                           # an f-string's {}
     found = []
     subscript = r"_(\{[^{}]*\}|\\[A-Za-z]+|[A-Za-z0-9])"
     head = r"(\\[A-Za-z]+|" + LETTER + r")"
-    for m in re.finditer("\u27e8([A-Za-z]+)\u27e9|" + head + "\u0302?(?:" + subscript + ")?|("
+    for m in re.finditer("\u27e8([^\u27e9]+)\u27e9|" + head + "\u0302?(?:" + subscript + ")?|("
                          + LETTER + r"[ᵢⱼᵣ₀-₉]+)", e):
         whole, command, sub, unicode_sub = m.group(1), m.group(2), m.group(3), m.group(4)
         if whole:

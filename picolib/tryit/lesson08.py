@@ -27,7 +27,7 @@ SEQ = 1024
 
 
 def toy_cost(context_cost: float):
-    """t(l, c) for the knob: fixed overhead 1, 1 per 128 tokens, w per 128² token pairs."""
+    """τ(l, c) for the knob: fixed overhead 1, 1 per 128 tokens, w per 128² token pairs."""
     return lambda l, c: 1.0 + l / 128 + context_cost * l * (c + l / 2) / 128 ** 2
 
 
@@ -52,7 +52,7 @@ def slicing_gantt(n_slices: int = 4, p: int = 4, context_cost: float = 1.0, plot
             sl = list(plans[k].slices)
             shown = sl if len(sl) <= 10 else str(sl[:10])[:-1] + ", …]"
             name = f"{n_slices} uniform slices" if k == "uniform" else "the slicer's dynamic program"
-            titles[k] = f"{name}: {shown} — T = {out[k]:.1f} (simulated, p = {p})"
+            titles[k] = f"{name}: {shown} — τ_step = {out[k]:.1f} (simulated, p = {p})"
         plot_two_gantts(events, titles, unit="s", xlabel="ideal time units (simulated)",
                         height=0.8 * p + 2)
     return out
@@ -90,7 +90,7 @@ def plot_cost_fit(rows, fit, lengths, seq: int):
         ax.plot(cs, [fit(l, float(c)) * 1e3 for c in cs], "-", color=rank_color(i), alpha=0.6)
     ax.set_xlabel("context c (tokens before the slice)")
     ax.set_ylabel("forward + backward (ms)")
-    ax.set_title("t(l, c) of one block on this machine: measured (dots), fitted (lines)")
+    ax.set_title("τ(l, c) of one block on this machine: measured (dots), fitted (lines)")
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     plt.show()
     return fig
