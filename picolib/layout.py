@@ -309,20 +309,27 @@ def holdings(wrapper, optimizer=None, create_state: bool = True) -> Holdings:
         return Holdings(items, lambda: wrapper.steps, set_step, after_load)
 
     groups = {id(p): b.group for b in wrapper.buckets for p in b.params}     # DDP
+    masters = getattr(wrapper, "masters", {})   # bf16 compute: the optimizer steps fp32 masters
     items, params = [], []
-    for name, p in wrapper.module.named_parameters():
-        if not p.requires_grad:
+    for name, q in wrapper.module.named_parameters():
+        if not q.requires_grad:
             continue
-        g = groups.get(id(p)) or wrapper.group
+        g = groups.get(id(q)) or wrapper.group
+        p = masters.get(q, q)
         st = _fresh_state(optimizer, p) if create_state else optimizer.state.get(p, {})
         own = _own(dist.get_world_size(g), dist.get_rank(g), 0, p.numel())
+        grad = p.grad if p.grad is not None else q.grad
         items.append(Held(name, 0, p.numel(), *own, p.detach().view(-1),
-                          None if p.grad is None else p.grad.view(-1),
+                          None if grad is None else grad.view(-1),
                           {k: st[k].view(-1) for k in STATE if k in st}))
         params.append(p)
 
     def set_step(n):
         for p in params:
             optimizer.state[p]["step"] = torch.tensor(float(n))
+    def after_load():
+        with torch.no_grad():
+            for q, m in masters.items():
+                q.copy_(m)
     return Holdings(items, lambda: int(optimizer.state.get(params[0], {}).get("step", 0)) if params else 0,
-                    set_step, lambda: None)
+                    set_step, after_load)
