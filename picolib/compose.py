@@ -64,7 +64,7 @@ class TrainConfig:
     steps: int = 10
     preset: str = "tiny"
     recompute: str = "none"
-    precision: str = "fp32"       # "bf16": bf16 autocast (+ ZeRO: bf16 copies of fp32 masters)
+    precision: str = "fp32"       # "bf16": bf16 copies of fp32 masters (DDP, ZeRO) + autocast
     experts: int = 0              # > 0: every MLP becomes a mixture of this many experts
     top_k: int = 1
     ep: int = 1                   # expert-parallel ranks, a block of the dp ranks

@@ -144,9 +144,11 @@ def _forward_loss(cfg, stages, sched, mesh, tokens, targets):
 
 def _step(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline):
     """Forward and backward of one step; returns this rank's loss (None off the last stage).
-    `--precision bf16`: forward and loss under torch's bf16 autocast, on every layout (the
-    weights DDP averages gradients for stay fp32; ZeRO computes on bf16 copies of fp32
-    masters); backward follows the dtypes autocast chose."""
+    `--precision bf16`, one recipe on every layout: DDP and ZeRO compute on bf16 copies of
+    fp32 masters (`param_dtype`), so no weight is recast per forward. Autocast stays around
+    forward and loss as the guard for the ops it keeps in fp32 (on CUDA pow, rsqrt and
+    softmax: RMSNorm and eager attention); on the CPU, with bf16 weights, it changes none of
+    the model's results (the model upcasts RoPE and the loss itself)."""
     with torch.autocast(mesh.device_mesh.device_type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
         return _forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets, timeline)
 
@@ -414,8 +416,8 @@ HELP = {
     "batch": "global batch in sequences per step", "seq": "tokens per sequence",
     "steps": "optimizer steps", "preset": "model size",
     "recompute": "activation recomputation",
-    "precision": "fp32, or bf16: forward under bf16 autocast with fp32 weights (DDP) or bf16 "
-                 "compute copies of fp32 master weights (ZeRO)",
+    "precision": "fp32, or bf16: bf16 compute copies of fp32 master weights (DDP and ZeRO), "
+                 "gradients reduced in bf16, forward under bf16 autocast",
     "experts": "mixture of experts: this many SwiGLU experts per MLP (0: dense)",
     "top_k": "experts per token", "ep": "expert-parallel ranks (a block of the dp ranks)",
     "cp_algorithm": "context-parallel attention",
