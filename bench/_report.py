@@ -206,6 +206,17 @@ def _train_gpu(data):
               f"{data['peak_flops'] / 1e12:,.2f} TFLOP/s ({data['peak_source']}).")
 
 
+def _bf16_recipe(data):
+    c = data["cfg"]
+    rows = [[f"{name}", f"{1e3 * s:.1f}"] for name, s in data["step_s"].items()]
+    rows.append(["**ratio** compute copies / autocast", f"**{data['ratio']:.2f}**"])
+    head = (f"{data['device']} (torch {data['torch']}): h = {c['hidden']}, {c['n_layers']} layers, "
+            f"FFN {c['ffn_hidden']}, vocabulary {c['vocab_size']}, batch {data['batch']} × "
+            f"{data['seq']}, {data['params']:,} parameters; DDP on one rank, AdamW; median of "
+            f"{data['steps']} alternating steps after {data['warmup']}.")
+    return head + "\n\n" + _table(["one bf16 training step", "median ms"], rows)
+
+
 RENDERERS = {"train_gpu": _train_gpu, "train_cpu": _train_gpu, "model": _model, "model_gpu": _model, "launch": _launch, "dp_zero": _dp_zero, "tp_sp": _tp_sp, "pipeline": _pipeline,
              "context_parallel": _context_parallel, "terapipe": _terapipe, "moe": _moe,
-             "train_5d": _train_5d}
+             "train_5d": _train_5d, "bf16_recipe": _bf16_recipe}

@@ -8,7 +8,7 @@ CPU), each timed over the same steps after the same warm-up:
   bf16 weights there as bench/model.py does; no clipping, no data-parallel wrapper);
 - the trainer: `picolib.train.train` on one process, random tokens, one micro-batch, its
   defaults otherwise (DDP wrapper, clipping at 1.0, weight decay; on CUDA `--precision bf16`:
-  autocast over fp32 weights); its step is the `seconds` each record logs;
+  DDP's bf16 compute copies of fp32 masters); its step is the `seconds` each record logs;
 - transformers' `LlamaForCausalLM` at the same shapes (random weights), when installed.
 Each side runs eager and with its blocks compiled (`picolib.compose.compile_blocks`, the
 trainer's `--compile`; transformers: `Module.compile` of each decoder layer).

@@ -32,8 +32,8 @@ HELP = {
     "batch": "global batch in sequences per step", "seq": "tokens per sequence",
     "steps": "optimizer steps", "preset": "model size",
     "recompute": "activation recomputation",
-    "precision": "fp32, or bf16: forward under bf16 autocast with fp32 weights (DDP) or bf16 "
-                 "compute copies of fp32 master weights (ZeRO)",
+    "precision": "fp32, or bf16: bf16 compute copies of fp32 master weights (DDP and ZeRO), "
+                 "gradients reduced in bf16, forward under bf16 autocast",
     "experts": "mixture of experts: this many SwiGLU experts per MLP (0: dense)",
     "top_k": "experts per token", "ep": "expert-parallel ranks (a block of the dp ranks)",
     "cp_algorithm": "context-parallel attention",

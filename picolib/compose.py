@@ -280,13 +280,14 @@ def build(cfg: TrainConfig, mesh: Mesh):
         compile_blocks(stages)
     replicas = mesh.group("dp", "cp") if cfg.cp > 1 else mesh.group("dp")
     adamw = dict(optimizer=torch.optim.AdamW, lr=cfg.lr)
-    if cfg.zero:   # bf16: compute copies of the weights; fp32 masters (and autocast, train.py)
-        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    # bf16, both wrappers: bf16 compute copies of fp32 masters, gradients reduced in bf16
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    if cfg.zero:
         wrappers = {s: ZeRO(m, cfg.zero, group=replicas, param_dtype=dtype, groups=expert_groups,
                             param_groups=decay_groups(m, cfg.weight_decay), **adamw)
                     for s, m in stages.items()}
-    else:          # bf16: autocast around forward (train.py); weights and gradients fp32
-        wrappers = {s: DDP(m, group=replicas, groups=expert_groups,
+    else:
+        wrappers = {s: DDP(m, group=replicas, groups=expert_groups, param_dtype=dtype,
                            param_groups=decay_groups(m, cfg.weight_decay), **adamw)
                     for s, m in stages.items()}
     optimizers = list(wrappers.values())

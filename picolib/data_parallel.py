@@ -32,9 +32,12 @@ the trainer and checkpoints never ask which one they hold: `step()`, `zero_grad(
 `no_sync()`, `finish_gradient_sync()`, `memory()` → {"params", "grads", "optimizer"} bytes,
 `state_dict()` / `load_state_dict()` with whole tensors under the model's own names. For
 that, DDP may own its optimizer: `DDP(model, group, optimizer=torch.optim.AdamW, lr=1e-3)`;
-without one, step your own torch optimizer as before. Mixed precision is torch's autocast
-around forward and loss (`torch.autocast("cpu", torch.bfloat16)`): the weights and the
-gradients DDP averages stay fp32.
+without one, step your own torch optimizer as before. Mixed precision is ZeRO's recipe
+(picolib/zero.py): `param_dtype=torch.bfloat16` makes the module's parameters bf16 compute
+copies of fp32 masters, which the owned optimizer steps; the gradients are accumulated and
+all-reduced in bf16 (as ZeRO reduce-scatters them), turned fp32 onto the masters once per
+step, and the updated masters are copied back into the compute copies. Nothing is recast
+per forward (autocast would recast every fp32 weight on every forward).
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ import torch.nn as nn
 
 from . import comm
 from .flat import (STATE, GradientSyncSwitch, Held, Holdings, broadcast_from_first_rank,
-                   check_finite, fresh_state, group_size, is_finite, own_range, unique_bytes)
+                   check_finite, fresh_state, group_size, is_finite, own_range, unique_bytes, views)
 from .sharded_optim import make_optimizer
 
 __all__ = ["all_reduce_gradients", "assign_buckets", "DistributedDataParallel", "DDP",
@@ -158,6 +161,10 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
       `param_groups` (torch's list of dicts) instead of all parameters in one group.
       With one, `ddp.step()` / `ddp.zero_grad()` step it and zero the buckets, and
       `ddp.optimizer` is the torch optimizer (schedulers attach to it).
+    - `param_dtype` (bf16 or fp16; needs `optimizer`): the parameters become compute copies
+      in that dtype; `ddp.masters[p]` is p's fp32 master, what the optimizer steps; after a
+      synchronised backward `ddp.masters[p].grad` is the averaged gradient in fp32, which
+      `step()` applies and then drops. `state_dict()` gives the masters.
 
     Call `ddp(x)` or `ddp.module.<method>(...)`: the forward pass itself is not changed.
     """
@@ -165,8 +172,13 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
     def __init__(self, module: nn.Module, group=None,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, overlap: bool = True,
                  timeline=None, groups: dict | None = None, optimizer=None,
-                 param_groups=None, **optimizer_kwargs):
+                 param_groups=None, param_dtype=torch.float32, **optimizer_kwargs):
         super().__init__()
+        if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"param_dtype must be float32, bfloat16 or float16, not {param_dtype}")
+        if param_dtype != torch.float32 and optimizer is None:
+            raise ValueError(f"param_dtype={param_dtype} keeps fp32 masters that the owned "
+                             "optimizer steps: pass optimizer= as well")
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, not {type(module).__name__}")
         if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int):
@@ -188,6 +200,12 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
                                    *module.buffers()], group)
         for g in dict.fromkeys(own.values()):   # same order on every rank: the module's order
             broadcast_from_first_rank([p for p in module.parameters() if own.get(id(p)) is g], g)
+        self.masters: dict = {}   # parameter → its fp32 master (empty: the parameters are fp32)
+        if param_dtype != torch.float32:
+            with torch.no_grad():
+                for _, p in named:
+                    self.masters[p] = nn.Parameter(p.detach().float().clone())
+                    p.data = p.data.to(param_dtype)
 
         # backward produces gradients roughly from the last layer to the first
         named = named[::-1]
@@ -216,8 +234,10 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         self._next = 0                # the next bucket to issue (same order on every rank)
         if optimizer is None and optimizer_kwargs:
             raise TypeError(f"{sorted(optimizer_kwargs)} are optimizer settings: pass optimizer=")
+        stepped = self.masters.get      # what the optimizer steps in p's place
         self.optimizer = (None if optimizer is None else make_optimizer(
-            optimizer, [p for _, p in named[::-1]] if param_groups is None else param_groups,
+            optimizer, [stepped(p, p) for _, p in named[::-1]] if param_groups is None else
+            [{**g, "params": [stepped(p, p) for p in g["params"]]} for g in param_groups],
             optimizer_kwargs))
 
     def forward(self, *args, **kwargs):
@@ -298,6 +318,10 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         check_finite([b.buffer for b in self.buckets],
                      torch.stack([b.local_bad for b in self.buckets]).any(), self.syncs,
                      self.group, "all-reduce")
+        if self.masters:   # what the optimizer reads: fp32, one cast per bucket
+            for b in self.buckets:
+                for p, grad in views(b.buffer.float(), b.params):
+                    self.masters[p].grad = grad
 
     # ------------------------------------------------------------------ the contract
 
@@ -313,11 +337,18 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         optimizer = self._own_optimizer()
         self.finish_gradient_sync()
         optimizer.step()
+        if self.masters:   # the compute copies follow the masters; the fp32 gradients go
+            with torch.no_grad():
+                torch._foreach_copy_(list(self.masters), list(self.masters.values()))
+            for m in self.masters.values():
+                m.grad = None
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the gradient buckets (the .grads stay views into them, as torch's DDP keeps
         them); `set_to_none=True` drops the .grads instead (nn.Module's way)."""
         self._unsynced = False
+        for m in self.masters.values():
+            m.grad = None
         if set_to_none:
             super().zero_grad(set_to_none=True)
             return
@@ -327,13 +358,14 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now, measured on the storages (each once): the module's
         parameters, the gradient buckets, and the owned optimizer's tensors shaped like their
-        parameter (its per-tensor `step` counters, 0-dim, are left out, as ZeRO leaves them)."""
+        parameter (its per-tensor `step` counters, 0-dim, are left out, as ZeRO leaves them)
+        and, with `param_dtype`, the fp32 masters (ZeRO's convention: "optimizer")."""
         state = [] if self.optimizer is None else [
             t for p, s in self.optimizer.state.items() for t in s.values()
             if isinstance(t, torch.Tensor) and t.shape == p.shape]
         return {"params": unique_bytes(self.module.parameters()),
                 "grads": unique_bytes(b.buffer for b in self.buckets),
-                "optimizer": unique_bytes(state)}
+                "optimizer": unique_bytes([*self.masters.values(), *state])}
 
     def holdings(self, create_state: bool = True) -> Holdings:
         """What this rank holds (`flat.Holdings`): every parameter whole, each replica
@@ -343,15 +375,18 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         groups = {id(p): b.group for b in self.buckets for p in b.params}
         if create_state:
             self._own_optimizer()
+        masters = self.masters     # bf16 compute: the optimizer steps the fp32 masters
         items, params = [], []
-        for name, p in self.module.named_parameters():
-            if not p.requires_grad:
+        for name, q in self.module.named_parameters():
+            if not q.requires_grad:
                 continue
-            g = groups.get(id(p)) or self.group
+            g = groups.get(id(q)) or self.group
+            p = masters.get(q, q)
+            grad = p.grad if p.grad is not None else q.grad
             st = fresh_state(self.optimizer, p, create_state)
             own = own_range(dist.get_world_size(g), dist.get_rank(g), 0, p.numel())
             items.append(Held(name, 0, p.numel(), *own, p.detach().view(-1),
-                              None if p.grad is None else p.grad.view(-1),
+                              None if grad is None else grad.view(-1),
                               {k: st[k].view(-1) for k in STATE if k in st}))
             params.append(p)
 
@@ -362,14 +397,20 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         def set_step(n):
             for p in params:
                 self.optimizer.state[p]["step"] = torch.tensor(float(n))
-        return Holdings(items, get_step, set_step, lambda: None)
+
+        def after_load():
+            with torch.no_grad():
+                for q, m in masters.items():
+                    q.copy_(m)
+        return Holdings(items, get_step, set_step, after_load)
 
     def state_dict(self, *args, **kwargs) -> dict:
         """{"model": the module's state_dict (its own names, no "module." prefix),
         "optimizer": {"state": {name: {key: tensor}}, "param_groups": [{..., "params":
         [names]}]}} — the contract's shape, the same as ZeRO's (an empty optimizer part when
-        DDP owns none). Not nn.Module's state_dict: use `ddp.module.state_dict()` for that."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        DDP owns none). With `param_dtype`, the weights are the fp32 masters. Not nn.Module's
+        state_dict: use `ddp.module.state_dict()` for that."""
+        names = {id(self.masters.get(p, p)): n for n, p in self.module.named_parameters()}
         optim = {"state": {}, "param_groups": []}
         if self.optimizer is not None:
             optim["state"] = {names[id(p)]: {k: v.clone() if isinstance(v, torch.Tensor) else v
@@ -378,19 +419,27 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
             optim["param_groups"] = [{**{k: v for k, v in g.items() if k != "params"},
                                       "params": [names[id(p)] for p in g["params"]]}
                                      for g in self.optimizer.param_groups]
-        return {"model": dict(self.module.state_dict()), "optimizer": optim}
+        model = dict(self.module.state_dict())
+        model.update({n: self.masters[p].detach().clone()
+                      for n, p in self.module.named_parameters() if p in self.masters})
+        return {"model": model, "optimizer": optim}
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
         """Take `state_dict()`'s shape: "model" (optional) into the module, "optimizer"
         (optional) into the owned optimizer, by parameter name."""
         if state_dict.get("model") is not None:
             self.module.load_state_dict(state_dict["model"], strict=strict)
+            with torch.no_grad():
+                for n, p in self.module.named_parameters():
+                    if p in self.masters and n in state_dict["model"]:
+                        self.masters[p].copy_(state_dict["model"][n])
+                        p.copy_(self.masters[p])
         optim = state_dict.get("optimizer")
         if not optim or not (optim.get("state") or optim.get("param_groups")):
             return
         optimizer = self._own_optimizer()
         own = optimizer.state_dict()
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        names = {id(self.masters.get(p, p)): n for n, p in self.module.named_parameters()}
         order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
         own["state"] = {i: optim["state"][n] for i, n in enumerate(order) if n in optim["state"]}
         for mine, theirs in zip(own["param_groups"], optim.get("param_groups") or []):

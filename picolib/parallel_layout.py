@@ -50,7 +50,7 @@ class Layout:
     micro_batches: int = 1
     seq: int = 32
     recompute: str = "none"       # "none" | "selective" | "full"
-    precision: str = "fp32"       # "fp32" | "bf16" (the planner also prices "fp8")
+    precision: str = "fp32"       # "fp32" | "bf16": bf16 copies of fp32 masters (the planner also prices "fp8")
     experts: int = 0              # > 0: every MLP becomes a mixture of this many experts
     top_k: int = 1
     ep: int = 1                   # expert-parallel ranks, a block of the dp ranks

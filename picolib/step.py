@@ -21,9 +21,10 @@ __all__ = ["forward_backward", "traffic_kind", "sent_by_kind"]
 def forward_backward(cfg, stages, wrappers, sched, mesh: Mesh, tokens, targets, timeline=None):
     """Forward and backward of one step over this rank's `stages` {index: module} and their
     data-parallel `wrappers`; returns this rank's loss (None off the last stage), a device
-    tensor. `--precision bf16`: forward and loss under torch's bf16 autocast, on every layout
-    (the weights DDP averages gradients for stay fp32; ZeRO computes on bf16 copies of fp32
-    masters); backward follows the dtypes autocast chose. Without a pipeline the
+    tensor. `--precision bf16`, one recipe on every layout: DDP and ZeRO compute on bf16
+    copies of fp32 masters (`param_dtype`), so no weight is recast per forward; autocast stays
+    around forward and loss as the guard of the ops it keeps in fp32 (on CUDA pow, rsqrt and
+    softmax: RMSNorm and eager attention). Without a pipeline the
     micro-batches accumulate under the wrapper's `no_sync`, the last one synchronises."""
     with torch.autocast(mesh.device_mesh.device_type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
         if sched is not None:

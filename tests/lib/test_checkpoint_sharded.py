@@ -147,10 +147,11 @@ def test_a_save_on_8_ranks_allocates_no_more_than_the_rank_writes(tmp_path):
         math.prod(s) for s in checkpoint._shapes(cfg).values()) * 4 * 3   # every element once
 
 
-def test_bf16_compute_copies_are_refreshed_from_the_loaded_fp32_masters(tmp_path):
-    """ZeRO with bf16 compute keeps fp32 masters apart from the bf16 parameters: a resume
-    loads the masters and remakes the bf16 copies from them (`Holdings.after_load`)."""
-    options = dict(dp=2, zero=1, precision="bf16", micro_batches=2)
+@pytest.mark.parametrize("zero", [1, 0], ids=["ZeRO-1", "DDP"])
+def test_bf16_compute_copies_are_refreshed_from_the_loaded_fp32_masters(tmp_path, zero):
+    """bf16 compute (ZeRO and DDP) keeps fp32 masters apart from the bf16 parameters: a
+    resume loads the masters and remakes the bf16 copies from them (`Holdings.after_load`)."""
+    options = dict(dp=2, zero=zero, precision="bf16", micro_batches=2)
     straight = _losses(2, **options)
     _losses(2, **options, steps=3, save=str(tmp_path / "ckpt"))
     rest = _losses(2, **options, resume=str(tmp_path / "ckpt"))

@@ -338,6 +338,67 @@ def test_ddp_owning_its_optimizer_follows_the_contract():
         assert zeroed and "owns no optimizer" in refused
 
 
+def bf16_compute_worker():
+    """DDP(param_dtype=bf16): bf16 compute copies of fp32 masters, AdamW on the masters."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = TinyLlama(CFG)
+    ddp = DDP(model, optimizer=torch.optim.AdamW, lr=1e-3, param_dtype=torch.bfloat16)
+    for step in range(STEPS):
+        model.loss(*my_rows(*batch(step), n, r)).backward()
+        ddp.step()
+        ddp.zero_grad()
+    return ([m.detach().clone() for m in ddp.masters.values()],
+            [p.detach().clone() for p in model.parameters()], ddp.memory(),
+            {k: t.dtype for k, t in ddp.state_dict()["model"].items()})
+
+
+def test_ddp_bf16_compute_copies_equal_one_process_with_the_same_recipe():
+    """The recipe written out in one process: bf16 copies of the model compute each rank's
+    half; each half's bf16 gradient is halved and the two summed in bf16 (DDP's all-reduce),
+    made fp32 onto the fp32 masters, which AdamW steps; the copies follow. Masters agree to
+    atol 1e-6 (the bf16 sum is the same two roundings either way; seen 0), the bf16 copies
+    are the masters rounded, and the bytes are ZeRO's: 2 + 2 + (4 + 8) per parameter.
+    The recipe is really bf16: fp32 training ends > 1e-4 away."""
+    ref = TinyLlama(CFG)
+    masters = [nn.Parameter(p.detach().clone()) for p in ref.parameters()]
+    copy = TinyLlama(CFG)
+    for p in copy.parameters():     # the parameters only: buffers (the RoPE tables) stay fp32
+        p.data = p.data.to(torch.bfloat16)
+    opt = torch.optim.AdamW(masters, lr=1e-3)
+    for step in range(STEPS):
+        halves = [torch.autograd.grad(copy.loss(*my_rows(*batch(step), 2, piece)),
+                                      list(copy.parameters())) for piece in range(2)]
+        for m, g0, g1 in zip(masters, *halves):
+            m.grad = (g0 / 2 + g1 / 2).float()
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(copy.parameters(), masters):
+                p.copy_(m)
+    fp32 = TinyLlama(CFG)
+    fp32_opt = torch.optim.AdamW(fp32.parameters(), lr=1e-3)
+    for step in range(STEPS):
+        fp32.loss(*batch(step)).backward()
+        fp32_opt.step()
+        fp32_opt.zero_grad()
+    assert max((p - m).abs().max().item() for p, m in zip(fp32.parameters(), masters)) > 1e-4
+    psi = sum(p.numel() for p in ref.parameters())
+    for got, params, memory, dtypes in run(bf16_compute_worker, 2):
+        for g, w, p in zip(got, masters, params, strict=True):
+            torch.testing.assert_close(g, w.detach(), atol=1e-6, rtol=0)
+            assert p.dtype == torch.bfloat16 and torch.equal(p, g.to(torch.bfloat16))
+        assert memory == {"params": 2 * psi, "grads": 2 * psi, "optimizer": (4 + 8) * psi}
+        assert set(dtypes.values()) == {torch.float32}     # a checkpoint holds the masters
+
+
+def test_ddp_bf16_compute_needs_an_owned_optimizer():
+    def worker():
+        try:
+            DDP(nn.Linear(2, 2), param_dtype=torch.bfloat16)
+        except ValueError as e:
+            return str(e)
+    assert "pass optimizer= as well" in run(worker, 1)[0]
+
+
 def autocast_worker():
     """One backward under bf16 autocast on this rank's half of the batch; DDP averages the
     fp32 gradients."""

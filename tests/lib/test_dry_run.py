@@ -119,9 +119,8 @@ def test_planner_state_and_traffic_equal_the_dry_run(layout):
 
 
 # Real shapes, world sizes up to 16,384: one representative rank per pipeline position
-# asked for (`pp`). bf16 runs use ZeRO (bf16 weights, fp32 masters: the planner's mixed
-# precision); DDP runs fp32 (the trainer's DDP in bf16 is autocast over fp32 weights and
-# gradients, which the planner does not model).
+# asked for (`pp`). bf16 runs, DDP and ZeRO alike, hold bf16 weights and gradients and fp32
+# masters: the planner's mixed precision.
 B16 = dict(precision="bf16")
 GRID = {
     "ZeRO-3, TP8+SP, ring CP4, 16,384 ranks": (dict(
@@ -138,6 +137,8 @@ GRID = {
     "DDP fp32, TP8, ZB-H1 PP4 (W with no weight left)": (dict(
         preset="llama3-8b", dp=2, tp=8, pp=4, schedule="zb_h1", micro_batches=8, batch=16,
         seq=1024), [3]),
+    "DDP bf16, TP4, 1F1B PP2": (dict(
+        preset="llama3-8b", dp=4, tp=4, pp=2, micro_batches=2, batch=8, seq=2048, **B16), [0, 1]),
     "DDP fp32, TP8, 1F1B PP2, 16,384 ranks": (dict(
         preset="llama3-8b", dp=1024, tp=8, pp=2, micro_batches=2, batch=2048, seq=2048), [0, 1]),
     "MoE 8×top-2, EP8, TP4+SP, ZeRO-1": (dict(

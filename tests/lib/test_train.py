@@ -82,13 +82,14 @@ def test_bf16_with_fp32_master_follows_the_fp32_curve(reference):
     assert max(abs(g - r) for g, r in zip(got, reference)) < 0.05 and got != reference
 
 
-def test_bf16_autocast_with_ddp_equals_one_process_under_autocast(reference):
-    """--precision bf16 without ZeRO: bf16 autocast, fp32 weights and gradients. dp2 (DDP)
-    and dp2×pp2 against one process under the same autocast: |Δloss| ≤ 2e-4 (6.4e-5 seen:
-    a bf16 matmul over 2 sequences rounds a little differently from one over 4); the
-    autocast is really on: the curve leaves the fp32 one (by 8e-5 seen)."""
+def test_bf16_with_ddp_equals_one_process_with_the_same_recipe(reference):
+    """--precision bf16 without ZeRO: DDP's bf16 compute copies of fp32 masters (gradients
+    all-reduced in bf16). dp2 (DDP) and dp2×pp2 against one process with the same recipe:
+    |Δloss| ≤ 2e-4 (4.1e-5 seen: bf16 matmuls over 2 sequences round differently from one
+    over 4, and bf16 gradients summed over ranks round once more); the recipe is really
+    bf16: the curve leaves the fp32 one (by 9.9e-4 seen)."""
     one = _losses(1, micro_batches=2, precision="bf16")
-    assert one != reference
+    assert max(abs(g - r) for g, r in zip(one, reference)) > 1e-4
     for options in (dict(dp=2), dict(dp=2, pp=2)):
         got = _losses(2 * options.get("pp", 1), micro_batches=2, precision="bf16", **options)
         assert max(abs(g - w) for g, w in zip(got, one, strict=True)) <= 2e-4, (options, got, one)
