@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 __all__ = ["Record", "Ledger", "NotMeasured", "measured_total", "ring_sent_bytes", "all_reduce",
            "reduce_scatter", "all_gather",
-           "broadcast", "all_to_all", "send", "recv", "isend", "irecv", "exchange", "barrier",
+           "broadcast", "all_to_all", "send", "recv", "isend", "exchange", "barrier",
            "ring_neighbours", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
