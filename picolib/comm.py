@@ -348,14 +348,6 @@ def recv(tensor, src: int, group=None):
         tensor.copy_(buf)
 
 
-def irecv(tensor, src: int, group=None):
-    """Non-blocking receive from global rank `src` into `tensor`: `.wait()` returns when it
-    is there. Receives from one peer are matched in the order they were posted."""
-    buf, back = _incoming(tensor, group)
-    return _native("recv", lambda a: dist.irecv(buf, src, group), _bytes(tensor), group, True,
-                   peer=src, then=(lambda: tensor.copy_(buf)) if back else None)
-
-
 class _Exchange:
     """The handle of an async `exchange`: `wait()` waits for every send and receive, then
     completes their ledger records."""

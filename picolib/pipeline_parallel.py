@@ -212,10 +212,9 @@ def _channels(sched: Schedule, rank: int) -> dict[int, list]:
 
 class _Mailbox:
     """The messages of one rank: sends are posted at once (`comm.isend`, so compute never
-    waits for a receiver); each sender's next message has its receive posted ahead
-    (`comm.irecv`, one per sender, reposted as each is taken), so it arrives while this rank
-    computes; a receive takes the sender's messages in the sender's order, keeping any that
-    come before they are needed; a message to a stage on this rank never leaves it. `deliver` collects inside an op's span, `post` sends when the span ends (so
+    waits for a receiver); a receive takes the sender's messages in the sender's order,
+    keeping any that come before they are needed; a message to a stage on this rank never
+    leaves it. `deliver` collects inside an op's span, `post` sends when the span ends (so
     emulated op costs are not overlapped by the sends)."""
 
     def __init__(self, sched, me, glob, group, shape, like):
@@ -225,26 +224,15 @@ class _Mailbox:
         self.inbox: dict = {}   # (kind, stage, mb) -> tensor that arrived early or locally
         self.outbox: list = []
         self.pending: list = []  # posted sends, with their tensors kept alive
-        self.posted: dict = {}   # sender -> (its next message, buffer, posted receive)
-        for src in self.channels:
-            self._post_recv(src)
-
-    def _post_recv(self, src):
-        if src in self.posted:
-            return
-        key = next(self.channels[src], None)
-        if key is not None:
-            buf = torch.empty(self.shape, device=self.like.device, dtype=self.like.dtype)
-            self.posted[src] = key, buf, comm.irecv(buf, self.glob(src), group=self.group)
 
     def take(self, kind, stage, mb):
         key, sr = (kind, stage, mb), self.sched.stage_ranks
         src = sr[self.sched.prev_stage(stage) if kind == "act" else self.sched.next_stage(stage)]
         while key not in self.inbox:
-            nxt, buf, work = self.posted.pop(src)
-            work.wait()
+            nxt = next(self.channels[src])
+            buf = torch.empty(self.shape, device=self.like.device, dtype=self.like.dtype)
+            comm.recv(buf, self.glob(src), group=self.group)
             self.inbox[nxt] = buf
-            self._post_recv(src)
         return self.inbox.pop(key)
 
     def deliver(self, kind, stage, mb, tensor):
