@@ -53,18 +53,28 @@ def test_resume_on_another_mesh_continues_the_curve(dense, nproc, options):
     assert _close(rest, want[3:]), (rest, want)
 
 
+MOE = dict(experts=4, top_k=2)
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory):
+    """The one-process MoE curve, and a checkpoint of step 3 written at dp4 ep2."""
+    ckpt = tmp_path_factory.mktemp("experts") / "ckpt"
+    want = _losses(1, micro_batches=4, **MOE)
+    first = _losses(4, dp=4, ep=2, steps=3, save=str(ckpt), **MOE)
+    assert _close(first, want[:3])
+    return ckpt, want
+
+
 @pytest.mark.parametrize("nproc, options", [
     (4, dict(dp=4, ep=4)), (4, dict(dp=4, ep=1, zero=1)), (1, dict(micro_batches=4)),
     (8, dict(dp=4, tp=2, ep=2, zero=2)),
 ], ids=["dp4 ep4", "dp4 ep1 ZeRO-1", "one process", "dp4×tp2 ep2 ZeRO-2"])
-def test_experts_are_saved_and_resumed_at_any_ep(tmp_path, nproc, options):
+def test_experts_are_saved_and_resumed_at_any_ep(experts, nproc, options):
     """Saved at dp4 ep2 (each rank's micro-batch one token group): every resumed layout with
     the same four token groups per step continues the one-process curve."""
-    moe = dict(experts=4, top_k=2)
-    want = _losses(1, micro_batches=4, **moe)
-    first = _losses(4, dp=4, ep=2, steps=3, save=str(tmp_path / "ckpt"), **moe)
-    assert _close(first, want[:3])
-    rest = _losses(nproc, resume=str(tmp_path / "ckpt"), **moe, **options)
+    ckpt, want = experts
+    rest = _losses(nproc, resume=str(ckpt), **MOE, **options)
     assert _close(rest, want[3:]), (rest, want)
 
 

@@ -248,17 +248,6 @@ def test_resume_continues_the_loss_curve_exactly(tmp_path):
     assert max(abs(a - b) for a, b in zip(rest, straight[3:], strict=True)) <= 1e-6, (rest, straight)
 
 
-@pytest.mark.parametrize("nproc, options", [(4, dict(tp=4)), (4, dict(pp=2, tp=2)), (1, {}),
-                                            (2, dict(dp=2, zero=2))],
-                         ids=["tp4", "pp2×tp2", "one process", "dp2 ZeRO-2"])
-def test_resume_on_another_mesh(tmp_path, nproc, options):
-    """Saved at dp2×tp2 with DDP, resumed elsewhere: the one-process curve goes on."""
-    want = _losses(1, micro_batches=2, steps=6)
-    _losses(4, dp=2, tp=2, micro_batches=2, steps=3, save=str(tmp_path / "ckpt"))
-    rest = _losses(nproc, micro_batches=2, steps=6, resume=str(tmp_path / "ckpt"), **options)
-    assert max(abs(a - b) for a, b in zip(rest, want[3:], strict=True)) <= 2e-5, (rest, want)
-
-
 def test_help_describes_the_trainer_in_a_whole_sentence(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

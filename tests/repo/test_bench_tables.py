@@ -1,6 +1,6 @@
-"""The README's benchmark tables are generated from bench/results/*.json
-(tools/bench_tables.py, bench/_report.py): every result file has its block, and every block
-is exactly its JSON's rendering."""
+"""The benchmark tables (docs/benchmarks.md) and the README's summary of them are generated
+from bench/results/*.json (tools/bench_tables.py, bench/_report.py): every result file has its
+block, every block is exactly its JSON's rendering, and so is the summary."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "benchmarks.md"
 
 
 def _tool():
@@ -19,23 +20,25 @@ def _tool():
     return mod
 
 
-def test_readme_tables_agree_with_their_json():
+def test_benchmark_tables_and_the_readme_summary_agree_with_their_json():
     tool = _tool()
-    assert tool.problems((ROOT / "README.md").read_text()) == []
+    assert tool.problems(PAGE.read_text()) == []
+    assert tool.summary_problems((ROOT / "README.md").read_text()) == []
 
 
 def test_every_rendered_result_has_a_block():
     tool = _tool()
     names = {p.stem for p in (ROOT / "bench" / "results").glob("*.json")} & set(tool._report.RENDERERS)
     assert {"pipeline", "terapipe", "moe", "context_parallel"} <= names
-    assert names == set(tool.blocks((ROOT / "README.md").read_text()))
+    assert names == set(tool.blocks(PAGE.read_text()))
 
 
 def test_a_changed_number_is_caught(tmp_path, monkeypatch):
-    """Change one number in a copy of a result file: the README block no longer agrees,
-    and rewriting it puts the new number in the table."""
+    """Change one number in a copy of a result file: the block no longer agrees, and
+    rewriting it puts the new number in the table; a changed ratio changes the summary."""
     tool = _tool()
-    readme = (ROOT / "README.md").read_text()
+    readme = PAGE.read_text()
+    summary = (ROOT / "README.md").read_text()
     results = tmp_path / "results"
     results.mkdir()
     for p in (ROOT / "bench" / "results").glob("*.json"):
@@ -50,6 +53,12 @@ def test_a_changed_number_is_caught(tmp_path, monkeypatch):
     assert "| 9.877 |" in tool.blocks(fixed)["moe"] and tool.problems(fixed) == []
     hand_edit = fixed.replace("| 9.877 |", "| 9.878 |")          # a table typed over by hand
     assert tool.problems(hand_edit) and tool.blocks(hand_edit).keys() == tool.blocks(fixed).keys()
+    assert tool.summary_problems(summary) == []
+    data = json.loads((results / "train_5d.json").read_text())
+    data["side_by_side"]["ratio"] = 0.1234
+    (results / "train_5d.json").write_text(json.dumps(data))
+    assert len(tool.summary_problems(summary)) == 1
+    assert "| 0.12 |" in tool.rewrite_summary(summary)
 
 
 def test_pipeline_bubbles_recorded_are_todays_code():
