@@ -147,6 +147,42 @@ def _stage_seconds(cfg, par, hw, moe, eff, ceiling):
     return out
 
 
+def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout):
+    """{piece: (F, B, W, core) seconds per micro-batch} on one tp rank: every op of
+    `roofline.layer_ops` (and `head_ops` on the last piece) at `roofline.op_seconds` on `hw`;
+    `core` is the forward of the unfused attention core (what selective recomputation
+    repeats; 0 with a fused kernel, whose backward already recomputes it)."""
+    from dataclasses import replace as _replace
+    from .planner import _n_pieces, elem_bytes, stage_layers
+    from .roofline import head_ops, layer_ops, op_seconds
+    if ceiling is not None:
+        hw = _replace(hw, matmul_eff=ceiling)
+    e = 1 if par.precision == "fp8" else elem_bytes(par.precision)
+    prec = par.precision if par.precision != "fp32" else "bf16"
+    tokens = par.micro_batch_size * par.seq // par.cp
+
+    def price(ops):
+        f = b = w = core = 0.0
+        for op in ops:
+            tf, _ = op_seconds(op, hw, prec)
+            f += tf
+            if op["kind"] == "matmul":
+                dgrad, _ = op_seconds(dict(op, shape=op["shape"][:1] + op["shape"][2:] + op["shape"][1:2]), hw, prec)
+                both, _ = op_seconds(op, hw, prec, backward=True)
+                b, w = b + dgrad, w + both - dgrad
+            else:
+                b += op_seconds(op, hw, prec, backward=True)[0]
+            if op["name"] in ("QKᵀ", "scale, mask, softmax", "attention dropout", "scores × V"):
+                core += tf
+        return f, b, w, core
+
+    layer = price(layer_ops(cfg, tokens, par.seq, par.tp, par.sp, e, par.flash, moe, par.ep, dropout))
+    head = price(head_ops(cfg, tokens, par.tp, par.sp, e))
+    n = _n_pieces(par)
+    return {piece: tuple(k * x + (y if piece == n - 1 else 0) for x, y in zip(layer, head))
+            for piece, k in enumerate(stage_layers(cfg.n_layers, n))}
+
+
 def _ep_seconds(cfg, par, hw, moe, nbytes, ep_nodes):
     """Seconds of `nbytes` of expert all-to-all (the bytes `traffic` counts: k copies per
     token, (ep−1)/ep of them leaving the rank). Inside a node: NVLink. Across N nodes: the
@@ -173,6 +209,20 @@ def _ep_seconds(cfg, par, hw, moe, nbytes, ep_nodes):
     return nbytes / leaving * (nic / hw.levels[1].per_gpu + nv / node.per_gpu)
 
 
+def _optimizer_seconds(cfg, par, hw, moe, pp_rank):
+    """The optimizer's element-wise pass after the last backward (Adam): per parameter of the
+    rank's optimizer shard it reads and writes the states (master weights with bf16/fp8), reads
+    the gradient and writes the parameter (fp32: reads it too), at the achieved HBM bandwidth."""
+    from .memory import bytes_per_param
+    from .sharded_optim import optimizer_state_factor
+    master = par.precision != "fp32"
+    k = optimizer_state_factor("adam", master=master)
+    numel = memory(cfg, par, pp_rank, moe)["optimizer"] / k
+    parts = bytes_per_param("fp32" if not master else "bf16", par.fp32_grad_accum)
+    per = 2 * k + parts["grads"] + parts.get("fp32_grads", 0) + parts["params"] * (1 if master else 2)
+    return numel * per / (hw.hbm_bandwidth * hw.hbm_eff)
+
+
 def _dp_seconds(cfg, par, hw, moe, pp_rank):
     """Seconds of the rank's data-parallel traffic: each group of `dp_groups` at the link of
     its ranks (dp·cp replicas spaced tp apart; an expert's copies spaced ep·tp·cp apart)."""
@@ -191,8 +241,8 @@ def _dp_seconds(cfg, par, hw, moe, pp_rank):
 
 def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | None = None,
               efficiency: float | None = None, alpha: float = ALPHA, *,
-              ceiling: float = MATMUL_CEILING, ep_overlap: float = 1.0,
-              ep_nodes: int | None = None, causal: bool = True) -> dict:
+              ceiling: float | None = None, ep_overlap: float = 1.0,
+              ep_nodes: int | None = None, causal: bool = True, dropout: bool = False) -> dict:
     """Seconds of one step, its parts, tokens/s and MFU, from the slowest pipeline rank.
 
     Each op of the schedule (F, B, W, BW of a stage and micro-batch) costs its compute —
@@ -216,16 +266,23 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     "slowest" (its pipeline rank) and "ranks" (the same parts for every pipeline rank)."""
     from .pipeline_simulator import simulate
     from .planner import _n_pieces, _schedule, stage_layers, stage_piece, traffic
+    from dataclasses import replace as _replace
     hw = hardware(hw)
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
-    if not 0 < ceiling <= 1 or not 0 <= ep_overlap <= 1:
+    if (ceiling is not None and not 0 < ceiling <= 1) or not 0 <= ep_overlap <= 1:
         raise ValueError(f"ceiling must be in (0, 1] and ep_overlap in [0, 1]; got {ceiling}, {ep_overlap}")
     if ep_nodes is not None and ep_nodes < 1:
         raise ValueError(f"ep_nodes must be ≥ 1, not {ep_nodes}")
     m, p = par.micro_batches, par.pp
-    comp = _stage_seconds(cfg, par, hw, moe, efficiency, ceiling)
+    if efficiency is not None:   # the old single constant: matmuls and attention only, datasheet links
+        comp = {k: (*v, 0.0) for k, v in _stage_seconds(cfg, par, hw, moe, efficiency, MATMUL_CEILING).items()}
+    else:                        # every op on the roofline, the links at NCCL's achieved fraction
+        comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout)
+        hw = _replace(hw, levels=tuple(_replace(lv, per_gpu=lv.per_gpu * hw.link_eff, total=lv.total * hw.link_eff)
+                                       for lv in hw.levels))
     full = par.recompute == "full"
+    selective = par.recompute == "selective"
     sched = _schedule(par.schedule, p, m, par.v) if p > 1 else None
     n_pieces = _n_pieces(par)
     sent = [traffic(cfg, par, r, moe) for r in range(p)]
@@ -255,8 +312,9 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
 
     def cost(op):
         r = rank_of[op.stage]
-        f, b, w = comp[piece[op.stage]]
-        c = {"F": f, "B": b + (f if full else 0), "W": w, "BW": b + w + (f if full else 0)}[op.kind]
+        f, b, w, core = comp[piece[op.stage]]
+        again = f if full else core if selective else 0.0           # what recomputation repeats
+        c = {"F": f, "B": b + again, "W": w, "BW": b + w + again}[op.kind]
         x = per_rank[r]
         comm = {k: (x[k] if op.kind != "W" else 0.0) for k in ("tp", "cp", "ep")}
         if op in paired:
@@ -282,8 +340,9 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
         window = sum(comp[k][1] + comp[k][2] for k in pieces)          # last backward
         t_dp = _dp_seconds(cfg, par, hw, moe, r)
         exposed = max(0.0, t_dp - window)
+        opt = 0.0 if efficiency is not None else _optimizer_seconds(cfg, par, hw, moe, r)
         ranks.append({**parts[r], "bubble": span - busy, "dp": t_dp, "dp_exposed": exposed,
-                      "seconds": span + exposed})
+                      "optimizer": opt, "seconds": span + exposed + opt})
     # the slowest rank: the last to finish; of those (a pipeline ends together), the busiest
     slowest = max(range(p), key=lambda r: (ranks[r]["seconds"], span - ranks[r]["bubble"]))
     out = dict(ranks[slowest])
