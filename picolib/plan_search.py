@@ -380,13 +380,13 @@ def _divisors(n: int, upto: int) -> list[int]:
 
 
 def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-SXM",
-           moe: MoEShape | None = None, top: int = 5, usable: float = 0.9, efficiency: float | None = None,
+           moe: MoEShape | None = None, top: int = 5, usable: float = 1.0, efficiency: float | None = None,
            precision: str = "bf16", max_pp: int = 32, max_cp: int = 1,
            activations: str = "korthikanti", trainer: bool = False) -> list[dict]:
     """The `top` fastest configurations of `cfg` on `n_gpus` GPUs for a step of
-    `global_batch` sequences of `seq` tokens whose per-rank memory (every pipeline rank)
-    fits in `usable` × the GPU's memory (the rest: allocator, buffers, workspace — an
-    assumption). Tries tp ≤ node (with SP), pp | layers (1F1B; interleaved v=2 where it
+    `global_batch` sequences of `seq` tokens whose per-rank memory (every pipeline rank),
+    with the runtime overhead on a GPU (`planner.runtime_overhead`: CUDA context, NCCL
+    buffers, allocator reserve), fits in `usable` × the GPU's memory. Tries tp ≤ node (with SP), pp | layers (1F1B; interleaved v=2 where it
     applies), cp ≤ `max_cp` (1: context parallelism is for long sequences), micro-batch
     1, 2, 4; for each, the cheapest of ZeRO 0-3 × recomputation
     none / selective / full that fits (`_CHEAPEST_FIRST`). `activations`: the planner's
@@ -423,7 +423,7 @@ def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-
                     continue
                 par = base.replace(zero=zero, recompute=rec)
                 try:
-                    mem = memory(cfg, par, moe=moe)
+                    mem = memory(cfg, par, moe=moe, overhead=hw.name != "CPU")
                 except ValueError:
                     break
                 if mem["total"] <= budget:
@@ -440,14 +440,15 @@ def describe(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | 
              efficiency: float | None = None) -> str:
     """A plan in a few lines: degrees, memory of the worst rank, step time and MFU."""
     hw = hardware(hw)
-    mem, t = memory(cfg, par, moe=moe), step_time(cfg, par, hw, moe, efficiency)
+    mem, t = memory(cfg, par, moe=moe, overhead=hw.name != "CPU"), step_time(cfg, par, hw, moe, efficiency)
     gb = {k: v / 1e9 for k, v in mem.items()}
+    extra = f" + runtime {gb['overhead']:.1f}" if "overhead" in gb else ""
     sched = f"{par.schedule}{f' v={par.v}' if par.v > 1 else ''}, " if par.pp > 1 else ""
     return (f"{par.n_gpus} × {hw.name}: TP{par.tp}{'+SP' if par.sp else ''} PP{par.pp} CP{par.cp} "
             f"DP{par.dp} (ZeRO-{par.zero}), {sched}m={par.micro_batches} × {par.micro_batch_size} "
             f"× {par.seq} tokens, recompute={par.recompute}\n"
             f"  memory per GPU (worst rank): params {gb['params']:.1f} + grads {gb['grads']:.1f} + "
-            f"optimizer {gb['optimizer']:.1f} + activations {gb['activations']:.1f} = "
+            f"optimizer {gb['optimizer']:.1f} + activations {gb['activations']:.1f}{extra} = "
             f"{gb['total']:.1f} GB of {hw.memory / 1e9:.0f}\n"
             f"  step {t['seconds']:.2f} s (compute {t['compute']:.2f}, bubble {t['bubble']:.2f}, "
             f"TP {t['tp']:.2f}, exposed DP {t['dp_exposed']:.2f}, PP {t['pp']:.3f}); "

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from .model import LlamaConfig
 from .planner import MoEShape, Parallelism, LLAMA3_405B
 
-__all__ = ["Run", "RUNS", "gpt", "published_tokens_per_s", "predict", "table"]
+__all__ = ["Run", "RUNS", "gpt", "published_tokens_per_s", "predict", "table", "markdown"]
 
 
 def gpt(hidden: int, layers: int, heads: int) -> LlamaConfig:
@@ -139,3 +139,18 @@ def table(runs=RUNS, **kw) -> list[dict]:
         mine = t["tokens_per_s"] / run.gpus
         out.append({"run": run, "published": pub, "planner": mine, "error": mine / pub - 1, "time": t})
     return out
+
+
+def markdown(rows=None) -> str:
+    """The validation table as Markdown (the README's copy is this text; a test compares)."""
+    rows = table() if rows is None else rows
+    lines = ["| run | source | GPUs | published, as the source states it | tokens/s per GPU, published | planner | error |",
+             "|---|---|---:|---|---:|---:|---:|"]
+    for r in rows:
+        run = r["run"]
+        stated = (f"{run.published:.1%} MFU" if run.unit == "MFU (Megatron)" else
+                  f"{run.published / 1e3:.0f}K {run.unit}" if run.unit.startswith("GPU hours") else
+                  f"{run.published:.0f} {run.unit}")
+        lines.append(f"| {run.name} | {run.source} | {run.gpus:,} | {stated} | {r['published']:,.0f} | "
+                     f"{r['planner']:,.0f} | {r['error']:+.1%} |")
+    return "\n".join(lines)

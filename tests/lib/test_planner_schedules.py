@@ -147,7 +147,7 @@ def test_runtime_overhead_is_off_unless_asked_and_counts_its_parts():
     plain, more = memory(CFG, par, 0), memory(CFG, par, 0, overhead=True)
     assert "overhead" not in plain
     tensors = plain["total"]
-    assert more["overhead"] == int(0.5e9 + 3 * 0.2e9 + 0.05 * tensors)   # dp, tp, pp groups
+    assert more["overhead"] == int(0.3e9 + 3 * 0.2e9 + 0.05 * tensors)   # dp, tp, pp groups
     assert more["total"] == tensors + more["overhead"]
     assert runtime_overhead(par, 0, context=0, per_communicator=0, reserve=0) == 0
 
