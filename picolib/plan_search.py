@@ -2,19 +2,24 @@
 
 What: `step_time` prices one training step of a `picolib.planner.Parallelism` on a
 `picolib.hardware` preset by playing its pipeline schedule (`pipeline_simulator.simulate`)
-with each op's cost — every matmul on the roofline (`matmul_seconds`), the causal attention
-core, the collectives on the critical path (TP, CP, EP, the pipeline's sends) — and takes
-the slowest rank, plus the data-parallel traffic its last backward does not hide; the MFU
+with each op's cost — every operation of its layers on the roofline of the preset
+(`roofline.layer_ops`, `roofline.op_seconds`: matmuls by shape, the attention kernel, the
+memory-bound norms, RoPE, activations, residual adds, softmax and loss, a launch floor a
+kernel), the collectives on the critical path (TP, CP, EP, the pipeline's sends) — and takes
+the slowest rank, plus the data-parallel traffic its last backward does not hide and the
+optimizer's element-wise pass; the MFU
 follows (`model_flops_per_token`: 6 × active parameters + causal attention). `search`
 enumerates the configurations of a model on N GPUs at a global batch, keeps those that fit
 in memory and ranks them by step time; `describe` prints one plan.
 Why: the planner's bytes (picolib/planner.py) are exact; turning bytes into seconds needs
-assumptions, and they are all here, named: `MATMUL_CEILING` (the fraction of the dense peak
-a large matmul sustains, 0.75; or one `efficiency` for every matmul), α per collective call
-(`hardware.ALPHA`), each group at its bandwidth (`Hardware.link`: NVLink inside a node, k
-NICs for k GPUs of a node beyond it), the expert all-to-all hidden only inside DualPipe's
-F&B pairs (`ep_overlap`). Use the times to compare configurations, not as promises; lesson
-11 checks them against the Llama 3 report's Table 4.
+inputs, and they are all here, named: every op of a layer (`roofline.layer_ops`) priced by
+`roofline.op_seconds` with the preset's measured fractions (`Hardware.matmul_eff`, `hbm_eff`,
+`attention_eff`, `link_eff`, `launch`: picolib/hardware.py gives each source; or one
+`efficiency` for every matmul, the old single constant), α per collective call
+(`hardware.ALPHA`, assumed), each group at its bandwidth (`Hardware.link`: NVLink inside a node,
+k NICs for k GPUs of a node beyond it), the expert all-to-all hidden only inside DualPipe's
+F&B pairs (`ep_overlap`). Lesson 11b checks the times against thirteen published runs
+(`picolib.validation`).
 """
 from __future__ import annotations
 
@@ -68,17 +73,22 @@ def tp_comm_ratio(cfg: LlamaConfig, tp: int, hw="H100-SXM", *, collectives: floa
             "compute_per_token": compute, "ratio": exposed / compute}
 
 
-MATMUL_CEILING = 0.75   # fraction of the dense peak a large GEMM sustains: an assumption
+# the fraction of the dense peak a large GEMM sustains on an H100: measured (Bekman's MAMF table,
+# picolib/hardware.py); every preset carries its own (`Hardware.matmul_eff`)
+MATMUL_CEILING = hardware("H100-SXM").matmul_eff
 
 
 def matmul_seconds(m: int, k: int, n: int, hw="H100-SXM", precision: str = "bf16",
-                   ceiling: float = MATMUL_CEILING) -> float:
+                   ceiling: float | None = None) -> float:
     """Seconds of one (m × k) @ (k × n) matmul on the roofline (lesson 11): the larger of its
-    2mkn FLOPs at `ceiling` × the dense peak and its bytes — read A and B, write C, in the
-    compute dtype — at the HBM bandwidth. Arithmetic intensity 2mkn / (e(mk + kn + mn))
-    FLOPs per byte against the ridge peak/HBM (H100 bf16: 989e12 / 3.35e12 ≈ 295): a matmul
-    of a few hundred tokens is memory-bound, one of thousands compute-bound."""
+    2mkn FLOPs at `ceiling` × the dense peak (default: the preset's measured `matmul_eff`) and
+    its bytes — read A and B, write C, in the compute dtype — at the datasheet's HBM bandwidth.
+    Arithmetic intensity 2mkn / (e(mk + kn + mn)) FLOPs per byte against the ridge peak/HBM
+    (H100 bf16: 989e12 / 3.35e12 ≈ 295): a matmul of a few hundred tokens is memory-bound, one
+    of thousands compute-bound. (`step_time` prices matmuls with `roofline.op_seconds`, which
+    also takes the achieved HBM fraction and a launch floor.)"""
     hw = hardware(hw)
+    ceiling = hw.matmul_eff if ceiling is None else ceiling
     e = 1 if precision == "fp8" else 2
     return max(2 * m * k * n / (hw.peak(precision) * ceiling), e * (m * k + k * n + m * n) / hw.hbm_bandwidth)
 
@@ -246,9 +256,12 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     """Seconds of one step, its parts, tokens/s and MFU, from the slowest pipeline rank.
 
     Each op of the schedule (F, B, W, BW of a stage and micro-batch) costs its compute —
-    every matmul of its layers (and the head on the last piece) on the roofline
-    (`matmul_seconds`, `ceiling`; or all at `efficiency` × peak when given, the old single
-    constant), the causal attention core at the ceiling — plus its collectives on the
+    every op of its layers (and the head and loss on the last piece) at `roofline.op_seconds`
+    with the preset's measured fractions (`ceiling` overrides the matmuls' `matmul_eff`;
+    `dropout`: GPT's dropouts, as Megatron's runs had them; recomputation repeats the forward
+    (full) or the unfused attention core (selective; a fused kernel's backward already
+    recomputes it)); or, with `efficiency`, the old single constant: every matmul at
+    `efficiency` × peak and the attention core too, nothing else — plus its collectives on the
     critical path: TP (α per call), CP and EP bytes split half to the forward, half to the
     backward, at their groups' bandwidths (`Hardware.link`; EP: `_ep_seconds`,
     node-limited with `ep_nodes`), and the pipeline send of its output. The expert
@@ -258,11 +271,12 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     ops hide none. `picolib.pipeline_simulator.simulate` plays the schedule with these
     costs; each rank's idle time is the schedule's bubble, read off the simulation, not a
     formula per name. Data-parallel traffic overlaps the rank's last micro-batch backward
-    (B + W of its stages), the rest is exposed. The step ends when the slowest rank ends.
+    (B + W of its stages), the rest is exposed; then the optimizer's pass over the rank's
+    shard (`_optimizer_seconds`). The step ends when the slowest rank ends.
 
     MFU = `model_flops_per_token` (6 × active parameters + causal attention) × tokens /
     (seconds × GPUs × dense peak). Returns {"seconds", "compute", "bubble", "tp", "cp",
-    "ep", "pp", "dp", "dp_exposed"} of the slowest rank, "tokens_per_s", "mfu",
+    "ep", "pp", "dp", "dp_exposed", "optimizer"} of the slowest rank, "tokens_per_s", "mfu",
     "slowest" (its pipeline rank) and "ranks" (the same parts for every pipeline rank)."""
     from .pipeline_simulator import simulate
     from .planner import _n_pieces, _schedule, stage_layers, stage_piece, traffic
@@ -276,7 +290,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
         raise ValueError(f"ep_nodes must be ≥ 1, not {ep_nodes}")
     m, p = par.micro_batches, par.pp
     if efficiency is not None:   # the old single constant: matmuls and attention only, datasheet links
-        comp = {k: (*v, 0.0) for k, v in _stage_seconds(cfg, par, hw, moe, efficiency, MATMUL_CEILING).items()}
+        comp = {k: (*v, 0.0) for k, v in _stage_seconds(cfg, par, hw, moe, efficiency, 0.75).items()}
     else:                        # every op on the roofline, the links at NCCL's achieved fraction
         comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout)
         hw = _replace(hw, levels=tuple(_replace(lv, per_gpu=lv.per_gpu * hw.link_eff, total=lv.total * hw.link_eff)
@@ -453,7 +467,7 @@ def describe(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | 
             f"  step {t['seconds']:.2f} s (compute {t['compute']:.2f}, bubble {t['bubble']:.2f}, "
             f"TP {t['tp']:.2f}, exposed DP {t['dp_exposed']:.2f}, PP {t['pp']:.3f}); "
             f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} "
-            f"({'roofline matmuls' if efficiency is None else f'efficiency {efficiency}'})")
+            f"({'every op on the roofline' if efficiency is None else f'efficiency {efficiency}'})")
 
 
 # --------------------------------------------------------------------------- command line
