@@ -33,9 +33,13 @@ def test_published_figures_convert_by_each_sources_formula():
     nar = next(r for r in RUNS if r.unit.startswith("TFLOP/s (Megatron"))
     kor = next(r for r in RUNS if r.unit.startswith("MFU"))
     # recomputation: Narayanan's 96 counts a second forward that Korthikanti's model FLOPs (72) do not
-    for run, per in ((nar, 96), (kor, 72)):
-        c = run.cfg
-        assert run.cfg.ffn_hidden * 3 == pytest.approx(8 * c.hidden, rel=0.01)   # GPT's 8h² MLP weights
+    for run, per, rate in ((nar, 96, nar.published * 1e12), (kor, 72, kor.published * 312e12)):
+        c, s = run.cfg, run.par.seq
+        l, h, v = c.n_layers, c.hidden, c.vocab_size
+        head = v / ((16 if per == 96 else 12) * l * h)
+        flops_per_token = per * l * h * h * (1 + s / (6 * h) + head)
+        assert published_tokens_per_s(run) * flops_per_token == pytest.approx(rate)
+        assert c.ffn_hidden * 3 == pytest.approx(8 * c.hidden, rel=0.01)   # GPT's 8h² MLP weights
 
 
 def test_the_validation_table_is_the_planners_and_the_readme_shows_it():
