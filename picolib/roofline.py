@@ -21,6 +21,10 @@ What this file gives:
   stated convention), bytes from the tensors each operation reads and writes (views move
   nothing), and time from `torch.profiler` (each operation runs inside a labelled
   `record_function`), grouped into the kinds of work a transformer step does;
+- `layer_ops`, `head_ops`, `op_seconds` — the same groups predicted instead of measured: the
+  operations of one transformer block with their FLOPs and bytes, priced on a hardware
+  preset's roofline with its measured fractions (what the planner's step time adds up,
+  lesson 11b; tests/lib/test_validation.py checks the matmul FLOPs against a real step);
 - `draw_roofline` — the picture;
 - `CHIPS`, `tensor_peak` — what is inside NVIDIA's data-centre GPUs, V100 to B200: the
   architecture (SMs, Tensor Core FLOPs per cycle per SM, the clock NVIDIA's peak figures
