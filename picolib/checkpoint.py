@@ -1,4 +1,4 @@
-"""Checkpoints that any mesh can resume (lesson 10), with `torch.distributed.checkpoint`.
+"""Checkpoints that any mesh can resume (lesson 10b), with `torch.distributed.checkpoint`.
 
 What is saved is the *logical* state: the single-process model's parameters and AdamW state
 under the single-process names (`blocks.5.attn.wq.weight`, not stage 1's `blocks.1...`;

@@ -1,4 +1,4 @@
-"""Gradient clipping by the global norm, on any layout (lesson 10).
+"""Gradient clipping by the global norm, on any layout (lesson 10b).
 
 `torch.nn.utils.clip_grad_norm_` on one process computes ‖g‖ = sqrt(Σ g²) over every element of
 the model's gradient, and scales all of it by min(1, max_norm / (‖g‖ + 1e-6)). On a mesh no

@@ -12,22 +12,22 @@ straight into what `build` made.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import checkpoint
-from .context_parallel import LAYOUTS, apply_context_parallel, check_context_parallel
+from .context_parallel import apply_context_parallel
 from .data_parallel import DDP
 from .expert_parallel import apply_expert_parallel, expert_gradient_groups
 from .materialize import materialize
-from .mesh import Mesh, check_mesh
+from .mesh import Mesh
 from .model import Block, LlamaConfig, TinyLlama
-from .moe import apply_moe, aux_loss_in_backward, check_moe
+from .moe import apply_moe, aux_loss_in_backward
+from .parallel_layout import Layout, check_layout, layout_of
 from .pipeline_parallel import pair_gradient_groups, schedule_stages
-from .pipeline_schedules import SCHEDULES, make_schedule
-from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from .tensor_parallel import apply_tensor_parallel
 from .zero import ZeRO
 
 __all__ = ["MODEL_PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "open_data", "transform",
@@ -47,29 +47,15 @@ MODEL_PRESETS = {  # model shapes: a few hundred thousand to a few million param
 }
 
 
-@dataclass
-class TrainConfig:
-    """One training run; every field is a command-line option (`--help`)."""
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    sp: bool = False
-    zero: int = 0                 # 0: DDP; 1, 2, 3: ZeRO stage
-    schedule: str = "1f1b"
-    chunks: int = 2               # v for the interleaved schedule
-    micro_batches: int = 1
+@dataclass(frozen=True)
+class TrainConfig(Layout):
+    """One training run: its layout (`picolib.parallel_layout.Layout`: degrees, schedule,
+    chunks, micro-batches, ZeRO stage, sequence length, recomputation, precision, experts,
+    context-parallel algorithm) and the run's options; every field is a command-line option
+    (`--help`)."""
     batch: int = 8                # global batch (sequences per step)
-    seq: int = 32
     steps: int = 10
     preset: str = "tiny"
-    recompute: str = "none"
-    precision: str = "fp32"       # "bf16": bf16 autocast (+ ZeRO: bf16 copies of fp32 masters)
-    experts: int = 0              # > 0: every MLP becomes a mixture of this many experts
-    top_k: int = 1
-    ep: int = 1                   # expert-parallel ranks, a block of the dp ranks
-    cp_algorithm: str = "ring"
-    cp_layout: str = "zigzag"
     data: str = "text"            # "text": the shipped paragraph (all of it trained on);
     #  "course": the shipped corpus; a path: a UTF-8 text file or a token file (.bin); "random"
     eval_every: int = 0           # > 0: the held-out loss every this many steps (and at the end)
@@ -92,8 +78,9 @@ class TrainConfig:
     progress: bool = True
 
     @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+    def micro_batch_size(self) -> int:
+        """Sequences per micro-batch on one replica: batch / (dp · micro_batches)."""
+        return self.batch // (self.dp * self.micro_batches)
 
     def model_config(self) -> LlamaConfig:
         return LlamaConfig(**MODEL_PRESETS[self.preset], max_seq=max(self.seq, 16), seed=self.seed,
@@ -102,57 +89,46 @@ class TrainConfig:
     @classmethod
     def from_plan(cls, plan, **options) -> "TrainConfig":
         """The run of a planner's `Plan` (picolib.planner; each `plan_search.search` result's
-        "plan"), in the trainer's words: dp, tp, pp, cp, ep, zero, sp, schedule,
-        micro_batches, seq, recompute and precision as they are; the planner's `v` as
-        `chunks` (interleaved), its `micro_batch_size` as the global `batch` (dp ×
-        micro_batches × micro_batch_size), its `MoEShape` as `experts` and `top_k`, the model
-        as the preset of its shape (`MODEL_PRESETS`; the dry run's large ones too).
+        "plan"): the plan's layout as it is (`layout_of(plan.par)`: the same fields, no
+        renaming), the model as the preset of its shape (`MODEL_PRESETS`; the dry run's large
+        ones too), the global `batch` of dp × micro_batches × micro_batch_size sequences.
         `options`: the rest of the run (steps, lr, data, ...); one that contradicts the plan
-        is refused. A ValueError names what the trainer cannot run as planned (a model of no
-        preset's shape, fp8, shared experts, experts of another size than the preset's MLP);
-        `check_config` then judges the layout as for any run. The planner's own assumptions
-        (`activations`, `flash`, `fp32_grad_accum`) change what it counts, not what runs."""
+        is refused, as are a model of no preset's shape and experts the trainer's MoE cannot
+        build (shared ones, or another size than the preset's MLP); `check_config` then judges
+        the layout as for any run. The planner's own assumptions (`activations`, `flash`,
+        `fp32_grad_accum`) change what it counts, not what runs."""
         from .dry_run import LARGE_PRESETS
-        par, moe, shape = plan.par, plan.moe, ("vocab_size", "hidden", "n_layers", "n_heads",
-                                                "n_kv_heads", "ffn_hidden")
+        shape = ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
         want = {k: getattr(plan.model, k) for k in shape}
         presets = {name: LlamaConfig(**kw) for name, kw in {**MODEL_PRESETS, **LARGE_PRESETS}.items()}
         preset = next((n for n, c in presets.items() if {k: getattr(c, k) for k in shape} == want), None)
         if preset is None:
             raise ValueError(f"the plan's model ({', '.join(f'{k}={v}' for k, v in want.items())}) "
                              f"has the shape of no preset ({', '.join(presets)})")
-        if par.precision not in ("fp32", "bf16"):
-            raise ValueError(f"the plan's precision {par.precision!r}: the trainer runs fp32 or bf16")
-        layout = dict(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero,
-                      sp=par.sp, schedule=par.schedule, micro_batches=par.micro_batches,
-                      batch=par.dp * par.micro_batches * par.micro_batch_size, seq=par.seq,
-                      recompute=par.recompute, precision=par.precision, preset=preset, experts=0)
-        if par.schedule == "interleaved":
-            layout["chunks"] = par.v
-        if moe is not None:
-            if moe.shared:
-                raise ValueError(f"the plan's MoE has {moe.shared} shared experts; the trainer's "
-                                 "have none")
-            if moe.expert_ffn != presets[preset].ffn_hidden:
-                raise ValueError(f"the plan's experts have expert_ffn={moe.expert_ffn}; the "
-                                 f"trainer's are the {preset} preset's MLP, "
-                                 f"ffn_hidden={presets[preset].ffn_hidden}")
-            layout.update(experts=moe.n_experts, top_k=moe.top_k)
+        moe = plan.moe
+        if moe is not None and moe.shared:
+            raise ValueError(f"the plan's MoE has {moe.shared} shared experts; the trainer's have none")
+        if moe is not None and moe.expert_ffn != presets[preset].ffn_hidden:
+            raise ValueError(f"the plan's experts have expert_ffn={moe.expert_ffn}; the trainer's "
+                             f"are the {preset} preset's MLP, ffn_hidden={presets[preset].ffn_hidden}")
+        par = plan.par
+        run = dict(asdict(layout_of(par)), preset=preset,
+                   batch=par.dp * par.micro_batches * par.micro_batch_size)
         for k, v in options.items():
-            if k in layout and v != layout[k]:
-                raise ValueError(f"--{k.replace('_', '-')} {v} contradicts the plan "
-                                 f"({k}={layout[k]!r})")
-        return cls(**{**options, **layout})
+            if k in run and v != run[k]:
+                raise ValueError(f"--{k.replace('_', '-')} {v} contradicts the plan ({k}={run[k]!r})")
+        return cls(**{**options, **run})
 
 
 def check_config(cfg: TrainConfig, world_size: int | None = None, read_data: bool = True) -> None:
-    """Refuse a configuration before any process starts, naming the numbers. `read_data`:
-    also read the data file through once (UTF-8; the ranks, checked again, skip that)."""
+    """Refuse a configuration before any process starts, naming the numbers: the layout by
+    the rules every user of one shares (`check_layout`, none of the planner's switches), then
+    the run's own options. `read_data`: also read the data file through once (UTF-8; the
+    ranks, checked again, skip that)."""
     if cfg.preset not in MODEL_PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {sorted(MODEL_PRESETS)}")
-    check_mesh(cfg.world_size if world_size is None else world_size,
-               **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
-    for name in ("batch", "seq", "steps", "micro_batches", "chunks"):
+    check_layout(cfg, cfg.model_config(), cfg.world_size if world_size is None else world_size)
+    for name in ("batch", "steps"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(cfg, name)}")
     if cfg.warmup < 0:
@@ -163,63 +139,14 @@ def check_config(cfg: TrainConfig, world_size: int | None = None, read_data: boo
         raise ValueError(f"--min-lr must be between 0 and --lr {cfg.lr:g}, not {cfg.min_lr:g}")
     if cfg.weight_decay < 0:
         raise ValueError(f"--weight-decay must be ≥ 0, not {cfg.weight_decay:g}")
-    if cfg.zero not in (0, 1, 2, 3):
-        raise ValueError(f"--zero must be 0 (DDP), 1, 2 or 3, not {cfg.zero}")
     if cfg.eval_every < 0:
         raise ValueError(f"--eval-every must be ≥ 0 (0: no evaluation), not {cfg.eval_every}")
     if cfg.eval_batches < 1:
         raise ValueError(f"--eval-batches must be at least 1, not {cfg.eval_batches}")
-    if cfg.precision not in ("fp32", "bf16"):
-        raise ValueError(f"--precision must be fp32 or bf16, not {cfg.precision!r}")
-    mcfg = cfg.model_config()
-    if cfg.tp > 1:
-        check_tensor_parallel(mcfg, cfg.tp)
-    if cfg.sp and cfg.tp == 1:
-        raise ValueError("--sp (sequence parallelism) splits the sequence over tp: it needs --tp ≥ 2")
-    local_seq = cfg.seq // cfg.cp
-    if cfg.sp and (cfg.seq % cfg.cp or local_seq % cfg.tp):
-        raise ValueError(f"with --sp each rank's {cfg.seq}/{cfg.cp} tokens must divide by tp={cfg.tp}")
-    if cfg.cp > 1:
-        if cfg.cp_layout not in LAYOUTS:
-            raise ValueError(f"unknown --cp-layout {cfg.cp_layout!r}; known: {list(LAYOUTS)}")
-        check_context_parallel(mcfg, cfg.cp, cfg.cp_algorithm, cfg.cp_layout, tp=cfg.tp, seq=cfg.seq)
     per_replica = cfg.dp * cfg.micro_batches
     if cfg.batch % per_replica:
         raise ValueError(f"the batch of {cfg.batch} sequences must divide into dp={cfg.dp} "
                          f"replicas × {cfg.micro_batches} micro-batches")
-    if cfg.pp > 1:
-        if cfg.schedule == "dualpipe" and cfg.experts and cfg.ep > 1:
-            raise ValueError(f"--schedule dualpipe keeps each expert on its pair of pipeline "
-                             f"ranks as well as its ep={cfg.ep} replicas: use --ep 1 with it")
-        v = cfg.chunks if cfg.schedule == "interleaved" else 1
-        sched = make_schedule(cfg.schedule, cfg.pp, cfg.micro_batches, v)
-        cut = max(len(stages) for stages, _ in sched.pipes)   # DualPipe: each pipe cuts the model
-        if cut > mcfg.n_layers:
-            raise ValueError(f"{cut} pipeline stages need at least as many "
-                             f"layers; the {cfg.preset} preset has {mcfg.n_layers}")
-        pieces = len(sched.pipes[0][0])      # the model's pieces (DualPipe: two copies of p)
-        if mcfg.n_layers % pieces:           # pipeline_parallel.partition: equal stages only
-            raise ValueError(f"{mcfg.n_layers} layers do not split evenly into {pieces} stages "
-                             f"(--pp {cfg.pp}" + (f" × --chunks {v}" if v > 1 else "") + "): the "
-                             "trainer gives every stage the same number of layers; choose a "
-                             f"pipeline whose stages divide {mcfg.n_layers}")
-        if cfg.zero == 3:
-            raise ValueError("ZeRO-3 × pipeline parallelism is not supported: ZeRO-3 frees a "
-                             "stage's parameters after each forward while a schedule keeps "
-                             f"{cfg.micro_batches} micro-batches in flight; use --zero 1 or 2")
-    elif cfg.schedule not in SCHEDULES:
-        raise ValueError(f"unknown --schedule {cfg.schedule!r}; choose one of {sorted(SCHEDULES)}")
-    if cfg.experts:
-        check_moe(cfg.experts, cfg.top_k, None, "softmax", cfg.ep)
-        if cfg.dp % cfg.ep:
-            raise ValueError(f"--ep {cfg.ep} must divide --dp {cfg.dp} (expert-parallel groups "
-                             "are made of data-parallel ranks)")
-        if cfg.zero == 3 and cfg.ep > 1:
-            raise ValueError(f"--zero 3 gathers each block over all dp={cfg.dp} replicas, but "
-                             f"with --ep {cfg.ep} a block's experts differ between them: use "
-                             "--zero 1 or 2")
-    elif cfg.ep > 1:
-        raise ValueError(f"--ep {cfg.ep} spreads experts: add --experts")
     if not cfg.clip_grad >= 0:
         raise ValueError(f"--clip-grad must be ≥ 0 (0 turns clipping off), not {cfg.clip_grad}")
     if cfg.save_every < 0:
@@ -232,8 +159,6 @@ def check_config(cfg: TrainConfig, world_size: int | None = None, read_data: boo
         checkpoint.check_resume(cfg.resume, cfg)
     if cfg.compile:
         check_compile(cfg)
-    if cfg.zero == 3 and cfg.recompute != "none":
-        raise ValueError("ZeRO-3 frees parameters after forward: --recompute needs --zero ≤ 2")
     open_data(cfg, check=read_data)
 
 
@@ -312,8 +237,7 @@ def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
     sched = None
     stages = {0: model}
     if cfg.pp > 1:
-        sched = make_schedule(cfg.schedule, cfg.pp, cfg.micro_batches,
-                              cfg.chunks if cfg.schedule == "interleaved" else 1)
+        sched = cfg.make_schedule()
         mine = sched.stages_of(mesh.coordinate("pp"))
         stages = {s: m for s, m in schedule_stages(model, sched).items() if s in mine}
         if cfg.schedule == "dualpipe":   # each stage's second copy is on the mirror rank

@@ -1,4 +1,4 @@
-"""Training and validation data, each data-parallel rank reading only its own share (lesson 10).
+"""Training and validation data, each data-parallel rank reading only its own share (lesson 10b).
 
 A data source is a 1-D sequence of token ids:
 - a UTF-8 text file: its bytes are the tokens (vocabulary 256), as picolib has always used,

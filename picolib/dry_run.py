@@ -45,6 +45,7 @@ from dataclasses import asdict, replace
 import torch
 
 from .compose import TrainConfig, check_config
+from .parallel_layout import layout_of
 
 __all__ = ["LARGE_PRESETS", "representatives", "dry_run", "refuse", "assumptions",
            "balanced_counts", "rank_report", "main"]
@@ -81,10 +82,8 @@ def _with_presets():
 
 
 def representatives(cfg: TrainConfig) -> list[int]:
-    """The rank at dp = cp = tp = 0 of each pipeline position (refusing, as the trainer's
-    ranks would, a model whose layers do not split into the schedule's stages)."""
-    from .layout import rank_at, stage_layers
-    stage_layers(cfg, 0)
+    """The rank at dp = cp = tp = 0 of each pipeline position."""
+    from .parallel_layout import rank_at
     return [rank_at(cfg, pp=p, dp=0, cp=0, tp=0) for p in range(cfg.pp)]
 
 
@@ -361,7 +360,8 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
     return {"rank": rank, "pp_rank": mesh.coordinate("pp"), **state,
             "grads_peak": max(grads_peak + [state["grads"]]), "activations": act.peak, "sent": sent, "other": by_kind.get("other", 0),
             "by_op": {op: s["sent_bytes"] for op, s in led.summary().items()},
-            "stages": sorted(stages), "loss": None, "assumptions": assumptions(cfg),
+            "stages": sorted(stages), "layout": asdict(layout_of(cfg)), "loss": None,
+            "assumptions": assumptions(cfg),
             "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 

@@ -13,7 +13,7 @@ Decoding with a K/V cache (`picolib.model.KVCache`): the prompt runs once, every
 runs one token, whose keys and values join the cache and whose query attends to all of it —
 s steps cost s token-forwards instead of the 1 + 2 + … + s of recomputing the whole prefix.
 `--temperature 0` is greedy decoding (the argmax); it equals the argmax of repeated full
-forwards (tests/lib/test_generate.py). Lesson 10 trains the checkpoints this reads.
+forwards (tests/lib/test_generate.py). Lesson 10b trains the checkpoints this reads.
 """
 from __future__ import annotations
 

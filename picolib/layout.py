@@ -39,9 +39,9 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from .mesh import DIMS
+from .parallel_layout import coordinates, rank_at
 
-__all__ = ["Placement", "global_shapes", "coordinates", "rank_at", "stage_layers",
+__all__ = ["Placement", "global_shapes", "stage_layers",
            "placements", "boxes_of_range", "Held", "Holdings", "holdings"]
 
 
@@ -60,27 +60,6 @@ class Placement:
     @property
     def whole(self) -> bool:
         return self.sizes == self.shape
-
-
-def _sizes(cfg) -> dict[str, int]:
-    return {d: getattr(cfg, d) for d in DIMS}
-
-
-def coordinates(cfg, rank: int) -> dict[str, int]:
-    """{pp, dp, cp, tp} of a global rank (the mesh lays ranks out pp, dp, cp, tp; tp innermost)."""
-    out, sizes = {}, _sizes(cfg)
-    if not 0 <= rank < cfg.world_size:
-        raise ValueError(f"rank {rank} is not one of the {cfg.world_size} ranks of the mesh")
-    for d in reversed(DIMS):
-        out[d], rank = rank % sizes[d], rank // sizes[d]
-    return {d: out[d] for d in DIMS}
-
-
-def rank_at(cfg, **coords: int) -> int:
-    rank, sizes = 0, _sizes(cfg)
-    for d in DIMS:
-        rank = rank * sizes[d] + coords[d]
-    return rank
 
 
 @lru_cache(maxsize=64)
@@ -104,13 +83,11 @@ def stage_layers(cfg, pp: int) -> list[tuple[int, range, bool, bool]]:
     n_layers = cfg.model_config().n_layers
     if cfg.pp == 1:
         return [(0, range(n_layers), True, True)]
-    from .pipeline_parallel import partition
-    from .pipeline_schedules import make_schedule
-    sched = make_schedule(cfg.schedule, cfg.pp, cfg.micro_batches,
-                          cfg.chunks if cfg.schedule == "interleaved" else 1)
+    from .parallel_layout import stage_ranges
+    sched = cfg.make_schedule()
     out = []
     for stages, _ in sched.pipes:          # DualPipe: each of its two pipelines cuts the model
-        parts = partition(n_layers, len(stages))
+        parts = stage_ranges(n_layers, len(stages))
         out += [(s, parts[i], i == 0, i == len(stages) - 1) for i, s in enumerate(stages)
                 if sched.stage_ranks[s] == pp]
     return sorted(out, key=lambda x: x[0])

@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from . import comm
 from .model import TinyLlama
+from .parallel_layout import ZERO3_PIPELINE, stage_ranges
 from .pipeline_schedules import Schedule
 from .pipeline_simulator import validate
 
@@ -47,17 +48,13 @@ __all__ = ["partition", "split_stages", "schedule_stages", "run_schedule", "stag
 
 
 def partition(n_layers: int, n_stages: int, layer_costs=None) -> list[range]:
-    """Contiguous layer ranges, one per stage. Without costs: equal counts (n_stages must
-    divide n_layers). With `layer_costs`: the split that minimises the largest stage cost."""
+    """Contiguous layer ranges, one per stage. Without costs: the one stage split
+    (`parallel_layout.stage_layers`: equal counts where they divide, else one layer fewer on
+    the end stages first). With `layer_costs`: the split that minimises the largest stage cost."""
     if n_stages < 1 or n_stages > n_layers:
         raise ValueError(f"{n_stages} stages for {n_layers} layers: need 1 ≤ stages ≤ layers")
     if layer_costs is None:
-        if n_layers % n_stages:
-            raise ValueError(f"{n_layers} layers do not split evenly into {n_stages} stages "
-                             f"(with v chunks per rank, v must divide the layers per rank); "
-                             "pass layer_costs for an uneven split")
-        k = n_layers // n_stages
-        return [range(i * k, (i + 1) * k) for i in range(n_stages)]
+        return stage_ranges(n_layers, n_stages)
     costs = [float(c) for c in layer_costs]
     if len(costs) != n_layers:
         raise ValueError(f"layer_costs has {len(costs)} entries for {n_layers} layers")
@@ -324,10 +321,7 @@ def _check_data_parallel(data_parallel: dict, stages: dict) -> None:
                          f"this rank does not hold ({sorted(stages)})")
     for s, wrapper in data_parallel.items():
         if getattr(wrapper, "stage", None) == 3:
-            raise ValueError(f"ZeRO-3 × pipeline parallelism is not supported (stage {s}): "
-                             "ZeRO-3 gathers and frees a stage's parameters around each "
-                             "forward, while a schedule keeps m micro-batches in flight; "
-                             "use ZeRO-1/2 or DDP on pipeline stages")
+            raise ValueError(f"{ZERO3_PIPELINE} (stage {s})")
 
 
 def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,

@@ -25,6 +25,7 @@ Expert parallelism and DualPipe's two-way stage layout are not modelled (ValueEr
 from __future__ import annotations
 
 from .hardware import hardware
+from .parallel_layout import coordinates, rank_at
 from .model import LlamaConfig
 from .planner import MoEShape, Parallelism, traffic
 
@@ -53,15 +54,13 @@ def level_bytes(cfg: LlamaConfig, par: Parallelism, order=DIMS, hw="H100-SXM",
     if par.schedule.startswith("dualpipe") and par.pp > 1:
         raise ValueError("DualPipe places two stages per rank from both ends: not modelled")
     size = {d: getattr(par, d) for d in DIMS}
-    stride, s = {}, 1
-    for d in reversed(order):                  # row-major: the last dimension is innermost
-        stride[d], s = s, s * size[d]
+    stride = {d: rank_at(par, order, **{e: int(e == d) for e in DIMS}) for d in DIMS}
     names = [lv.name for lv in hw.levels]
     out = {kind: dict.fromkeys(names, 0) for kind in (*GROUPS, "total")}
     sent = [traffic(cfg, par, r) for r in range(par.pp)]      # bytes per rank, by pipeline rank
     n_stages = par.pp * par.v
     for rank in range(par.n_gpus):
-        coord = {d: rank // stride[d] % size[d] for d in DIMS}
+        coord = coordinates(par, rank, order)
         sends = []                                            # (kind, peer, bytes)
         for kind in ("dp", "tp", "cp"):
             if sent[coord["pp"]][kind]:

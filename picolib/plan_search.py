@@ -116,7 +116,7 @@ def model_flops_per_token(cfg: LlamaConfig, seq: int, moe: MoEShape | None = Non
 def _stage_seconds(cfg, par, hw, moe, eff, ceiling):
     """{piece: (F, B, W) seconds of compute per micro-batch} on one tp rank: each matmul at
     its roofline time (or at `eff` × peak), attention at the ceiling (flash: compute-bound)."""
-    from .planner import _n_pieces, stage_layers
+    from .parallel_layout import pieces, stage_layers
     from .tensor_parallel import kv_heads_per_rank
     t, h, d = par.tp, cfg.hidden, cfg.head_dim
     tokens = par.micro_batch_size * par.seq // par.cp
@@ -147,7 +147,7 @@ def _stage_seconds(cfg, par, hw, moe, eff, ceiling):
     attn = par.micro_batch_size * (par.seq // par.cp) * attention_flops(cfg, par.seq) / t / \
         (hw.peak(prec) * (eff if eff is not None else ceiling))
     head = mm(tokens, h, cfg.vocab_size // t)
-    n = _n_pieces(par)
+    n = pieces(par)
     out = {}
     for piece, layers in enumerate(stage_layers(cfg.n_layers, n)):
         f = layers * (layer[0] + attn) + (head[0] if piece == n - 1 else 0)
@@ -163,7 +163,8 @@ def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout):
     `core` is the forward of the unfused attention core (what selective recomputation
     repeats; 0 with a fused kernel, whose backward already recomputes it)."""
     from dataclasses import replace as _replace
-    from .planner import _n_pieces, elem_bytes, stage_layers
+    from .parallel_layout import pieces as _n_pieces, stage_layers
+    from .planner import elem_bytes
     from .roofline import head_ops, layer_ops, op_seconds
     if ceiling is not None:
         hw = _replace(hw, matmul_eff=ceiling)
@@ -279,8 +280,9 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     "ep", "pp", "dp", "dp_exposed", "optimizer"} of the slowest rank, "tokens_per_s", "mfu",
     "slowest" (its pipeline rank) and "ranks" (the same parts for every pipeline rank)."""
     from .pipeline_simulator import simulate
-    from .planner import _n_pieces, _schedule, stage_layers, stage_piece, traffic
     from dataclasses import replace as _replace
+    from .parallel_layout import pieces as n_pieces_of, stage_layers
+    from .planner import _schedule, moe_of, stage_piece, traffic
     hw = hardware(hw)
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
@@ -288,6 +290,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
         raise ValueError(f"ceiling must be in (0, 1] and ep_overlap in [0, 1]; got {ceiling}, {ep_overlap}")
     if ep_nodes is not None and ep_nodes < 1:
         raise ValueError(f"ep_nodes must be ≥ 1, not {ep_nodes}")
+    moe = moe_of(cfg, par, moe)            # the layout's experts where no MoEShape is given
     m, p = par.micro_batches, par.pp
     if efficiency is not None:   # the old single constant: matmuls and attention only, datasheet links
         comp = {k: (*v, 0.0) for k, v in _stage_seconds(cfg, par, hw, moe, efficiency, 0.75).items()}
@@ -298,7 +301,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     full = par.recompute == "full"
     selective = par.recompute == "selective"
     sched = _schedule(par.schedule, p, m, par.v) if p > 1 else None
-    n_pieces = _n_pieces(par)
+    n_pieces = n_pieces_of(par)
     sent = [traffic(cfg, par, r, moe) for r in range(p)]
     e = 4 if par.precision == "fp32" else 2
     act = par.micro_batch_size * (par.seq // par.cp // (par.tp if par.sp else 1)) * cfg.hidden * e
@@ -408,8 +411,8 @@ def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-
     "none" would keep the eager s×s scores that a flash kernel never saves, so the ladder
     starts at "selective" (the scores recomputed in backward, as flash attention does).
     `trainer=True` keeps only layouts picolib's trainer runs as they are (`trainer_refuses`):
-    where it refuses the cheapest that fits (ZeRO-3 with recomputation, a pipeline that
-    does not split the layers evenly), the search goes on down the ladder. Each result: {"par", "plan" (`planner.Plan`: the model, `par` and `moe`, which
+    where it refuses the cheapest that fits (ZeRO-3 with recomputation), the search goes
+    on down the ladder. Each result: {"par", "plan" (`planner.Plan`: the model, `par` and `moe`, which
     `Plan.to_json` writes and the trainer runs: `python -m picolib.train --plan FILE`),
     "memory" (the worst rank), "time" (step_time)}."""
     hw = hardware(hw)
@@ -429,7 +432,7 @@ def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-
                                   and cfg.n_layers >= 2 * pp else [])
         for name, v in scheds:
             base = Parallelism(dp=dp, tp=tp, pp=pp, cp=cp, ep=1 if moe is None else min(dp, 8),
-                               sp=tp > 1, schedule=name, v=v, micro_batches=m,
+                               sp=tp > 1, schedule=name, chunks=v, micro_batches=m,
                                micro_batch_size=mbs, seq=seq, precision=precision,
                                activations=activations)
             for zero, rec in ladder:

@@ -37,12 +37,13 @@ from functools import lru_cache
 from .comm import ring_sent_bytes
 from .memory import bytes_per_param
 from .model import LlamaConfig
+from .parallel_layout import Layout, check_layout, layout_of, pieces, stage_layers
 from .pipeline_schedules import make_schedule
 from .sequence_parallel import activation_bytes_per_layer, korthikanti_bytes_per_layer
 from .sharded_optim import optimizer_state_factor, zero_memory_bytes, zero_traffic_bytes
 from .tensor_parallel import kv_heads_per_rank
 
-__all__ = ["MoEShape", "Parallelism", "Plan", "check", "layer_numel", "rank_units", "rank_layers",
+__all__ = ["MoEShape", "Parallelism", "Plan", "check", "moe_of", "layer_numel", "rank_units", "rank_layers",
            "stage_layers", "elem_bytes", "layer_activation_bytes", "in_flight", "memory", "traffic",
            "expert_numel", "dp_groups", "stage_piece", "runtime_overhead",
            "RUNTIME_OVERHEAD", "LLAMA3_70B", "LLAMA3_405B"]
@@ -65,47 +66,50 @@ class MoEShape:
 
 
 @dataclass(frozen=True)
-class Parallelism:
-    """One configuration. GPUs = dp·tp·pp·cp; ep splits the experts over ep of the dp ranks.
-    A step is `micro_batches` (m) micro-batches of `micro_batch_size` sequences of `seq`
-    tokens on each data-parallel replica: gbs = dp·m·mbs sequences. The trainer's names for
-    the same layout (`v` its `chunks`, gbs its `batch`): `TrainConfig.from_plan`."""
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0                 # 0 = plain DP (DDP), 1/2/3 = ZeRO stage
-    sp: bool = False              # sequence parallelism with TP (Megatron's re-gather)
-    schedule: str = "1f1b"        # picolib.pipeline_schedules name (pp > 1)
-    v: int = 1                    # chunks per rank ("interleaved")
-    micro_batches: int = 1
-    micro_batch_size: int = 1
+class Parallelism(Layout):
+    """A layout (`picolib.parallel_layout.Layout`, the trainer's too: GPUs = dp·tp·pp·cp, ep
+    splits the experts over ep of the dp ranks, `chunks` stages per rank for interleaved)
+    and what the planner assumes to count it: `micro_batch_size` sequences per micro-batch
+    (gbs = dp·m·mbs sequences), the activation model, flash attention, fp32 gradient
+    accumulation. Defaults a planner's: 4,096-token sequences in bf16. Its experts come with
+    their shape, the planner's `moe` argument (a `MoEShape`); `Plan` keeps the two agreeing."""
     seq: int = 4096
-    recompute: str = "none"       # "none" | "selective" | "full"
     precision: str = "bf16"       # "fp32" | "bf16" (mixed, fp32 master) | "fp8" (bf16 states)
+    micro_batch_size: int = 1
     activations: str = "korthikanti"   # or "picolib" (eager TinyLlama, exact)
-    cp_algorithm: str = "ring"    # "ring" | "allgather" (K/V, Llama 3) | "ulysses" (cp > 1)
     flash: bool = True            # korthikanti: no s×s scores saved
     fp32_grad_accum: bool = False
 
     @property
     def n_gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.world_size
 
-    def replace(self, **changes) -> "Parallelism":
-        return replace(self, **changes)
+    @classmethod
+    def of(cls, layout: Layout, **assumptions) -> "Parallelism":
+        """`layout` (a Layout, a TrainConfig: its Layout fields as they are) with the planner's
+        `assumptions` (a layout field among them counts the layout as if it were so: the
+        s×s scores dropped by recompute="selective", as a flash kernel does); the micro-batch
+        size is the layout's own where it has one (a TrainConfig's batch / (dp·m)), else 1."""
+        mbs = getattr(layout, "micro_batch_size", 1)
+        return cls(**{**asdict(layout_of(layout)), "micro_batch_size": mbs, **assumptions})
 
 
 @dataclass(frozen=True)
 class Plan:
     """A model and a layout for it: what `plan_search.search` finds (each result's "plan"),
-    what `TrainConfig.from_plan` and `python -m picolib.train --plan FILE` run. `to_json` /
+    what `TrainConfig.from_plan` (its layout as it is) and `python -m picolib.train --plan FILE`
+    run. `to_json` /
     `from_json` write and read it as {"model": LlamaConfig's fields, "par": Parallelism's,
     "moe": MoEShape's or null}."""
     model: LlamaConfig
     par: Parallelism
     moe: MoEShape | None = None
+
+    def __post_init__(self):   # the layout's experts and the MoE's counts, one and the same
+        moe = moe_of(self.model, self.par, self.moe)
+        object.__setattr__(self, "moe", moe)
+        if moe is not None and not self.par.experts:
+            object.__setattr__(self, "par", self.par.replace(experts=moe.n_experts, top_k=moe.top_k))
 
     def to_json(self, path: str | None = None) -> str:
         """The plan as JSON text; also written to `path` when given."""
@@ -148,47 +152,31 @@ def _positive(**values):
             raise ValueError(f"{name} must be a positive integer, not {x!r}")
 
 
+def moe_of(cfg: LlamaConfig, par: Parallelism, moe: MoEShape | None = None) -> MoEShape | None:
+    """The experts the planner counts: `moe` where given (its counts must be the layout's
+    where the layout names experts), else the layout's `experts` and `top_k` as the trainer
+    builds them (each the model's MLP, `ffn_hidden`), else None (dense)."""
+    if moe is None:
+        return MoEShape(par.experts, par.top_k, cfg.ffn_hidden) if par.experts else None
+    if par.experts and (par.experts, par.top_k) != (moe.n_experts, moe.top_k):
+        raise ValueError(f"the layout's experts={par.experts}, top_k={par.top_k} are not the "
+                         f"MoE's n_experts={moe.n_experts}, top_k={moe.top_k}")
+    return moe
+
+
 def check(cfg: LlamaConfig, par: Parallelism, moe: MoEShape | None = None) -> None:
-    """Raise a ValueError naming the numbers when `par` cannot run `cfg`."""
-    _positive(**{f.name: getattr(par, f.name) for f in fields(par)
-                 if f.name in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batches",
-                               "micro_batch_size", "seq")})
-    kv_heads_per_rank(cfg.n_heads, cfg.n_kv_heads, par.tp)       # the GQA rule of lesson 04
-    for name, value in (("ffn_hidden", cfg.ffn_hidden), ("vocab_size", cfg.vocab_size)):
-        if value % par.tp:
-            raise ValueError(f"tp={par.tp} must divide {name}={value}")
-    shards = (par.tp if par.sp else 1) * par.cp * (2 if par.cp > 1 else 1)
-    if par.seq % shards:
-        raise ValueError(f"seq={par.seq} must divide by {shards} (sp·tp and 2·cp chunks)")
-    if par.pp > 1:
-        _ops(par.schedule, par.pp, par.micro_batches, par.v)   # make_schedule's own checks
-    if cfg.n_layers < _n_pieces(par):
-        raise ValueError(f"n_layers={cfg.n_layers} is fewer than the {_n_pieces(par)} pipeline "
-                         f"stages of {par.schedule if par.pp > 1 else 'one stage'}")
-    if par.zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be 0 (DDP), 1, 2 or 3, not {par.zero!r}")
-    if par.zero == 3 and par.pp > 1:
-        raise ValueError("ZeRO-3 with pp > 1 re-gathers every stage's weights for each "
-                         "micro-batch; picolib refuses it (lesson 10): use ZeRO-1/2 with PP")
-    if par.recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be 'none', 'selective' or 'full', not {par.recompute!r}")
-    elem_bytes(par.precision)
-    if par.cp_algorithm not in ("ring", "allgather", "ulysses"):
-        raise ValueError(f"cp_algorithm must be 'ring', 'allgather' or 'ulysses', not {par.cp_algorithm!r}")
-    if par.cp_algorithm == "ulysses" and (cfg.n_heads // par.tp) % par.cp:
-        raise ValueError(f"Ulysses splits the {cfg.n_heads // par.tp} query heads of a tp rank "
-                         f"over cp={par.cp}: they must divide")
-    if par.activations not in ("korthikanti", "picolib"):
-        raise ValueError(f"activations must be 'korthikanti' or 'picolib', not {par.activations!r}")
-    if par.sp and par.tp == 1:
-        raise ValueError("sp=True needs tp > 1 (sequence parallelism splits over the TP group)")
+    """Raise a ValueError naming the numbers when `par` cannot run `cfg`: the layout's rules
+    (`parallel_layout.check_layout`, with the switches for what the planner prices beyond
+    the trainer: fp8, ZeRO-3 with recomputation or expert parallelism, DualPipe with ep),
+    then the planner's own assumptions."""
+    _positive(micro_batch_size=par.micro_batch_size)
+    moe = moe_of(cfg, par, moe)
     if moe is not None:
         _positive(n_experts=moe.n_experts, top_k=moe.top_k, expert_ffn=moe.expert_ffn)
-        if moe.n_experts % par.ep or par.dp % par.ep or moe.top_k > moe.n_experts:
-            raise ValueError(f"ep={par.ep} must divide n_experts={moe.n_experts} and dp={par.dp}, "
-                             f"and top_k={moe.top_k} ≤ n_experts")
-    elif par.ep != 1:
-        raise ValueError(f"ep={par.ep} needs a MoE model (pass moe=MoEShape(...))")
+        par = par.replace(experts=moe.n_experts, top_k=moe.top_k)
+    check_layout(par, cfg, fp8=True, zero3_recompute=True, zero3_ep=True, dualpipe_ep=True)
+    if par.activations not in ("korthikanti", "picolib"):
+        raise ValueError(f"activations must be 'korthikanti' or 'picolib', not {par.activations!r}")
 
 
 def elem_bytes(precision: str) -> int:
@@ -216,34 +204,10 @@ def layer_numel(cfg: LlamaConfig, tp: int = 1, moe: MoEShape | None = None, ep: 
     return attn + mlp + 2 * h
 
 
-def stage_layers(n_layers: int, n_stages: int) -> list[int]:
-    """Layers per stage: equal when they divide; otherwise ⌈L/S⌉ each, one fewer on the
-    stages that also hold the embedding or the head first (first, last, second, ...) — as
-    Llama 3 405B's 126 layers on 16 stages: 7, 8, ..., 8, 7 (Llama 3 paper, §3.3.2)."""
-    if n_stages < 1 or n_layers < n_stages:
-        raise ValueError(f"{n_layers} layers cannot fill {n_stages} stages")
-    base = -(-n_layers // n_stages)
-    counts, order = [base] * n_stages, []
-    for i in range(n_stages):
-        order.append(i // 2 if i % 2 == 0 else n_stages - 1 - i // 2)
-    for s in order[:base * n_stages - n_layers]:
-        counts[s] -= 1
-    return counts
-
-
-def _n_pieces(par: Parallelism) -> int:
-    """How many pieces the model is cut into: one per schedule stage (p·v; DualPipeV's 2p),
-    except DualPipe, whose 2p stages are two copies of p pieces."""
-    if par.pp == 1:
-        return 1
-    sched = _schedule(par.schedule, par.pp, par.micro_batches, par.v)
-    return len(sched.pipes[0][0])
-
-
 def stage_piece(par: Parallelism, stage: int) -> int:
     """The model piece schedule stage `stage` runs (DualPipe's up-pipeline stage p+i is piece
     i again: its second copy); every other schedule: the stage itself."""
-    return stage % _n_pieces(par)
+    return stage % pieces(par)
 
 
 def rank_layers(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0) -> list[int]:
@@ -258,7 +222,7 @@ def rank_layers(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0) -> list[in
 
 def _stage_parts(cfg: LlamaConfig, par: Parallelism, pp_rank: int):
     """[(layers, embedding?, head?)] per stage this rank holds."""
-    n = _n_pieces(par)
+    n = pieces(par)
     counts = stage_layers(cfg.n_layers, n)
     return [(counts[stage_piece(par, s)], stage_piece(par, s) == 0, stage_piece(par, s) == n - 1)
             for s in rank_layers(cfg, par, pp_rank)]
@@ -270,6 +234,7 @@ def rank_units(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0,
     parameters first — the vocab-split embedding on the first stage, the final norm and the
     vocab-split head on the last — then one unit per block (DualPipe: both copies)."""
     check(cfg, par, moe)
+    moe = moe_of(cfg, par, moe)
     h, v = cfg.hidden, cfg.vocab_size
     parts = _stage_parts(cfg, par, pp_rank)
     root = sum((v * h // par.tp if emb else 0) + (h + v * h // par.tp if head else 0)
@@ -391,7 +356,7 @@ def _in_flight(schedule: str, p: int, m: int, v: int = 1, stage_bytes=None) -> t
 def _stage_bytes(cfg, par) -> tuple:
     """Saved bytes per micro-batch of each schedule stage (its piece's layers, plus the
     embedding's or the head's)."""
-    n = _n_pieces(par)
+    n = pieces(par)
     counts = stage_layers(cfg.n_layers, n)
     layer = layer_activation_bytes(cfg, par)
     first, last = _end_bytes(cfg, par)
@@ -455,6 +420,7 @@ def memory(cfg: LlamaConfig, par: Parallelism, pp_rank: int | None = None,
     "overhead" (`runtime_overhead`: context, NCCL buffers, allocator reserve) to the total;
     off, the figures are the tensors alone, what picolib's runs count byte for byte."""
     check(cfg, par, moe)
+    moe = moe_of(cfg, par, moe)
     if pp_rank is None:
         return max((memory(cfg, par, r, moe, overhead) for r in range(par.pp)),
                    key=lambda d: d["total"])
@@ -529,6 +495,7 @@ def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoEShape 
     every token goes to every expert, an expectation otherwise), and the tokens-per-expert
     counts exchanged before each dispatch (int64, forward only)."""
     check(cfg, par, moe)
+    moe = moe_of(cfg, par, moe)
     parts = _stage_parts(cfg, par, pp_rank)
     layers = sum(n for n, _, _ in parts)
     m, e = par.micro_batches, elem_bytes(par.precision)

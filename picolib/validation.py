@@ -82,7 +82,7 @@ def predict(run: Run, **kw) -> dict:
     return step_time(run.cfg, run.par, run.hw, run.moe, **{**run.options, **kw})
 
 
-_LLAMA = dict(tp=8, pp=16, sp=True, zero=1, schedule="interleaved", v=2)
+_LLAMA = dict(tp=8, pp=16, sp=True, zero=1, schedule="interleaved", chunks=2)
 _MEGATRON = dict(flash=False, zero=0, activations="korthikanti")
 _NARAYANAN = dict(recompute="full", seq=2048, **_MEGATRON)
 _KORTHIKANTI = dict(recompute="selective", sp=True, seq=2048, **_MEGATRON)
@@ -124,7 +124,7 @@ RUNS = (
         options={"dropout": True}),
     Run("DeepSeek-V3 (MoE), 2,048 H800s", "DeepSeek-V3 report, §1", _DS,
         Parallelism(dp=128, ep=64, pp=16, micro_batches=120, seq=4096, zero=1, precision="fp8",
-                    schedule="dualpipe", v=2), "H800", 180e3, "GPU hours per 1e12 tokens",
+                    schedule="dualpipe"), "H800", 180e3, "GPU hours per 1e12 tokens",
         moe=MoEShape(n_experts=256, top_k=8, expert_ffn=2048, shared=1), options={"ep_nodes": 4}),
 )
 

@@ -1,4 +1,6 @@
-"""Lesson 10's "try it": the memory one rank of a 5-D configuration holds, and whether it fits.
+"""Lessons 10 and 10b's "try it" cells and machinery.
+
+Lesson 10: the memory one rank of a 5-D configuration holds, and whether it fits.
 
     memory_budget(dp=2, tp=2, pp=2, zero=1, micro_batches=4, preset="small", budget_mib=4.0)
 
@@ -8,6 +10,13 @@ optimizer state and the activations its schedule keeps in flight — from the pl
 exact mode (`picolib.planner.memory`, activations="picolib"), against a budget. The busiest
 rank decides whether the configuration fits. tests/lessons/test_tryit_10.py checks the state bytes
 against the trainer's measured `state_bytes` and the activations against a measured forward.
+
+Lesson 10b: the learning rate the trainer uses at every step, for a schedule, a warmup and a floor.
+
+    lr_schedule(schedule="cosine", warmup=20, min_lr=3e-4, steps=200)
+
+draws `picolib.compose.lr_factor`, the function the trainer's scheduler calls; the test checks
+it against the `lr` a short run logs.
 """
 from __future__ import annotations
 
@@ -23,7 +32,7 @@ from ..model import LlamaConfig, TinyLlama, random_tokens
 from ..planner import Parallelism, memory
 from . import rank_bars
 
-__all__ = ["memory_budget", "zero_under_micro_batches", "plot_loss_curves", "layout_table",
+__all__ = ["memory_budget", "lr_schedule", "zero_under_micro_batches", "plot_loss_curves", "layout_table",
            "plot_bytes_by_kind", "norms_on_ranks", "plot_train_val", "samples", "known_words",
            "held_out_loss", "one_thread", "plain_share"]
 
@@ -73,7 +82,7 @@ def zero_under_micro_batches(variants, ms=(1, 2, 4), n_layers: int = 8, rows: in
 
 
 def norms_on_ranks(cfg) -> dict:
-    """Lesson 10 §9, on each rank of `cfg`'s mesh (call it through `picolib.launch.run`): one
+    """Lesson 10b §2, on each rank of `cfg`'s mesh (call it through `picolib.launch.run`): one
     forward and backward of this rank's share of the trainer's first batch (no update), the
     gradients reduced by the data-parallel wrappers, then the gradient norm three ways:
     - "local": `torch.nn.utils.clip_grad_norm_` over this rank's parameters (max_norm = inf,
@@ -161,6 +170,41 @@ def memory_budget(dp: int = 2, tp: int = 2, pp: int = 2, zero: int = 1, micro_ba
           f"activations {b['activations'] / MiB:.3f} MiB; {peak / MiB:.3f} MiB of {budget_mib:g} MiB: "
           f"{'fits' if out['fits'] else 'does NOT fit'}", flush=True)
     return out
+
+
+def lr_schedule(schedule: str = "cosine", warmup: int = 20, min_lr: float = 3e-4, steps: int = 200,
+                lr: float = 3e-3, plot: bool = True, ax=None) -> dict:
+    """The learning rate of each of `steps` steps under `--lr-schedule schedule --warmup warmup
+    --min-lr min_lr --lr lr` (`lrs`, a list), as the trainer's scheduler sets it
+    (`picolib.compose.lr_factor` × lr), and the first and last step at the peak (`peak`);
+    draws it and prints where the rate starts, peaks and ends.
+    Settings the trainer refuses raise its ValueError."""
+    from ..compose import lr_factor
+    cfg = TrainConfig(steps=steps, lr=lr, warmup=warmup, lr_schedule=schedule, min_lr=min_lr)
+    check_config(cfg)
+    lrs = [lr * lr_factor(cfg, i) for i in range(steps)]
+    top = lrs.index(max(lrs))
+    held = max(i for i, x in enumerate(lrs) if x == lrs[top])
+    if plot:
+        import matplotlib.pyplot as plt
+        created = ax is None
+        if created:
+            _, ax = plt.subplots(figsize=(7.6, 3.0))
+        ax.plot(range(steps), lrs, color="black", lw=1.5)
+        if warmup:
+            ax.axvline(warmup - 0.5, color="#EE7733", ls="--", lw=1, label=f"end of warmup ({warmup} steps)")
+            ax.legend(fontsize=9, frameon=False, loc="lower center")
+        ax.set(xlabel="step", ylabel="learning rate", ylim=(0, lr * 1.08),
+               title=f"--lr-schedule {schedule} --warmup {warmup} --min-lr {min_lr:g} (lr {lr:g})")
+        ax.title.set_fontsize(10)
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        ax.grid(alpha=0.3)
+        if created:
+            ax.figure.tight_layout()
+            plt.show()
+    print(f"step 0: {lrs[0]:.2e}; the peak {lrs[top]:.2e} from step {top} to step {held}; "
+          f"the last step ({steps - 1}): {lrs[-1]:.2e}", flush=True)
+    return {"lrs": lrs, "peak": (top, held)}
 
 
 # ----------------------------------------------------------- lesson 10's figures and its table
@@ -264,10 +308,10 @@ def plot_bytes_by_kind(table: dict, kinds=("DP", "TP", "PP", "CP", "EP")):
 
 
 
-# ----------------------------------------------------------- lesson 10 §10: a longer run
+# ----------------------------------------------------------- lesson 10b §3: a longer run
 
 def plot_train_val(records: list[dict], title: str):
-    """Lesson 10 §10: the training loss of every step and the held-out loss where it was
+    """Lesson 10b §3: the training loss of every step and the held-out loss where it was
     evaluated (top), the learning rate each step used (bottom), against the step. Shows the
     figure; returns it."""
     import matplotlib.pyplot as plt
@@ -308,7 +352,7 @@ def one_thread():
 
 def samples(model, prompts: list[str], tokens: int = 60, temperature: float = 0.8,
             top_k: int = 20, seed: int = 0) -> list[str]:
-    """Lesson 10 §10: each prompt continued by `tokens` bytes sampled from `model`
+    """Lesson 10b §3: each prompt continued by `tokens` bytes sampled from `model`
     (`picolib.generate.generate`, K/V cache), as text (undecodable bytes show as �)."""
     from ..generate import generate
 

@@ -38,7 +38,7 @@ from ..plan_search import step_time
 from ..planner import LLAMA3_70B, LLAMA3_405B, Parallelism, memory
 from . import rank_bars
 
-__all__ = ["plan_of", "MODELS", "HINTS", "ROOFLINE_HINTS", "rooflines", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
+__all__ = ["MODELS", "HINTS", "ROOFLINE_HINTS", "rooflines", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
            "pipeline_step", "fake_pg_traffic", "plot_all_reduce", "plot_candidates", "trainer_vs_planner",
            "dry_vs_planner", "show_dry_vs_planner"]
 
@@ -326,19 +326,6 @@ def plot_candidates(cfg, candidates: dict):
     return fig
 
 
-def plan_of(cfg):
-    """The planner's (model config, Parallelism, MoEShape) for a trainer configuration, counted as
-    picolib's runs are (fp32, picolib's activations, no flash attention)."""
-    from ..planner import MoEShape
-    mcfg = cfg.model_config()
-    moe = MoEShape(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
-    par = Parallelism(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero,
-                      sp=cfg.sp, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
-                      micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches), seq=cfg.seq,
-                      precision="fp32", activations="picolib", flash=False)
-    return mcfg, par, moe
-
-
 def _train_all(configs):
     from ..train import train
     return [train(cfg)[0] for cfg in configs]
@@ -363,10 +350,10 @@ def trainer_vs_planner(layouts: list[dict], seq: int = 16, batch: int = 8) -> li
     records = run(_train_all, sizes.pop(), configs, timeout=300)[0]
     out = []
     for kw, cfg, rec in zip(layouts, configs, records):
-        mcfg, par, moe = plan_of(cfg)
-        state = max(sum(memory(mcfg, par, r, moe)[k] for k in ("params", "grads", "optimizer"))
+        mcfg, par = cfg.model_config(), Parallelism.of(cfg, activations="picolib", flash=False)
+        state = max(sum(memory(mcfg, par, r)[k] for k in ("params", "grads", "optimizer"))
                     for r in range(par.pp))
-        sent = [traffic(mcfg, par, r, moe) for r in range(par.pp)]
+        sent = [traffic(mcfg, par, r) for r in range(par.pp)]
         kinds = {k.upper(): max(x[k] for x in sent) for k in ("dp", "tp", "pp", "cp", "ep")}
         measured = dict(rec["sent_bytes_by_kind"])
         if "other" in measured:
@@ -389,22 +376,18 @@ def dry_vs_planner(cfg, world: int, gpu: str = "H100-SXM", pp_ranks=None) -> lis
     keeps), in the configuration's precision; its gradients are their peak (the dry run's
     `grads_peak`)."""
     from ..dry_run import _with_presets, dry_run
-    from ..layout import rank_at
-    from ..planner import MoEShape, traffic
+    from ..parallel_layout import rank_at
+    from ..planner import traffic
     positions = range(cfg.pp) if pp_ranks is None else pp_ranks
     reports = dry_run(cfg, world, gpu, ranks=[rank_at(cfg, pp=p, dp=0, cp=0, tp=0) for p in positions])
     with _with_presets():
         mcfg = cfg.model_config()
-    moe = MoEShape(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
-    par = Parallelism(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp,
-                      schedule=cfg.schedule, v=cfg.chunks if cfg.schedule == "interleaved" else 1,
-                      micro_batches=cfg.micro_batches, micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches),
-                      seq=cfg.seq, precision=cfg.precision, cp_algorithm=cfg.cp_algorithm,
-                      activations="picolib", recompute="selective" if cfg.recompute == "none" else cfg.recompute)
+    par = Parallelism.of(cfg, activations="picolib",
+                         recompute="selective" if cfg.recompute == "none" else cfg.recompute)
     out = []
     for r in reports:
-        plan = memory(mcfg, par, r["pp_rank"], moe)
-        sent = traffic(mcfg, par, r["pp_rank"], moe)
+        plan = memory(mcfg, par, r["pp_rank"])
+        sent = traffic(mcfg, par, r["pp_rank"])
         out.append({"pp_rank": r["pp_rank"], "dry": r,
                     "planner": {**plan, "sent": {k: sent[k] for k in KINDS}}})
     return out

@@ -1,7 +1,9 @@
 """Lesson 10's try-it: the state bytes it shows equal the trainer's measured `state_bytes`
 (4 real ranks: DDP and ZeRO-1/2/3 with TP, SP and PP), its activations equal a forward
 measured in one process, its verdict follows a budget set from those measurements, and every
-knob combination of the lesson's cell runs (or is refused with the trainer's error)."""
+knob combination of the lesson's cell runs (or is refused with the trainer's error).
+Lesson 10b's: the learning rate it draws is the one the trainer's steps log, and its hints
+show what the lesson says."""
 import itertools
 
 import matplotlib
@@ -11,7 +13,7 @@ from picolib.launch import run
 from picolib.memory import SavedActivations
 from picolib.model import TinyLlama, random_tokens
 from picolib.train import TrainConfig, train
-from picolib.tryit.lesson10 import memory_budget
+from picolib.tryit.lesson10 import lr_schedule, memory_budget
 
 matplotlib.use("Agg")
 
@@ -77,10 +79,10 @@ def test_every_knob_combination_runs(monkeypatch):
         memory_budget(budget_mib=0)
 
 
-def _lesson_text():
+def _lesson_text(name="10_5d_parallelism"):
     import json
     from pathlib import Path
-    nb = json.loads((Path(__file__).parents[2] / "notebooks/10_5d_parallelism.ipynb").read_text())
+    nb = json.loads((Path(__file__).parents[2] / f"notebooks/{name}.ipynb").read_text())
     return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
 
 
@@ -170,3 +172,51 @@ def test_bytes_by_kind_figure_uses_the_parallelism_colours():
     assert widths == sorted([14.0, 1.0, 3.0, 0.125])                # MiB, binary
     assert problems(fig) == []
     plt.close(fig)
+
+
+# ------------------------------------------------- lesson 10b's try-it: the learning-rate schedule
+
+def _logged_lrs(settings):
+    return [[r["lr"] for r in train(TrainConfig(**s, batch=2, seq=8, steps=9, lr=2e-3, preset="small",
+                                                data="random", progress=False, peak_tflops=1.0))]
+            for s in settings]
+
+
+SCHEDULES = [dict(lr_schedule=name, warmup=w, min_lr=f) for name, w, f in
+             (("cosine", 3, 2e-4), ("constant", 2, 0.0), ("linear", 0, 5e-4), ("wsd", 2, 1e-4))]
+
+
+def test_lr_schedule_draws_the_rate_the_trainer_uses():
+    logged = run(_logged_lrs, 1, SCHEDULES, timeout=180)[0]
+    for s, lrs in zip(SCHEDULES, logged):
+        shown = lr_schedule(s["lr_schedule"], s["warmup"], s["min_lr"], steps=9, lr=2e-3, plot=False)["lrs"]
+        assert shown == pytest.approx(lrs, rel=1e-12, abs=0), s
+    assert len(set(map(tuple, logged))) == len(SCHEDULES)          # the settings differ in the log
+    with pytest.raises(ValueError, match="--min-lr"):
+        lr_schedule(min_lr=1e-2, plot=False)
+    with pytest.raises(ValueError, match="--lr-schedule"):
+        lr_schedule("step", plot=False)
+
+
+def test_lesson_10bs_hints_show_what_they_say(monkeypatch):
+    import matplotlib.pyplot as plt
+    monkeypatch.setattr(plt, "show", lambda: None)
+    text = _lesson_text("10b_training_run")
+    default = lr_schedule()
+    # warmup=0: the first step runs at the peak rate, which warmup keeps it from
+    assert "`warmup=0`" in text
+    assert lr_schedule(warmup=0)["lrs"][0] == max(default["lrs"]) > 10 * default["lrs"][0]
+    # wsd: at the peak for most of the run, decaying linearly to min_lr only near the end
+    assert '`schedule="wsd"`' in text
+    wsd = lr_schedule("wsd")
+    first, last = wsd["peak"]
+    assert last - first > len(wsd["lrs"]) / 2 and wsd["lrs"][-1] == pytest.approx(3e-4)
+    tail = wsd["lrs"][last + 1:]                                   # after the kink
+    steps = [a - b for a, b in zip(tail, tail[1:])]
+    assert max(steps) == pytest.approx(min(steps), rel=1e-9)       # linear
+    # min_lr equal to the peak: flat after warmup, whatever the schedule
+    assert "`min_lr=3e-3`" in text
+    for name in ("cosine", "linear", "wsd"):
+        flat = lr_schedule(name, min_lr=3e-3)["lrs"]
+        assert set(flat[20:]) == {3e-3}, name
+    plt.close("all")

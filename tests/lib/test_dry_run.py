@@ -22,6 +22,7 @@ def _busiest(reports):
     dict(dp=2, tp=2, sp=True, zero=2, batch=4, seq=16),                    # TP+SP, ZeRO-2
     dict(cp=2, dp=2, zero=1, batch=4, seq=16),                             # ring attention
     dict(dp=2, pp=2, schedule="interleaved", micro_batches=4, batch=8, seq=16),  # DDP
+    dict(dp=2, pp=3, zero=1, micro_batches=3, batch=6, seq=16),            # uneven: 1, 2, 1 layers
     # every token to every expert: the real routing is the dry run's balanced one exactly
     dict(dp=2, cp=2, experts=2, top_k=2, ep=2, zero=1, batch=4, seq=16),
 ])
@@ -45,12 +46,9 @@ def test_refusals():
                             micro_batches=16, seq=8192), 640)
     with pytest.raises(ValueError, match="tp"):                  # 3 divides no head count
         dry_run(TrainConfig(preset="llama3-8b", tp=3, seq=8192, batch=8), 3)
-    with pytest.raises(ValueError, match="126 layers do not split evenly into 16 stages"):
-        dry_run(TrainConfig(preset="llama3-405b", dp=128, tp=8, pp=16, micro_batches=16,
-                            batch=2048, seq=8192), 16384)     # the trainer's split (see notes)
-    with pytest.raises(ValueError, match="126 layers do not split evenly into 32 stages"):
-        dry_run(TrainConfig(preset="llama3-405b", dp=128, tp=8, pp=16, schedule="interleaved",
-                            micro_batches=16, batch=2048, seq=8192), 16384)   # Llama 3's own plan
+    with pytest.raises(ValueError, match="n_layers=126 is fewer than the 256 pipeline stages"):
+        dry_run(TrainConfig(preset="llama3-405b", dp=8, tp=8, pp=128, schedule="interleaved",
+                            micro_batches=128, batch=1024, seq=8192), 8192)
     with pytest.raises(SystemExit) as e:                         # the command line: argparse's exit 2
         main(["--preset", "llama3-70b", "--dp", "10", "--tp", "8", "--pp", "4", "--world", "640"])
     assert e.value.code == 2
@@ -85,19 +83,14 @@ def test_llama3_70b_on_640_ranks(tmp_path):
 
 
 def _planner(cfg, pp_rank, recompute=None):
-    """The planner's bytes for one pipeline position of a trainer configuration (its
-    Llama-block activation count; `recompute="selective"`: no s×s scores, as flash)."""
+    """The planner's bytes for one pipeline position of a trainer configuration: its layout
+    as it is (`Parallelism.of`), counted with the Llama-block activation model
+    (`recompute="selective"`: no s×s scores, as flash)."""
     from picolib import planner
-    par = planner.Parallelism(
-        dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, zero=cfg.zero, sp=cfg.sp,
-        schedule=cfg.schedule, v=cfg.chunks if cfg.schedule == "interleaved" else 1,
-        micro_batches=cfg.micro_batches, micro_batch_size=cfg.batch // (cfg.dp * cfg.micro_batches),
-        seq=cfg.seq, recompute=recompute or cfg.recompute, precision=cfg.precision,
-        activations="picolib", cp_algorithm=cfg.cp_algorithm)
+    par = planner.Parallelism.of(cfg, activations="picolib", recompute=recompute or cfg.recompute)
     with _with_presets():
         mcfg = cfg.model_config()
-    moe = planner.MoEShape(cfg.experts, cfg.top_k, mcfg.ffn_hidden) if cfg.experts else None
-    return planner.memory(mcfg, par, pp_rank, moe), planner.traffic(mcfg, par, pp_rank, moe)
+    return planner.memory(mcfg, par, pp_rank), planner.traffic(mcfg, par, pp_rank)
 
 
 def _exact(report, mem, sent):
@@ -112,6 +105,7 @@ def _exact(report, mem, sent):
 @pytest.mark.parametrize("layout", [
     dict(dp=2, zero=3, batch=4, seq=16),
     dict(pp=2, dp=2, zero=2, micro_batches=4, batch=8, seq=16),       # whole grads accumulate
+    dict(pp=3, dp=2, zero=2, micro_batches=3, batch=6, seq=16),       # uneven: 1, 2, 1 layers
     dict(pp=2, schedule="zb_h1", micro_batches=4, batch=8, seq=16, tp=2),
     dict(cp=2, dp=2, zero=1, batch=4, seq=16),
     dict(preset="llama3-8b", dp=4, tp=8, pp=2, sp=True, zero=1, micro_batches=4, batch=16,
@@ -173,7 +167,7 @@ def test_planner_is_exact_at_real_shapes(name):
     backward's weight-gradient inputs from B until its W (the planner frees them at B), and
     a mixture of experts saves its experts' inputs for top_k copies of the tokens (the planner
     counts a dense MLP)."""
-    from picolib.layout import rank_at
+    from picolib.parallel_layout import rank_at
     layout, pps = GRID[name]
     cfg = TrainConfig(**layout)
     reports = dry_run(cfg, cfg.world_size, ranks=[rank_at(cfg, pp=p, dp=0, cp=0, tp=0) for p in pps])

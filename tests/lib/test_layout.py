@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from picolib.compose import TrainConfig, build, check_config
-from picolib.layout import boxes_of_range, coordinates, global_shapes, placements, rank_at
+from picolib.layout import boxes_of_range, global_shapes, placements
+from picolib.parallel_layout import coordinates, rank_at
 from picolib.launch import run
 from picolib.mesh import Mesh
 from picolib.model import TinyLlama, param_count

@@ -15,9 +15,8 @@ from picolib.launch import run
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.moe import apply_moe
 from picolib.plan_search import model_flops_per_token, step_time
-from picolib.planner import MoEShape
+from picolib.planner import MoEShape, Parallelism
 from picolib.train import TrainConfig, train
-from picolib.tryit.lesson11 import plan_of
 
 CFG = LlamaConfig(vocab_size=96, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                   max_seq=16, attn_impl="eager")
@@ -49,8 +48,8 @@ def test_trainer_logs_the_mfu_the_planner_predicts_for_its_step_time():
                            peak_tflops=peak / 1e12, **kw)
                for kw in (dict(), dict(experts=4, top_k=2, ep=2), dict(recompute="full"))]
     for cfg, rec in zip(configs, run(_train, 2, configs, timeout=240)[0]):
-        mcfg, par, moe = plan_of(cfg)
-        planned = step_time(mcfg, par, "H100-SXM", moe)
+        par = Parallelism.of(cfg, activations="picolib", flash=False)   # the trainer's layout as it is
+        planned = step_time(cfg.model_config(), par, "H100-SXM")
         assert rec["mfu"] * rec["seconds"] * cfg.world_size == pytest.approx(
             planned["mfu"] * planned["seconds"] * par.n_gpus, rel=1e-9), cfg
         assert rec["hfu"] == pytest.approx(rec["mfu"] * (4 / 3 if cfg.recompute == "full" else 1), rel=1e-12)

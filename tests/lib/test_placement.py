@@ -58,7 +58,7 @@ def _messages(rank, par):
 CASES = [Parallelism(dp=2, tp=2, pp=2, zero=1, micro_batches=2, seq=16),
          Parallelism(dp=4, tp=2, pp=1, cp=2, zero=2, sp=True, micro_batches=1, seq=16),
          Parallelism(dp=3, tp=2, pp=2, zero=0, micro_batches=2, seq=16),
-         Parallelism(dp=2, tp=2, pp=2, cp=2, zero=1, micro_batches=4, seq=16, schedule="interleaved", v=2)]
+         Parallelism(dp=2, tp=2, pp=2, cp=2, zero=1, micro_batches=4, seq=16, schedule="interleaved", chunks=2)]
 
 
 @pytest.mark.parametrize("par", CASES)
@@ -90,4 +90,4 @@ def test_refuses_what_it_does_not_model():
     with pytest.raises(ValueError, match="permutation"):
         level_bytes(TINY, Parallelism(dp=2), ("dp", "tp"))
     with pytest.raises(ValueError, match="DualPipe"):
-        level_bytes(TINY, Parallelism(pp=2, micro_batches=4, schedule="dualpipev", v=2), DIMS)
+        level_bytes(TINY, Parallelism(pp=2, micro_batches=4, schedule="dualpipev"), DIMS)

@@ -7,31 +7,44 @@ import pytest
 
 from picolib import plan_search, train
 from picolib.compose import MODEL_PRESETS, TrainConfig, check_config
+from picolib.dry_run import dry_run
 from picolib.model import LlamaConfig
+from picolib.parallel_layout import Layout, layout_of
 from picolib.plan_search import search, trainer_refuses
 from picolib.planner import LLAMA3_70B, MoEShape, Parallelism, Plan, memory, traffic
 
 TINY = LlamaConfig(**MODEL_PRESETS["tiny"])
 
 
-def test_a_searched_plan_round_trips_and_trains_as_planned(tmp_path):
+def test_a_searched_plan_the_trainer_and_the_dry_run_read_one_layout(tmp_path):
+    """The search's plan, the trainer's run of it and the dry run of it read one Layout:
+    every Layout field of the run and of the dry run is the plan's (a field a translation
+    dropped would differ here), and the three agree on the bytes: the planner's state and
+    bytes by kind are the trainer's busiest rank's and the dry run's, and the losses are one
+    process's."""
     found = search(TINY, 4, 8, 32, precision="fp32", activations="picolib", trainer=True)
     plan, path = found[0]["plan"], tmp_path / "plan.json"
     plan.to_json(str(path))
     assert Plan.from_json(path.read_text()) == plan and plan.par is found[0]["par"]
     cfg = TrainConfig.from_plan(plan)
+    assert layout_of(cfg) == layout_of(plan.par) and isinstance(plan.par, Layout)
     assert (cfg.world_size, cfg.batch) == (plan.par.n_gpus, 8)    # the search's 4 GPUs, 8 sequences
     records = train.main(["--plan", str(path), "--steps", "2", "--no-progress"])
+    dry = train.main(["--dry-run", "--plan", str(path)])
+    assert all(Layout(**r["layout"]) == layout_of(plan.par) for r in dry)
     one = train.main(["--nproc", "1", "--batch", "8", "--seq", "32", "--steps", "2",
                       "--recompute", plan.par.recompute, "--no-progress"])
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in one], rel=1e-5)
-    # the layout the planner priced is the one that ran: its state bytes and bytes by kind
+    # the layout the planner priced is the one that ran and the one the dry run built
     par = plan.par
     state = max(sum(memory(plan.model, par, r)[k] for k in ("params", "grads", "optimizer"))
                 for r in range(par.pp))
     sent = [traffic(plan.model, par, r) for r in range(par.pp)]
     kinds = {k.upper(): b for k in ("dp", "tp", "pp", "cp", "ep") if (b := max(s[k] for s in sent))}
     assert (records[0]["state_bytes"], records[0]["sent_bytes_by_kind"]) == (state, kinds)
+    assert max(r["params"] + r["grads"] + r["optimizer"] for r in dry) == state
+    assert {k.upper(): b for k in ("dp", "tp", "pp", "cp", "ep")
+            if (b := max(r["sent"][k] for r in dry))} == kinds
 
 
 def test_a_published_models_searched_plan_dry_runs(tmp_path):
@@ -70,7 +83,7 @@ def test_the_search_skips_what_the_trainer_refuses(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("plan, options, message", [
-    (Plan(TINY, Parallelism(dp=2, seq=32, precision="fp8")), {}, "precision 'fp8'"),
+    (Plan(TINY, Parallelism(dp=2, seq=32, precision="fp8")), {}, "not 'fp8'"),
     (Plan(TINY.replace(hidden=48, n_heads=4), Parallelism(seq=32)), {}, "no preset"),
     (Plan(TINY, Parallelism(dp=2, ep=2, seq=32), MoEShape(4, 2, 64, shared=1)), {}, "shared"),
     (Plan(TINY, Parallelism(dp=2, ep=2, seq=32), MoEShape(4, 2, 32)), {}, "expert_ffn=32"),
@@ -78,28 +91,32 @@ def test_the_search_skips_what_the_trainer_refuses(tmp_path, capsys):
 ])
 def test_what_the_trainer_cannot_run_as_planned(tmp_path, capsys, plan, options, message):
     with pytest.raises(ValueError, match=message):
-        TrainConfig.from_plan(plan, **options)
+        check_config(TrainConfig.from_plan(plan, **options), read_data=False)
     path = tmp_path / "plan.json"
     plan.to_json(str(path))
     flags = [f"--{k}={v}" for k, v in options.items()]
     with pytest.raises(SystemExit) as e:
         train.main(["--plan", str(path), *flags])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert e.value.code == 2 and err.startswith("python -m picolib.train: error: --plan ") \
+    assert e.value.code == 2 and err.startswith("python -m picolib.train: error: ") \
         and message in err, err
 
 
-def test_the_vocabulary_maps_field_by_field():
-    """Each planner name lands on its trainer name: v on chunks (interleaved), the
-    micro-batch size on the global batch, the MoE shape on experts / top_k; options the plan
-    does not set (steps, lr) pass through, and agreeing ones are accepted."""
-    plan = Plan(TINY, Parallelism(dp=4, pp=2, ep=2, zero=1, schedule="interleaved", v=2,
+def test_every_layout_field_reaches_the_run():
+    """A plan that sets every field the old translations renamed or dropped (interleaved
+    chunks, recomputation, the CP algorithm, experts): the run and its dry run hold them as
+    the plan does; only the micro-batch size becomes the trainer's global batch (dp × m ×
+    mbs). Options the plan does not set pass through, agreeing ones are accepted."""
+    plan = Plan(TINY, Parallelism(dp=4, pp=2, ep=2, zero=1, schedule="interleaved", chunks=2,
                                   micro_batches=4, micro_batch_size=2, seq=64, precision="fp32",
-                                  recompute="selective"), MoEShape(4, 2, TINY.ffn_hidden))
+                                  recompute="selective", cp_algorithm="allgather"),
+                MoEShape(4, 2, TINY.ffn_hidden))
+    assert (plan.par.experts, plan.par.top_k) == (4, 2)        # the MoE's counts, in the layout
     cfg = TrainConfig.from_plan(plan, steps=3, lr=5e-4, dp=4)
-    assert (cfg.dp, cfg.pp, cfg.ep, cfg.zero, cfg.schedule, cfg.chunks, cfg.micro_batches,
-            cfg.batch, cfg.seq, cfg.recompute, cfg.experts, cfg.top_k, cfg.preset, cfg.steps,
-            cfg.lr) == (4, 2, 2, 1, "interleaved", 2, 4, 32, 64, "selective", 4, 2, "tiny", 3, 5e-4)
+    assert layout_of(cfg) == layout_of(plan.par) == layout_of(Plan.from_json(plan.to_json()).par)
+    assert (cfg.v, cfg.batch, cfg.preset, cfg.steps, cfg.lr, cfg.micro_batch_size) == \
+        (2, 32, "tiny", 3, 5e-4, 2)
     check_config(cfg)
+    assert {Layout(**r["layout"]) for r in dry_run(cfg, cfg.world_size)} == {layout_of(plan.par)}
     with pytest.raises(ValueError, match="unknown fields \\['tpp'\\]"):
         Plan.from_json('{"model": {}, "par": {"tpp": 2}}')

@@ -40,7 +40,7 @@ def costs_by_hand(cfg, par):
 @pytest.mark.parametrize("name, v", [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1),
                                      ("zb_greedy", 1), ("dualpipev", 2), ("dualpipe", 2)])
 def test_step_time_is_the_simulated_schedule_with_each_stages_costs(name, v):
-    par = Parallelism(pp=4, micro_batches=8, schedule=name, v=v, seq=SEQ)
+    par = Parallelism(pp=4, micro_batches=8, schedule=name, chunks=v, seq=SEQ)
     sched = make_schedule(name, 4, 8, v)
     pieces = costs_by_hand(CFG, par)
     send = SEQ * CFG.hidden * 2 / 450e9                      # one activation over NVLink
@@ -80,13 +80,13 @@ def test_the_slowest_rank_of_an_uneven_split_sets_the_step():
 def test_dualpipe_holds_two_copies_and_dualpipev_keeps_the_head_on_rank_0():
     ones = Parallelism(pp=4, micro_batches=8, seq=SEQ)
     for v in (1, 2):      # v = 1 used to raise IndexError
-        dual = ones.replace(schedule="dualpipe", v=v)
+        dual = ones.replace(schedule="dualpipe", chunks=v)
         for r in range(4):   # rank r: pieces r and 3 − r, each a 1F1B stage
             assert sum(rank_units(CFG, dual, r)) == sum(rank_units(CFG, ones, r)) + \
                 sum(rank_units(CFG, ones, 3 - r))
             assert memory(CFG, dual, r)["params"] == memory(CFG, ones, r)["params"] \
                 + memory(CFG, ones, 3 - r)["params"]
-    vee = ones.replace(schedule="dualpipev", v=2)
+    vee = ones.replace(schedule="dualpipev")
     h, voc = CFG.hidden, CFG.vocab_size
     assert rank_units(CFG, vee, 0)[0] == voc * h + h + voc * h        # embedding, norm, head
     assert len(rank_units(CFG, vee, 3)) == 2                             # two blocks, no root
@@ -119,7 +119,7 @@ def test_expert_all_to_all_overlap_and_node_limited_routing():
     cfg = LlamaConfig(vocab_size=1024, hidden=1024, n_layers=8, n_heads=8, n_kv_heads=8,
                       ffn_hidden=512)
     moe = MoEShape(n_experts=64, top_k=8, expert_ffn=512)
-    par = Parallelism(dp=64, ep=64, pp=2, micro_batches=8, seq=4096, schedule="dualpipev", v=2)
+    par = Parallelism(dp=64, ep=64, pp=2, micro_batches=8, seq=4096, schedule="dualpipev")
     free = step_time(cfg, par, moe=moe, ep_overlap=0.0)
     hidden = step_time(cfg, par, moe=moe)
     assert hidden["ep"] < free["ep"] and hidden["seconds"] < free["seconds"]
@@ -128,7 +128,7 @@ def test_expert_all_to_all_overlap_and_node_limited_routing():
     leaving = 8 * 63 / 64
     ratio = (3.5 / nic + leaving / nvlink) / (7 / nic + (leaving - 7) / nvlink)
     assert limited["ep"] == pytest.approx(free["ep"] * ratio, rel=1e-9)
-    one_f = step_time(cfg, par.replace(schedule="1f1b", v=1), moe=moe)
+    one_f = step_time(cfg, par.replace(schedule="1f1b"), moe=moe)
     assert one_f["ep"] == pytest.approx(free["ep"], rel=1e-9)      # nothing paired in 1F1B
 
 
@@ -158,7 +158,7 @@ def test_dualpipe_sums_its_two_copies_gradients_over_the_mirror_rank():
     """Rank r and rank p−1−r hold the same two pieces: one 2-rank all-reduce of the rank's
     gradients (bf16: 2 bytes each; a 2-rank ring sends each byte once) on top of 1F1B's DP."""
     one = Parallelism(pp=4, micro_batches=8, seq=SEQ, dp=2)
-    dual = one.replace(schedule="dualpipe", v=2)
+    dual = one.replace(schedule="dualpipe")
     for r in range(4):
         psi = sum(rank_units(CFG, dual, r))
         own = 2 * 2 * (2 - 1) * psi // 2                       # DDP over dp = 2, bf16

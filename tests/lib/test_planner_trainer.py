@@ -8,9 +8,8 @@ Each world size is one launch that trains every layout of that size for one step
 import pytest
 
 from picolib.launch import run
-from picolib.planner import memory, traffic
+from picolib.planner import Parallelism, memory, traffic
 from picolib.train import TrainConfig, train
-from picolib.tryit.lesson11 import plan_of
 
 SEQ, BATCH = 16, 8
 LAYOUTS = {
@@ -39,10 +38,10 @@ def _train_all(configs):
 def busiest(cfg: TrainConfig):
     """(state bytes, {kind: bytes}) of the busiest pipeline rank, as the trainer reports them
     (each the maximum over ranks)."""
-    mcfg, par, moe = plan_of(cfg)
-    state = max(sum(memory(mcfg, par, r, moe)[k] for k in ("params", "grads", "optimizer"))
+    mcfg, par = cfg.model_config(), Parallelism.of(cfg, activations="picolib", flash=False)
+    state = max(sum(memory(mcfg, par, r)[k] for k in ("params", "grads", "optimizer"))
                 for r in range(par.pp))
-    sent = [traffic(mcfg, par, r, moe) for r in range(par.pp)]
+    sent = [traffic(mcfg, par, r) for r in range(par.pp)]
     kinds = {k.upper(): max(s[k] for s in sent) for k in ("dp", "tp", "pp", "cp", "ep")}
     return state, {k: v for k, v in kinds.items() if v}
 
@@ -64,6 +63,5 @@ def test_the_planner_finds_the_state_the_issue_measured():
     for kw, measured in ((dict(ep=4, zero=1), 1_086_272), (dict(ep=2, zero=1), 1_479_488),
                          (dict(ep=4, zero=2), 996_320)):
         cfg = TrainConfig(dp=4, experts=8, top_k=2, **kw)
-        mcfg, par, moe = plan_of(cfg)
-        mem = memory(mcfg, par, moe=moe)
+        mem = memory(cfg.model_config(), Parallelism.of(cfg, activations="picolib", flash=False))
         assert mem["params"] + mem["grads"] + mem["optimizer"] == measured, kw

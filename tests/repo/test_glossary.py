@@ -109,8 +109,9 @@ def test_the_required_terms_are_defined():
 
 def test_the_notation_names_every_symbol_the_course_uses():
     notation = sections(GLOSSARY.read_text(encoding="utf-8"))["notation"]
-    first_column = {row.split("|")[1].strip() for row in notation.splitlines() if row.startswith("|")}
-    for symbol in ("N", "Ψ", "b", "s", "h", "a", "L", "V", "t", "p", "m", "v", "k", "E", "α", "W", "C"):
+    first_column = {symbol.strip() for row in notation.splitlines() if row.startswith("|")
+                    for symbol in row.split("|")[1].split(",")}
+    for symbol in ("N", "Ψ", "b", "s", "h", "a", "L", "n_vocab", "t", "p", "m", "v", "k", "E", "α", "β", "C"):
         assert symbol in first_column, symbol
     for book in ("D", "F", "B", "X", "Y", "C", "W"):          # lesson 11's letters, mapped
         assert re.search(rf"^\| {book} \(", notation, flags=re.M), book

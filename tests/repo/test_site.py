@@ -275,6 +275,8 @@ def test_a_split_lesson_follows_its_first_half_in_the_index_and_the_links(tmp_pa
     assert "11" in site_tool.course_plan()["11b"]["builds on"]
     names = [p.name for p in slides_tool.lessons()]           # the real lessons, as make site orders them
     assert names.index("11b_planner_case_studies.ipynb") == names.index("11_cluster_planning.ipynb") + 1
+    assert names.index("10b_training_run.ipynb") == names.index("10_5d_parallelism.ipynb") + 1
+    assert "10" in site_tool.course_plan()["10b"]["builds on"]
 
 
 def test_a_progress_bar_becomes_the_line_it_ended_on():
