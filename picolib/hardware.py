@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .comm import ring_sent_bytes
 
-__all__ = ["Level", "Hardware", "GPUS", "hardware", "ring_time", "tree_all_reduce_time",
+__all__ = ["Level", "Hardware", "GPUS", "PRESETS", "hardware", "ring_time", "tree_all_reduce_time",
            "sharp_all_reduce_time", "all_reduce_bandwidth", "hierarchical_all_reduce_time",
            "critical_tokens_dp", "critical_tokens_moe", "tp_ffn_threshold", "max_tp_degree",
            "pp_min_stage_params", "ALPHA", "superpod_levels", "ring_all_reduce_levels"]
@@ -52,6 +52,12 @@ class Hardware:
     memory: float          # HBM bytes
     hbm_bandwidth: float   # bytes/s
     levels: tuple
+    # Achieved fractions, each measured (sources at the presets; 1 and 0: the datasheet's roofline)
+    matmul_eff: float = 1.0   # the largest matmul's FLOP/s over the dense peak
+    hbm_eff: float = 1.0      # a large copy's bytes/s over the HBM bandwidth
+    attention_eff: float = 1.0  # a fused attention kernel's FLOP/s (forward and backward) over the peak
+    link_eff: float = 1.0     # a collective's bus bandwidth over the link's line rate (large messages)
+    launch: float = 0.0       # seconds: the least time one kernel (one operation) takes
 
     @property
     def node(self) -> int:
@@ -97,13 +103,28 @@ class Hardware:
 
 _NVLINK4, _NVLINK5, _IB = 18 * 25e9, 18 * 50e9, 400e9 / 8
 _SWITCH = 64 * 25e9
+# Achieved fractions of the datasheet (docs/sources.md names each source), for Hopper GPUs:
+# - matmul_eff: MAMF, the best matmul FLOP/s found by a search over shapes (Bekman, *Machine
+#   Learning Engineering*, "Maximum Achievable Matmul FLOPS comparison table"): H100 SXM 792.1 of
+#   989 TFLOP/s bf16 (80.1 %); A100 SXM 267.9 of 312 (85.9 %).
+# - hbm_eff: a 4 GiB device-to-device copy on an H100 (NVL) moved 3.568 of its 3.938 TB/s (90.6 %;
+#   an H100 ceiling probe, one operation timed alone: the "H100 ceiling probe" in docs/sources.md).
+# - attention_eff: FlashAttention-2 reaches 50-73 % of the A100's peak (Dao 2023), its backward
+#   (2.5× the forward's FLOPs) the low end; FlashAttention-3's backward on an H100 runs about as
+#   far below its peak (Shah et al. 2024): 0.5, the low end.
+# - link_eff: NCCL's protocol overhead, about 20 %: 370 GB/s of NVLink-4's 450 ("NCCL can get an
+#   effective NVLink bandwidth of 370GB/s", NCCL's maintainer in nccl-tests issue 212).
+# - launch: one operation issued from Python on an H100 took 4.2 µs (the same ceiling probe).
+_HOPPER = dict(matmul_eff=792.1 / 989, hbm_eff=3.568 / 3.938, attention_eff=0.5,
+               link_eff=370 / 450, launch=4.2e-6)
 GPUS = {   # each GPU with its network, by name (`hardware(name)`, the dry run's --gpu NAME)
     "H100-SXM": Hardware("H100-SXM", 989e12, 1979e12, 80e9, 3.35e12, (
         Level("node", 8, _NVLINK4, min(8 * _NVLINK4, 4 * _SWITCH)),
         Level("leaf", 256, _IB, min(256 * _IB, 8 * _SWITCH)),
-        Level("spine", 1024, _IB / 2, min(32 * 16 * 2 * _IB, 16 * _SWITCH)))),
+        Level("spine", 1024, _IB / 2, min(32 * 16 * 2 * _IB, 16 * _SWITCH))), **_HOPPER),
 }
-GPUS["H200-SXM"] = Hardware("H200-SXM", 989e12, 1979e12, 141e9, 4.8e12, GPUS["H100-SXM"].levels)
+GPUS["H200-SXM"] = Hardware("H200-SXM", 989e12, 1979e12, 141e9, 4.8e12, GPUS["H100-SXM"].levels,
+                            **_HOPPER)
 # NVL72 racks joined by one 400 Gb/s NIC per GPU in a non-blocking fat tree (assumed)
 GPUS["GB200-NVL72"] = Hardware("GB200-NVL72", 2.5e15, 5e15, 186e9, 8e12, (
     Level("node", 72, _NVLINK5, 72 * _NVLINK5), Level("scale-out", 2**17, _IB, 2**17 * _IB)))
@@ -114,16 +135,38 @@ GPUS["GB200-NVL72"] = Hardware("GB200-NVL72", 2.5e15, 5e15, 186e9, 8e12, (
 # BF16, 1,979 FP8 TFLOP/s; the H800 differs in its NVLink), 80 GB. The fabric above the
 # node: one 50 GB/s NIC per GPU in a non-blocking fat tree (assumed).
 GPUS["H800"] = Hardware("H800", 989e12, 1979e12, 80e9, 3.35e12, (
-    Level("node", 8, 160e9, 8 * 160e9), Level("scale-out", 2048, _IB, 2048 * _IB)))
+    Level("node", 8, 160e9, 8 * 160e9), Level("scale-out", 2048, _IB, 2048 * _IB)),
+    **{**_HOPPER, "link_eff": 1.0})   # 160 GB/s is already the report's effective rate
+
+# Systems beyond the four GPUs above (`hardware(name)` knows them too; GPUS stays the lesson-11 set).
+# A100 SXM4 80 GB as Narayanan et al. and Korthikanti et al. ran it (NVIDIA Selene): A100
+# datasheet 312 TFLOP/s dense bf16/fp16 (no fp8: the same figure), 2.039 TB/s; NVLink 3, 12 links
+# × 25 GB/s = 300 GB/s per GPU in a node of 8; eight 200 Gb/s HDR InfiniBand NICs a node, one
+# 25 GB/s NIC per GPU (Narayanan et al., §5). Its MAMF from Bekman's table; the HBM, attention,
+# NCCL and launch fractions as the Hopper ones above (no A100 measurement of them is cited).
+_NVLINK3, _HDR = 12 * 25e9, 200e9 / 8
+PRESETS = dict(GPUS)
+PRESETS["A100-SXM"] = Hardware("A100-SXM", 312e12, 312e12, 80e9, 2.039e12, (
+    Level("node", 8, _NVLINK3, 8 * _NVLINK3), Level("scale-out", 2**14, _HDR, 2**14 * _HDR)),
+    **{**_HOPPER, "matmul_eff": 267.9 / 312})
+# This machine's CPU, as lesson 12 measures it: bench/cpu_roofline.py wrote these figures
+# (2026-11-28, torch 2.13.0+cpu, one thread): peak = an fp32 512³ matmul's FLOP/s, so
+# matmul_eff = 1 by definition; memory = a 64 MiB copy's bytes/s (hbm_eff = 1 likewise); launch =
+# one tiny operation's time; the link: a 2-process gloo all-reduce of 64 MiB, bus bandwidth.
+# (bench/results/cpu_roofline.json; a 64×512 @ 512×512 matmul reached 0.39 of the peak).
+CPU_MEASURED = {"peak": 85.7e9, "bandwidth": 23.4e9, "launch": 1.01e-6, "gloo_busbw": 1.45e9}
+PRESETS["CPU"] = Hardware("CPU", CPU_MEASURED["peak"], CPU_MEASURED["peak"], 24e9, CPU_MEASURED["bandwidth"],
+                          (Level("node", 2, CPU_MEASURED["gloo_busbw"], 2 * CPU_MEASURED["gloo_busbw"]),),
+                          launch=CPU_MEASURED["launch"])
 
 
 def hardware(name: "str | Hardware") -> Hardware:
     """A preset by name (or a Hardware as it is); a clear error for an unknown name."""
     if isinstance(name, Hardware):
         return name
-    if name not in GPUS:
-        raise ValueError(f"unknown hardware {name!r}; known (picolib.hardware.GPUS): {sorted(GPUS)}")
-    return GPUS[name]
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware {name!r}; known (picolib.hardware.PRESETS): {sorted(PRESETS)}")
+    return PRESETS[name]
 
 
 # --------------------------------------------------------------------------- collectives

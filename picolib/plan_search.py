@@ -2,19 +2,24 @@
 
 What: `step_time` prices one training step of a `picolib.planner.Parallelism` on a
 `picolib.hardware` preset by playing its pipeline schedule (`pipeline_simulator.simulate`)
-with each op's cost — every matmul on the roofline (`matmul_seconds`), the causal attention
-core, the collectives on the critical path (TP, CP, EP, the pipeline's sends) — and takes
-the slowest rank, plus the data-parallel traffic its last backward does not hide; the MFU
+with each op's cost — every operation of its layers on the roofline of the preset
+(`roofline.layer_ops`, `roofline.op_seconds`: matmuls by shape, the attention kernel, the
+memory-bound norms, RoPE, activations, residual adds, softmax and loss, a launch floor a
+kernel), the collectives on the critical path (TP, CP, EP, the pipeline's sends) — and takes
+the slowest rank, plus the data-parallel traffic its last backward does not hide and the
+optimizer's element-wise pass; the MFU
 follows (`model_flops_per_token`: 6 × active parameters + causal attention). `search`
 enumerates the configurations of a model on N GPUs at a global batch, keeps those that fit
 in memory and ranks them by step time; `describe` prints one plan.
 Why: the planner's bytes (picolib/planner.py) are exact; turning bytes into seconds needs
-assumptions, and they are all here, named: `MATMUL_CEILING` (the fraction of the dense peak
-a large matmul sustains, 0.75; or one `efficiency` for every matmul), α per collective call
-(`hardware.ALPHA`), each group at its bandwidth (`Hardware.link`: NVLink inside a node, k
-NICs for k GPUs of a node beyond it), the expert all-to-all hidden only inside DualPipe's
-F&B pairs (`ep_overlap`). Use the times to compare configurations, not as promises; lesson
-11 checks them against the Llama 3 report's Table 4.
+inputs, and they are all here, named: every op of a layer (`roofline.layer_ops`) priced by
+`roofline.op_seconds` with the preset's measured fractions (`Hardware.matmul_eff`, `hbm_eff`,
+`attention_eff`, `link_eff`, `launch`: picolib/hardware.py gives each source; or one
+`efficiency` for every matmul, the old single constant), α per collective call
+(`hardware.ALPHA`, assumed), each group at its bandwidth (`Hardware.link`: NVLink inside a node,
+k NICs for k GPUs of a node beyond it), the expert all-to-all hidden only inside DualPipe's
+F&B pairs (`ep_overlap`). Lesson 11b checks the times against thirteen published runs
+(`picolib.validation`).
 """
 from __future__ import annotations
 
@@ -68,17 +73,22 @@ def tp_comm_ratio(cfg: LlamaConfig, tp: int, hw="H100-SXM", *, collectives: floa
             "compute_per_token": compute, "ratio": exposed / compute}
 
 
-MATMUL_CEILING = 0.75   # fraction of the dense peak a large GEMM sustains: an assumption
+# the fraction of the dense peak a large GEMM sustains on an H100: measured (Bekman's MAMF table,
+# picolib/hardware.py); every preset carries its own (`Hardware.matmul_eff`)
+MATMUL_CEILING = hardware("H100-SXM").matmul_eff
 
 
 def matmul_seconds(m: int, k: int, n: int, hw="H100-SXM", precision: str = "bf16",
-                   ceiling: float = MATMUL_CEILING) -> float:
+                   ceiling: float | None = None) -> float:
     """Seconds of one (m × k) @ (k × n) matmul on the roofline (lesson 11): the larger of its
-    2mkn FLOPs at `ceiling` × the dense peak and its bytes — read A and B, write C, in the
-    compute dtype — at the HBM bandwidth. Arithmetic intensity 2mkn / (e(mk + kn + mn))
-    FLOPs per byte against the ridge peak/HBM (H100 bf16: 989e12 / 3.35e12 ≈ 295): a matmul
-    of a few hundred tokens is memory-bound, one of thousands compute-bound."""
+    2mkn FLOPs at `ceiling` × the dense peak (default: the preset's measured `matmul_eff`) and
+    its bytes — read A and B, write C, in the compute dtype — at the datasheet's HBM bandwidth.
+    Arithmetic intensity 2mkn / (e(mk + kn + mn)) FLOPs per byte against the ridge peak/HBM
+    (H100 bf16: 989e12 / 3.35e12 ≈ 295): a matmul of a few hundred tokens is memory-bound, one
+    of thousands compute-bound. (`step_time` prices matmuls with `roofline.op_seconds`, which
+    also takes the achieved HBM fraction and a launch floor.)"""
     hw = hardware(hw)
+    ceiling = hw.matmul_eff if ceiling is None else ceiling
     e = 1 if precision == "fp8" else 2
     return max(2 * m * k * n / (hw.peak(precision) * ceiling), e * (m * k + k * n + m * n) / hw.hbm_bandwidth)
 
@@ -147,6 +157,43 @@ def _stage_seconds(cfg, par, hw, moe, eff, ceiling):
     return out
 
 
+def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout):
+    """{piece: (F, B, W, core) seconds per micro-batch} on one tp rank: every op of
+    `roofline.layer_ops` (and `head_ops` on the last piece) at `roofline.op_seconds` on `hw`;
+    `core` is the forward of the unfused attention core (what selective recomputation
+    repeats; 0 with a fused kernel, whose backward already recomputes it)."""
+    from dataclasses import replace as _replace
+    from .parallel_layout import pieces as _n_pieces, stage_layers
+    from .planner import elem_bytes
+    from .roofline import head_ops, layer_ops, op_seconds
+    if ceiling is not None:
+        hw = _replace(hw, matmul_eff=ceiling)
+    e = 1 if par.precision == "fp8" else elem_bytes(par.precision)
+    prec = par.precision if par.precision != "fp32" else "bf16"
+    tokens = par.micro_batch_size * par.seq // par.cp
+
+    def price(ops):
+        f = b = w = core = 0.0
+        for op in ops:
+            tf, _ = op_seconds(op, hw, prec)
+            f += tf
+            if op["kind"] == "matmul":
+                dgrad, _ = op_seconds(dict(op, shape=op["shape"][:1] + op["shape"][2:] + op["shape"][1:2]), hw, prec)
+                both, _ = op_seconds(op, hw, prec, backward=True)
+                b, w = b + dgrad, w + both - dgrad
+            else:
+                b += op_seconds(op, hw, prec, backward=True)[0]
+            if op["name"] in ("QKᵀ", "scale, mask, softmax", "attention dropout", "scores × V"):
+                core += tf
+        return f, b, w, core
+
+    layer = price(layer_ops(cfg, tokens, par.seq, par.tp, par.sp, e, par.flash, moe, par.ep, dropout))
+    head = price(head_ops(cfg, tokens, par.tp, par.sp, e))
+    n = _n_pieces(par)
+    return {piece: tuple(k * x + (y if piece == n - 1 else 0) for x, y in zip(layer, head))
+            for piece, k in enumerate(stage_layers(cfg.n_layers, n))}
+
+
 def _ep_seconds(cfg, par, hw, moe, nbytes, ep_nodes):
     """Seconds of `nbytes` of expert all-to-all (the bytes `traffic` counts: k copies per
     token, (ep−1)/ep of them leaving the rank). Inside a node: NVLink. Across N nodes: the
@@ -173,6 +220,20 @@ def _ep_seconds(cfg, par, hw, moe, nbytes, ep_nodes):
     return nbytes / leaving * (nic / hw.levels[1].per_gpu + nv / node.per_gpu)
 
 
+def _optimizer_seconds(cfg, par, hw, moe, pp_rank):
+    """The optimizer's element-wise pass after the last backward (Adam): per parameter of the
+    rank's optimizer shard it reads and writes the states (master weights with bf16/fp8), reads
+    the gradient and writes the parameter (fp32: reads it too), at the achieved HBM bandwidth."""
+    from .memory import bytes_per_param
+    from .sharded_optim import optimizer_state_factor
+    master = par.precision != "fp32"
+    k = optimizer_state_factor("adam", master=master)
+    numel = memory(cfg, par, pp_rank, moe)["optimizer"] / k
+    parts = bytes_per_param("fp32" if not master else "bf16", par.fp32_grad_accum)
+    per = 2 * k + parts["grads"] + parts.get("fp32_grads", 0) + parts["params"] * (1 if master else 2)
+    return numel * per / (hw.hbm_bandwidth * hw.hbm_eff)
+
+
 def _dp_seconds(cfg, par, hw, moe, pp_rank):
     """Seconds of the rank's data-parallel traffic: each group of `dp_groups` at the link of
     its ranks (dp·cp replicas spaced tp apart; an expert's copies spaced ep·tp·cp apart)."""
@@ -191,14 +252,17 @@ def _dp_seconds(cfg, par, hw, moe, pp_rank):
 
 def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | None = None,
               efficiency: float | None = None, alpha: float = ALPHA, *,
-              ceiling: float = MATMUL_CEILING, ep_overlap: float = 1.0,
-              ep_nodes: int | None = None, causal: bool = True) -> dict:
+              ceiling: float | None = None, ep_overlap: float = 1.0,
+              ep_nodes: int | None = None, causal: bool = True, dropout: bool = False) -> dict:
     """Seconds of one step, its parts, tokens/s and MFU, from the slowest pipeline rank.
 
     Each op of the schedule (F, B, W, BW of a stage and micro-batch) costs its compute —
-    every matmul of its layers (and the head on the last piece) on the roofline
-    (`matmul_seconds`, `ceiling`; or all at `efficiency` × peak when given, the old single
-    constant), the causal attention core at the ceiling — plus its collectives on the
+    every op of its layers (and the head and loss on the last piece) at `roofline.op_seconds`
+    with the preset's measured fractions (`ceiling` overrides the matmuls' `matmul_eff`;
+    `dropout`: GPT's dropouts, as Megatron's runs had them; recomputation repeats the forward
+    (full) or the unfused attention core (selective; a fused kernel's backward already
+    recomputes it)); or, with `efficiency`, the old single constant: every matmul at
+    `efficiency` × peak and the attention core too, nothing else — plus its collectives on the
     critical path: TP (α per call), CP and EP bytes split half to the forward, half to the
     backward, at their groups' bandwidths (`Hardware.link`; EP: `_ep_seconds`,
     node-limited with `ep_nodes`), and the pipeline send of its output. The expert
@@ -208,26 +272,34 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     ops hide none. `picolib.pipeline_simulator.simulate` plays the schedule with these
     costs; each rank's idle time is the schedule's bubble, read off the simulation, not a
     formula per name. Data-parallel traffic overlaps the rank's last micro-batch backward
-    (B + W of its stages), the rest is exposed. The step ends when the slowest rank ends.
+    (B + W of its stages), the rest is exposed; then the optimizer's pass over the rank's
+    shard (`_optimizer_seconds`). The step ends when the slowest rank ends.
 
     MFU = `model_flops_per_token` (6 × active parameters + causal attention) × tokens /
     (seconds × GPUs × dense peak). Returns {"seconds", "compute", "bubble", "tp", "cp",
-    "ep", "pp", "dp", "dp_exposed"} of the slowest rank, "tokens_per_s", "mfu",
+    "ep", "pp", "dp", "dp_exposed", "optimizer"} of the slowest rank, "tokens_per_s", "mfu",
     "slowest" (its pipeline rank) and "ranks" (the same parts for every pipeline rank)."""
     from .pipeline_simulator import simulate
+    from dataclasses import replace as _replace
     from .parallel_layout import pieces as n_pieces_of, stage_layers
     from .planner import cached_schedule, moe_of, stage_piece, traffic
     hw = hardware(hw)
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
-    if not 0 < ceiling <= 1 or not 0 <= ep_overlap <= 1:
+    if (ceiling is not None and not 0 < ceiling <= 1) or not 0 <= ep_overlap <= 1:
         raise ValueError(f"ceiling must be in (0, 1] and ep_overlap in [0, 1]; got {ceiling}, {ep_overlap}")
     if ep_nodes is not None and ep_nodes < 1:
         raise ValueError(f"ep_nodes must be ≥ 1, not {ep_nodes}")
     moe = moe_of(cfg, par, moe)            # the layout's experts where no MoEShape is given
     m, p = par.micro_batches, par.pp
-    comp = _stage_seconds(cfg, par, hw, moe, efficiency, ceiling)
+    if efficiency is not None:   # the old single constant: matmuls and attention only, datasheet links
+        comp = {k: (*v, 0.0) for k, v in _stage_seconds(cfg, par, hw, moe, efficiency, 0.75).items()}
+    else:                        # every op on the roofline, the links at NCCL's achieved fraction
+        comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout)
+        hw = _replace(hw, levels=tuple(_replace(lv, per_gpu=lv.per_gpu * hw.link_eff, total=lv.total * hw.link_eff)
+                                       for lv in hw.levels))
     full = par.recompute == "full"
+    selective = par.recompute == "selective"
     sched = cached_schedule(par.schedule, p, m, par.v) if p > 1 else None
     n_pieces = n_pieces_of(par)
     sent = [traffic(cfg, par, r, moe) for r in range(p)]
@@ -257,8 +329,9 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
 
     def cost(op):
         r = rank_of[op.stage]
-        f, b, w = comp[piece[op.stage]]
-        c = {"F": f, "B": b + (f if full else 0), "W": w, "BW": b + w + (f if full else 0)}[op.kind]
+        f, b, w, core = comp[piece[op.stage]]
+        again = f if full else core if selective else 0.0           # what recomputation repeats
+        c = {"F": f, "B": b + again, "W": w, "BW": b + w + again}[op.kind]
         x = per_rank[r]
         comm = {k: (x[k] if op.kind != "W" else 0.0) for k in ("tp", "cp", "ep")}
         if op in paired:
@@ -284,8 +357,9 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
         window = sum(comp[k][1] + comp[k][2] for k in pieces)          # last backward
         t_dp = _dp_seconds(cfg, par, hw, moe, r)
         exposed = max(0.0, t_dp - window)
+        opt = 0.0 if efficiency is not None else _optimizer_seconds(cfg, par, hw, moe, r)
         ranks.append({**parts[r], "bubble": span - busy, "dp": t_dp, "dp_exposed": exposed,
-                      "seconds": span + exposed})
+                      "optimizer": opt, "seconds": span + exposed + opt})
     # the slowest rank: the last to finish; of those (a pipeline ends together), the busiest
     slowest = max(range(p), key=lambda r: (ranks[r]["seconds"], span - ranks[r]["bubble"]))
     out = dict(ranks[slowest])
@@ -321,13 +395,13 @@ def _divisors(n: int, upto: int) -> list[int]:
 
 
 def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-SXM",
-           moe: MoEShape | None = None, top: int = 5, usable: float = 0.9, efficiency: float | None = None,
+           moe: MoEShape | None = None, top: int = 5, usable: float = 1.0, efficiency: float | None = None,
            precision: str = "bf16", max_pp: int = 32, max_cp: int = 1,
            activations: str = "korthikanti", trainer: bool = False) -> list[dict]:
     """The `top` fastest configurations of `cfg` on `n_gpus` GPUs for a step of
-    `global_batch` sequences of `seq` tokens whose per-rank memory (every pipeline rank)
-    fits in `usable` × the GPU's memory (the rest: allocator, buffers, workspace — an
-    assumption). Tries tp ≤ node (with SP), pp | layers (1F1B; interleaved v=2 where it
+    `global_batch` sequences of `seq` tokens whose per-rank memory (every pipeline rank),
+    with the runtime overhead on a GPU (`planner.runtime_overhead`: CUDA context, NCCL
+    buffers, allocator reserve), fits in `usable` × the GPU's memory. Tries tp ≤ node (with SP), pp | layers (1F1B; interleaved v=2 where it
     applies), cp ≤ `max_cp` (1: context parallelism is for long sequences), micro-batch
     1, 2, 4; for each, the cheapest of ZeRO 0-3 × recomputation
     none / selective / full that fits (`_CHEAPEST_FIRST`). `activations`: the planner's
@@ -364,7 +438,7 @@ def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-
                     continue
                 par = base.replace(zero=zero, recompute=rec)
                 try:
-                    mem = memory(cfg, par, moe=moe)
+                    mem = memory(cfg, par, moe=moe, overhead=hw.name != "CPU")
                 except ValueError:
                     break
                 if mem["total"] <= budget:
@@ -381,19 +455,20 @@ def describe(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | 
              efficiency: float | None = None) -> str:
     """A plan in a few lines: degrees, memory of the worst rank, step time and MFU."""
     hw = hardware(hw)
-    mem, t = memory(cfg, par, moe=moe), step_time(cfg, par, hw, moe, efficiency)
+    mem, t = memory(cfg, par, moe=moe, overhead=hw.name != "CPU"), step_time(cfg, par, hw, moe, efficiency)
     gb = {k: v / 1e9 for k, v in mem.items()}
+    extra = f" + runtime {gb['overhead']:.1f}" if "overhead" in gb else ""
     sched = f"{par.schedule}{f' v={par.v}' if par.v > 1 else ''}, " if par.pp > 1 else ""
     return (f"{par.n_gpus} × {hw.name}: TP{par.tp}{'+SP' if par.sp else ''} PP{par.pp} CP{par.cp} "
             f"DP{par.dp} (ZeRO-{par.zero}), {sched}m={par.micro_batches} × {par.micro_batch_size} "
             f"× {par.seq} tokens, recompute={par.recompute}\n"
             f"  memory per GPU (worst rank): params {gb['params']:.1f} + grads {gb['grads']:.1f} + "
-            f"optimizer {gb['optimizer']:.1f} + activations {gb['activations']:.1f} = "
+            f"optimizer {gb['optimizer']:.1f} + activations {gb['activations']:.1f}{extra} = "
             f"{gb['total']:.1f} GB of {hw.memory / 1e9:.0f}\n"
             f"  step {t['seconds']:.2f} s (compute {t['compute']:.2f}, bubble {t['bubble']:.2f}, "
             f"TP {t['tp']:.2f}, exposed DP {t['dp_exposed']:.2f}, PP {t['pp']:.3f}); "
             f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} "
-            f"({'roofline matmuls' if efficiency is None else f'efficiency {efficiency}'})")
+            f"({'every op on the roofline' if efficiency is None else f'efficiency {efficiency}'})")
 
 
 # --------------------------------------------------------------------------- command line

@@ -378,22 +378,26 @@ def _activations(cfg, par, pp_rank):
 
 # --------------------------------------------------------------------------- memory
 
-# What a GPU holds besides the tensors (off unless asked for): the CUDA context and the
-# kernels PyTorch loads, each NCCL communicator's buffers, and the caching allocator's
-# reserve (blocks it keeps but does not use). Sources in `runtime_overhead`'s docstring.
-RUNTIME_OVERHEAD = {"context": 0.5e9, "per_communicator": 0.2e9, "reserve": 0.05}
+# What a GPU holds besides the tensors: the CUDA context and the kernels PyTorch loads, each
+# NCCL communicator's buffers, and the caching allocator's reserve (blocks it keeps but does
+# not use). Sources in `runtime_overhead`'s docstring. `memory` adds them when asked
+# (overhead=True); the planner's fit verdicts on a GPU (`plan_search.search`, `describe`) do.
+RUNTIME_OVERHEAD = {"context": 0.3e9, "per_communicator": 0.2e9, "reserve": 0.05}
 
 
 def runtime_overhead(par: Parallelism, tensor_bytes: float, context: float | None = None,
                      per_communicator: float | None = None, reserve: float | None = None) -> float:
     """Bytes a GPU shows (nvidia-smi) beyond the tensors the planner counts: `context` (the
-    CUDA context and the kernels PyTorch loads: 0.5 GB, an assumption of the usual size —
-    measure yours as torch.cuda.mem_get_info before and after the first CUDA call),
+    CUDA context and the kernels PyTorch loads: about 300 MB since CUDA 11.7 loads kernels
+    lazily, over 1,000 MB before — a PyTorch maintainer in pytorch/pytorch issue 107667; more
+    as a run loads more kernels — measure yours as torch.cuda.mem_get_info before and after
+    the first CUDA call),
     `per_communicator` for each NCCL communicator this rank is in (one per parallel dimension
     > 1; NCCL's documented default NCCL_BUFFSIZE is 4 MiB per channel and peer, which with
     16-32 channels and both directions is ≈ 0.2 GB — the channel count is assumed), and
-    `reserve` × the tensors (the caching allocator's fragmentation: 5 %, an assumption —
-    compare torch.cuda.memory_reserved with memory_allocated in a real run). Defaults:
+    `reserve` × the tensors (the caching allocator's fragmentation: 5 %, an assumption: no
+    published measurement is cited — compare torch.cuda.memory_reserved with memory_allocated
+    in a real run). Defaults:
     RUNTIME_OVERHEAD."""
     d = RUNTIME_OVERHEAD
     context = d["context"] if context is None else context

@@ -21,6 +21,10 @@ What this file gives:
   stated convention), bytes from the tensors each operation reads and writes (views move
   nothing), and time from `torch.profiler` (each operation runs inside a labelled
   `record_function`), grouped into the kinds of work a transformer step does;
+- `layer_ops`, `head_ops`, `op_seconds` — the same groups predicted instead of measured: the
+  operations of one transformer block with their FLOPs and bytes, priced on a hardware
+  preset's roofline with its measured fractions (what the planner's step time adds up,
+  lesson 11b; tests/lib/test_validation.py checks the matmul FLOPs against a real step);
 - `draw_roofline` — the picture;
 - `CHIPS`, `tensor_peak` — what is inside NVIDIA's data-centre GPUs, V100 to B200: the
   architecture (SMs, Tensor Core FLOPs per cycle per SM, the clock NVIDIA's peak figures
@@ -43,6 +47,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
 __all__ = ["attainable", "op_time", "ridge", "measure_peak", "measure_bandwidth", "GROUPS",
+           "layer_ops", "head_ops", "op_seconds",
            "StepProfile", "profile_step", "draw_roofline", "CHIPS", "tensor_peak"]
 
 # the kinds of work one step of the tiny Llama does, in the order the lesson shows them
@@ -295,3 +300,113 @@ def tensor_peak(chip: str) -> float | None:
     if c["sms"] is None:
         return None
     return c["sms"] * c["tc_flops_per_cycle_sm"] * c["tensor_clock"]
+
+
+# ----------------------------------------------------------------- a layer's ops, priced (lesson 11)
+
+def layer_ops(cfg, tokens: int, seq: int, tp: int = 1, sp: bool = False, e: int = 2,
+              flash: bool = True, moe=None, ep: int = 1, dropout: bool = False) -> list[dict]:
+    """The forward operations of one transformer block on one of `tp` ranks, for `tokens`
+    tokens of sequences of `seq` (attention's context), in the `GROUPS` lesson 12 measures:
+    [{"name", "group", "kind" ("matmul", "attention" or "memory"), "shape" ((m, k, n) of a
+    matmul, repeated "count" times), "flops", "bytes", "count"}]. Bytes are what each op
+    reads and writes in HBM at `e` bytes a value; FLOPs of the element-wise ops are not counted
+    (they run at the bandwidth). Norms and residual adds run on tokens/tp with SP, on all
+    tokens without. `flash`: attention is one fused kernel (FLOPs of the causal half, bytes
+    q, k, v and o); otherwise Megatron's unfused core — QKᵀ and the weighted sum as batched
+    matmuls over the whole s × s square, and a fused scale-mask-softmax over the scores (with
+    `dropout`: a dropout over them too, and dropout fused into each residual add, 1 byte a
+    mask element). `moe` (planner.MoEShape): the MLP becomes a router, the permutation of k
+    copies of each token to their experts and back, and the E/ep local experts."""
+    h, d, a = cfg.hidden, cfg.head_dim, cfg.n_heads // tp
+    kv = max(1, cfg.n_kv_heads // tp)
+    near = tokens // tp if sp else tokens            # tokens the norms and residuals see
+    ops = []
+
+    def mm(name, m, k, n, count=1, group="matmuls"):
+        ops.append(dict(name=name, group=group, kind="matmul", shape=(m, k, n), count=count,
+                        flops=2 * m * k * n * count, bytes=e * (m * k + k * n + m * n) * count))
+
+    def mem(name, group, nbytes, count=1):
+        ops.append(dict(name=name, group=group, kind="memory", shape=None, count=count,
+                        flops=0, bytes=nbytes * count))
+
+    residual = (3 * e + (1 if dropout else 0)) * near * h     # x + f(x) (dropout on f(x))
+    mem("attention norm", "norms", 2 * e * near * h)
+    mm("q, k, v", tokens, h, (a + 2 * kv) * d)
+    mem("RoPE on q and k", "RoPE and reshapes", 2 * e * tokens * (a + kv) * d)
+    if flash:
+        ops.append(dict(name="attention (fused kernel)", group="softmax and mask", kind="attention",
+                        shape=None, count=1, flops=2 * tokens * seq * a * d,
+                        bytes=e * tokens * (2 * a + 2 * kv) * d))
+    else:
+        b_seqs = max(1, tokens // seq)
+        mm("QKᵀ", seq, d, seq, count=b_seqs * a)
+        mem("scale, mask, softmax", "softmax and mask", 2 * e * b_seqs * a * seq * seq)
+        if dropout:
+            mem("attention dropout", "softmax and mask", (2 * e + 1) * b_seqs * a * seq * seq)
+        mm("scores × V", seq, seq, d, count=b_seqs * a)
+    mm("attention out", tokens, a * d, h)
+    mem("residual add (attention)", "residual adds", residual)
+    mem("MLP norm", "norms", 2 * e * near * h)
+    if moe is None:
+        f = cfg.ffn_hidden // tp
+        mm("gate and up", tokens, h, 2 * f)
+        mem("SwiGLU", "SwiGLU elementwise", 3 * e * tokens * f)
+        mm("down", tokens, f, h)
+    else:
+        routed = near * moe.top_k
+        per_expert = max(1, ep * routed // moe.n_experts)
+        local = moe.n_experts // ep
+        mm("router", near, h, moe.n_experts)
+        mem("permute to experts and back", "RoPE and reshapes", 2 * 2 * e * routed * h)
+        mm("expert gate and up", per_expert, h, 2 * moe.expert_ffn, count=local)
+        mem("expert SwiGLU", "SwiGLU elementwise", 3 * e * per_expert * moe.expert_ffn, count=local)
+        mm("expert down", per_expert, moe.expert_ffn, h, count=local)
+        if moe.shared:
+            f = moe.shared * moe.expert_ffn // tp
+            mm("shared gate and up", tokens, h, 2 * f)
+            mem("shared SwiGLU", "SwiGLU elementwise", 3 * e * tokens * f)
+            mm("shared down", tokens, f, h)
+    mem("residual add (MLP)", "residual adds", residual)
+    return ops
+
+
+def head_ops(cfg, tokens: int, tp: int = 1, sp: bool = False, e: int = 2) -> list[dict]:
+    """The last stage's extra forward ops: the final norm, the vocab-split head and the loss
+    (a softmax over the logits: read them, write fp32 log-probabilities)."""
+    v, h = cfg.vocab_size // tp, cfg.hidden
+    near = tokens // tp if sp else tokens
+    return [dict(name="final norm", group="norms", kind="memory", shape=None, count=1, flops=0,
+                 bytes=2 * e * near * h),
+            dict(name="head", group="matmuls", kind="matmul", shape=(tokens, h, v), count=1,
+                 flops=2 * tokens * h * v, bytes=e * (tokens * h + h * v + tokens * v)),
+            dict(name="cross-entropy", group="loss and embedding", kind="memory", shape=None,
+                 count=1, flops=0, bytes=(e + 4) * tokens * v)]
+
+
+def op_seconds(op: dict, hw, precision: str = "bf16", backward: bool = False) -> tuple:
+    """(seconds, kernels) of one op of `layer_ops` on `hw` (a `picolib.hardware.Hardware`),
+    forward or backward, on the roofline with the preset's measured fractions: a matmul at
+    max(FLOPs / (matmul_eff × peak), bytes / (hbm_eff × HBM)) — its shape sets which wins —
+    the fused attention at attention_eff × peak, an element-wise op at its bytes over the
+    achieved HBM bandwidth; no kernel faster than `hw.launch`. Backward: a matmul is two of
+    the same FLOPs (input gradient (m, n, k), weight gradient (k, m, n)); attention's
+    backward does 2.5× its forward's FLOPs (five matmuls to two) and moves twice the bytes;
+    an element-wise op reads its output's gradient and its saved inputs and writes its
+    inputs' gradients: twice its forward bytes, one kernel."""
+    peak = hw.peak(precision if precision != "fp32" else "bf16")
+    bw = hw.hbm_bandwidth * hw.hbm_eff
+    n = op["count"]
+    if op["kind"] == "matmul":
+        m, k, nn = op["shape"]
+        shapes = [(m, nn, k), (k, m, nn)] if backward else [(m, k, nn)]
+        e = op["bytes"] / (n * (m * k + k * nn + m * nn))
+        t = sum(max(2 * x * y * z / (peak * hw.matmul_eff), e * (x * y + y * z + x * z) / bw, hw.launch)
+                for x, y, z in shapes)
+        return n * t, n * len(shapes)
+    if op["kind"] == "attention":
+        f, b = (2.5 * op["flops"], 2 * op["bytes"]) if backward else (op["flops"], op["bytes"])
+        return max(f / (peak * hw.attention_eff), b / bw, hw.launch), 1
+    b = 2 * op["bytes"] if backward else op["bytes"]
+    return max(b / n / bw, hw.launch) * n, n

@@ -2,18 +2,19 @@
 
     from picolib.tryit import knobs
     from picolib.tryit.lesson03 import zero_bars
-    knobs(zero_bars, stage=[3, 1, 2], n=(1, 64, 1), model=["7.5B (ZeRO paper)", "tiny Llama"])
+    knobs(zero_bars, stage=[3, 1, 2], ranks=(1, 64, 1), model=["7.5B (ZeRO paper)", "tiny Llama"])
 
 `per_rank` is the arithmetic (picolib.zero.zero_memory_bytes, padding included);
 tests/lessons/test_tryit_03.py checks it against the bytes real ZeRO ranks hold
-(`ZeRO(...).memory()`). `plot_groups` draws the lesson's grouped, stacked bars.
+(`ZeRO(...).memory()`). `plot_groups` draws the lesson's grouped, stacked bars;
+`model_states` gives a real model's bytes per stage from the planner.
 
 The lesson's rank functions live here too, so that its cells show what is measured and the
 asserts that settle it, not the bookkeeping: `one_step` (one training step of DP and each
 ZeRO stage: bytes held, calls made, saved activations), `replay` (a list of recorded calls
 run again on picolib's own rings, which count the bytes they send), `accumulate` (one ZeRO
-step over m micro-batches), `zero3_timeline` and `gathers_under_compute` (the prefetch
-figure), and `fsdp2_vs_zero` (PyTorch's FSDP2 beside picolib's ZeRO-2/3: its two
+step over m micro-batches), `zero3_timeline`, `gathers_under_compute` and `backward_order` (the
+prefetch figure), and `fsdp2_vs_zero` (PyTorch's FSDP2 beside picolib's ZeRO-2/3: its two
 collectives are wrapped to count the calls, and unwrapped again before it returns).
 """
 from __future__ import annotations
@@ -23,9 +24,9 @@ from ..zero import optimizer_state_factor, zero_memory_bytes
 
 __all__ = ["PRECISIONS", "MODELS", "per_rank", "plot_groups", "zero_bars", "CONFIGS",
            "one_step", "replay", "accumulate", "zero3_timeline", "gathers_under_compute",
-           "hidden_fraction", "fsdp2_vs_zero"]
+           "hidden_fraction", "backward_order", "model_states", "fsdp2_vs_zero"]
 
-# bytes per parameter (params, grads) and optimizer bytes k, Adam
+# bytes per parameter (params, grads) and optimizer bytes B_opt, Adam
 PRECISIONS = {"bf16 + fp32 master": (2, 12), "fp32": (4, optimizer_state_factor("adam"))}
 # the ZeRO paper's 7.5B example, and the lesson's tiny Llama (its ZeRO units)
 MODELS = {"7.5B (ZeRO paper)": 7_500_000_000, "tiny Llama": [2214, 2142, 2142]}
@@ -37,9 +38,9 @@ def per_rank(stage: int, n: int, numels, precision: str = "bf16 + fp32 master") 
     ranks; `numels` one int (Ψ) or the units' sizes (each padded to a multiple of n)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage!r}")
-    p, k = PRECISIONS[precision]
-    return {"DP": zero_memory_bytes(0, numels, n, k, param_bytes=p),
-            f"ZeRO-{stage}": zero_memory_bytes(stage, numels, n, k, param_bytes=p)}
+    p, b_opt = PRECISIONS[precision]
+    return {"DP": zero_memory_bytes(0, numels, n, b_opt, param_bytes=p),
+            f"ZeRO-{stage}": zero_memory_bytes(stage, numels, n, b_opt, param_bytes=p)}
 
 
 def _unit(nbytes: float):
@@ -82,13 +83,13 @@ def plot_groups(groups: dict, ax=None, title: str = "bytes per rank"):
     return ax
 
 
-def zero_bars(stage: int = 3, n: int = 8, model: str = "7.5B (ZeRO paper)",
+def zero_bars(stage: int = 3, ranks: int = 8, model: str = "7.5B (ZeRO paper)",
               precision: str = "bf16 + fp32 master", ax=None) -> dict:
-    """Draw DP beside ZeRO-`stage` on `n` ranks for `model`; return `per_rank(...)`."""
+    """Draw DP beside ZeRO-`stage` on N = `ranks` ranks for `model`; return `per_rank(...)`."""
     import matplotlib.pyplot as plt
-    mem = per_rank(stage, n, MODELS[model], precision)
+    mem = per_rank(stage, ranks, MODELS[model], precision)
     created = ax is None
-    ax = plot_groups({f"N = {n}": mem},
+    ax = plot_groups({f"N = {ranks}": mem},
                      ax=ax or plt.subplots(figsize=(4.5, 3.8), layout="constrained")[1],
                      title=f"{model}\n{precision}: bytes per rank")
     if created:
@@ -96,6 +97,14 @@ def zero_bars(stage: int = 3, n: int = 8, model: str = "7.5B (ZeRO paper)",
     dp, z = (sum(m.values()) for m in mem.values())
     print(f"DP {dp:,} B, ZeRO-{stage} {z:,} B per rank: {dp / z:.2f}× less")
     return mem
+
+
+def model_states(cfg, n: int, precision: str) -> list:
+    """Bytes per rank of parameters, gradients and optimizer state (the ZeRO paper's model
+    states) under DP, ZeRO-1, -2 and -3 on `n` data-parallel ranks: `picolib.planner.memory`."""
+    from ..planner import Parallelism, memory
+    return [sum(v for kind, v in memory(cfg, Parallelism(dp=n, zero=z, precision=precision)).items()
+                if kind in ("params", "grads", "optimizer")) for z in range(4)]
 
 
 # --------------------------------------------------------------------------- the lesson's runs
@@ -107,7 +116,7 @@ def one_step(cfg, mb: int, seq: int) -> dict:
     and of each ZeRO configuration of CONFIGS, each on a fresh TinyLlama(cfg) and this rank's
     micro-batch of `mb` sequences of `seq` tokens. Per configuration: the bytes held after
     the step ("memory": params, grads, optimizer — the wrapper's `memory()`, which DDP and
-    ZeRO share), k read from the torch optimizer's state ("k": bytes per element of its
+    ZeRO share), B_opt read from the torch optimizer's state ("b_opt": bytes per element of its
     tensors shaped like the parameter, + 4 for ZeRO's fp32 master beside bf16), the ledger's
     summary and calls (op, buffer bytes, ring-formula bytes), the saved activations' bytes,
     ZeRO's (padded buffer, shard) sizes, and the buffers DP's buckets or ZeRO's units hold."""
@@ -135,8 +144,8 @@ def one_step(cfg, mb: int, seq: int) -> dict:
             model.loss(x, y).backward()
             wrapper.step()
         mem = wrapper.memory()
-        k = state_bytes_per_element(ddp.optimizer) if name == "DP" else zero.state_factor()
-        out[name] = dict(memory=mem, k=k, traffic=led.summary(), activations=acts.bytes,
+        b_opt = state_bytes_per_element(ddp.optimizer) if name == "DP" else zero.state_factor()
+        out[name] = dict(memory=mem, b_opt=b_opt, traffic=led.summary(), activations=acts.bytes,
                          calls=[(r.op, r.nbytes, r.sent_bytes) for r in led.records],
                          layout=None if name == "DP" else [(u.full.numel(), u.shard.numel())
                                                            for u in zero.units],
@@ -232,6 +241,25 @@ def gathers_under_compute(events, rank: int = 0) -> tuple:
     under = [g for g in gathers if any(min(g["end"], c["end"]) - max(g["start"], c["start"])
                                        >= 0.5 * (g["end"] - g["start"]) for c in comp)]
     return len(under), len(gathers)
+
+
+def backward_order(events, rank: int, costs: dict) -> dict:
+    """What `rank`'s ZeRO-3 backward did with its gradients, read off its timeline events:
+    "done", the blocks whose backward (B) ended before the first reduce-scatter started (their
+    whole gradients held until then); "rs_hidden", the blocks whose reduce-scatter ran under
+    some B for at least half its emulated cost; "waited", the blocks whose reduce-scatter ended
+    before block 1's B started; "gap", the time between block 2's B and block 1's."""
+    mine = [e for e in events if e["rank"] == rank]
+    back = {e["meta"]["unit"]: e for e in mine if e["name"] == "B"}
+    rs = [e for e in mine if e["name"] == "reduce_scatter"]
+
+    def under_compute(e):
+        return any(min(e["end"], c["end"]) - max(e["start"], c["start"]) >= 0.5 * costs[e["name"]]
+                   for c in back.values())
+    return dict(done=sorted(u for u, e in back.items() if e["end"] <= rs[0]["start"]),
+                rs_hidden=[e["meta"]["unit"] for e in rs if under_compute(e)],
+                waited=[e["meta"]["unit"] for e in rs if e["end"] <= back[1]["start"]],
+                gap=back[1]["start"] - back[2]["end"])
 
 
 def _local_bytes(tensors) -> int:

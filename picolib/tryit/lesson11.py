@@ -29,18 +29,23 @@ PyTorch's fake process group (11b §1); `trainer_vs_planner` trains layouts with
 `plot_all_reduce` (11 §2) and `plot_candidates` (11b §2) draw. `dry_vs_planner` dry-runs a
 trainer configuration (`picolib.dry_run`: the trainer's own step on meta tensors over a fake
 process group of the full world size) and puts the planner's bytes for the same pipeline
-positions beside it; `show_dry_vs_planner` prints the two (lesson 11 §4).
+positions beside it; `show_dry_vs_planner` prints the two (lesson 11 §4). `TABLE4` holds the
+Llama 3 report's Table 4 and `price_table4` the planner's throughput for each of its runs (11b §3);
+`tokens_through_a_stage_copy` counts the tokens a pipeline schedule sends through each copy of a
+stage's weights (11b §4).
 """
 from __future__ import annotations
 
 from ..hardware import hardware
-from ..plan_search import step_time
+from ..model import param_count
+from ..plan_search import model_flops_per_token, step_time
 from ..planner import LLAMA3_70B, LLAMA3_405B, Parallelism, memory
 from . import rank_bars
 
 __all__ = ["MODELS", "HINTS", "ROOFLINE_HINTS", "rooflines", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
            "pipeline_step", "fake_pg_traffic", "plot_all_reduce", "plot_candidates", "trainer_vs_planner",
-           "dry_vs_planner", "show_dry_vs_planner"]
+           "dry_vs_planner", "show_dry_vs_planner", "TABLE4", "price_table4",
+           "tokens_through_a_stage_copy"]
 
 MODELS = {"Llama-3-70B": LLAMA3_70B, "Llama-3-405B": LLAMA3_405B}
 
@@ -405,3 +410,39 @@ def show_dry_vs_planner(rows: list[dict]) -> None:
                                  ("planner", [p[k] for k in ("params", "grads", "optimizer", "activations", "total")], p["sent"])):
             print(f"{row['pp_rank']:>3} {name:8s}" + " ".join(gb(v) for v in vals) + " |      "
                   + " ".join(gb(sent[k]) for k in KINDS))
+
+
+# Llama 3 report, Table 4: GPUs, TP, CP, PP, DP, sequence, sequences per DP rank, TFLOP/s per GPU
+TABLE4 = {"8,192 GPUs, 8k": (8192, 8, 1, 16, 64, 8192, 32, 430),
+          "16,384 GPUs, 8k": (16384, 8, 1, 16, 128, 8192, 16, 400),
+          "16,384 GPUs, 131k": (16384, 8, 16, 16, 8, 131072, 16, 380)}
+
+
+def price_table4(cfg=LLAMA3_405B) -> dict:
+    """The planner's BF16 TFLOP/s per GPU for each run of `TABLE4`: {run: (published, {v: {count:
+    TFLOP/s}})}, v = 1 under 1F1B and v = 2 interleaved (ZeRO-1, SP), and three ways to count a
+    token's FLOPs: "causal" (picolib's `model_flops_per_token`), "square" (the whole s×s attention,
+    Megatron-LM's formula) and "dense" (6 × parameters only)."""
+    priced = {}
+    for name, (gpus, tp, cp, pp, dp, seq, m, published) in TABLE4.items():
+        par = Parallelism(dp=dp, tp=tp, cp=cp, pp=pp, sp=True, zero=1, micro_batches=m, seq=seq)
+        per_gpu = {}
+        for v in (1, 2):
+            t = step_time(cfg, par.replace(schedule="interleaved" if v > 1 else "1f1b", chunks=v))
+            rate = t["tokens_per_s"] / gpus / 1e12
+            per_gpu[v] = {c: model_flops_per_token(cfg, seq, causal=c == "causal") * rate for c in ("causal", "square")}
+            per_gpu[v]["dense"] = 6 * param_count(cfg) * rate
+        priced[name] = (published, per_gpu)
+    return priced
+
+
+def tokens_through_a_stage_copy(schedule: str, pp: int, micro_batches: int, seq: int) -> int:
+    """Tokens that pass each (rank, stage) copy of the weights in one step of `schedule` on `pp`
+    ranks, counted from its forward ops, one sequence of `seq` tokens a micro-batch."""
+    from collections import Counter
+
+    from ..pipeline_schedules import make_schedule
+    sched = make_schedule(schedule, pp, micro_batches)
+    counts = Counter((r, op.stage) for r, ops in enumerate(sched.ops) for op in ops if op.kind == "F")
+    assert len(set(counts.values())) == 1, counts          # every copy sees as many
+    return counts.popitem()[1] * seq

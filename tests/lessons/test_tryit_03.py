@@ -56,7 +56,7 @@ def test_bf16_bars_equal_zero1_with_bf16_weights():
 
 def test_the_knobs_cell_draws_and_returns_the_bars():
     # the lesson's cell opens on a meaningful setting: ZeRO-3 on 8 ranks, not N = 1
-    mem = knobs(zero_bars, stage=[3, 1, 2], n=[8, 1, 2, 4, 16, 64, 256, 1024], model=list(MODELS))
+    mem = knobs(zero_bars, stage=[3, 1, 2], ranks=[8, 1, 2, 4, 16, 64, 256, 1024], model=list(MODELS))
     assert mem == per_rank(3, 8, MODELS["7.5B (ZeRO paper)"])
     assert sum(mem["DP"].values()) == 8 * sum(mem["ZeRO-3"].values())
     one = per_rank(3, 1, MODELS["7.5B (ZeRO paper)"])

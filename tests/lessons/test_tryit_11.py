@@ -122,3 +122,23 @@ def test_rooflines_figure_passes_the_checker():
     plt.close(fig)
     with pytest.raises(ValueError, match="must divide n_gpus"):
         rooflines(n_gpus=1000, ep=64, plot=False)
+
+
+def test_tokens_through_a_stage_copy_counts_each_schedules_forwards():
+    """1F1B sends every micro-batch through each stage once; DualPipe holds each stage twice and
+    sends half the micro-batches through each copy."""
+    from picolib.tryit.lesson11 import tokens_through_a_stage_copy
+    assert tokens_through_a_stage_copy("1f1b", 4, 8, 10) == 8 * 10
+    assert tokens_through_a_stage_copy("dualpipe", 4, 8, 10) == 4 * 10
+
+
+def test_price_table4_brackets_each_run():
+    """Interleaving shrinks the bubble, and counting the whole s×s square gives more FLOPs a token
+    than the causal half, which gives more than 6 × parameters."""
+    from picolib.tryit.lesson11 import TABLE4, price_table4
+    priced = price_table4()
+    assert priced.keys() == TABLE4.keys()
+    for published, per_gpu in priced.values():
+        assert published in {430, 400, 380} and per_gpu[1]["causal"] < per_gpu[2]["causal"]
+        for v in (1, 2):
+            assert per_gpu[v]["dense"] < per_gpu[v]["causal"] < per_gpu[v]["square"]

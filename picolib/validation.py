@@ -1,0 +1,156 @@
+"""The planner against published training runs (lesson 11b): `RUNS`, `predict`, `table`.
+
+Each run is a published layout and its published throughput, in the source's own convention,
+converted here to one common quantity — tokens per second per GPU — by the source's own FLOP
+formula (`published_tokens_per_s`). The planner (`plan_search.step_time` with every op on the
+roofline of the run's hardware preset) predicts the same quantity; `table` gives both and the
+error. Nothing is fitted: the presets' efficiencies are measurements with their sources
+(picolib/hardware.py), and the runs are the sources' numbers.
+
+Conventions converted:
+- Llama 3 report, Table 4: BF16 TFLOP/s per GPU; the FLOP count is not stated — picolib's
+  (`model_flops_per_token`: 6N + the causal attention core) is the one under which lesson 11b
+  finds all three rows consistent.
+- Narayanan et al. 2021, Table 1: TFLOP/s per GPU counting the recomputed forward, F = 96·B·s·l·h²
+  (1 + s/6h + V/16lh) per iteration (their eq. 3).
+- Korthikanti et al. 2022, Table 5 (the Megatron-LM README repeats it): model FLOPs utilization
+  of the A100's 312 TFLOP/s, model FLOPs 72·B·s·l·h²(1 + s/6h + V/12lh) per iteration.
+- DeepSeek-V3 report, §1: 180K H800 GPU hours per trillion training tokens.
+GPT shapes (Narayanan, Korthikanti: 4h GeLU MLP, multi-head attention, vocabulary 51,200,
+2,048-token sequences, dropout) run as a Llama block of the same weights: a SwiGLU of inner size
+8h/3 (rounded to a multiple of 64) has the 8h² weights and FLOPs of the 4h GeLU MLP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .model import LlamaConfig
+from .planner import MoEShape, Parallelism, LLAMA3_405B
+
+__all__ = ["Run", "RUNS", "gpt", "published_tokens_per_s", "predict", "table", "markdown"]
+
+
+def gpt(hidden: int, layers: int, heads: int) -> LlamaConfig:
+    """A GPT-3-style shape (Megatron's runs) as the Llama block of the same weights."""
+    return LlamaConfig(vocab_size=51200, hidden=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+                       ffn_hidden=round(8 * hidden / 3 / 64) * 64, max_seq=2048)
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    source: str              # a name of docs/sources.md, with the table
+    cfg: LlamaConfig
+    par: Parallelism
+    hw: str
+    published: float         # in the source's unit
+    unit: str                # "TFLOP/s (causal)", "TFLOP/s (Megatron, recomputed)", "MFU (Megatron)", "GPU hours per 1e12 tokens"
+    moe: MoEShape | None = None
+    options: dict = field(default_factory=dict)   # step_time's keywords (dropout, ep_nodes)
+
+    @property
+    def gpus(self) -> int:
+        return self.par.n_gpus
+
+    @property
+    def tokens(self) -> int:
+        return self.par.dp * self.par.micro_batches * self.par.micro_batch_size * self.par.seq
+
+
+def published_tokens_per_s(run: Run) -> float:
+    """The run's published throughput as tokens per second per GPU, by its source's formula."""
+    from .plan_search import model_flops_per_token
+    c, s = run.cfg, run.par.seq
+    b = run.tokens / s
+    l, h, v = c.n_layers, c.hidden, c.vocab_size
+    if run.unit == "TFLOP/s (causal)":
+        return run.published * 1e12 / model_flops_per_token(c, s, run.moe)
+    if run.unit == "TFLOP/s (Megatron, recomputed)":
+        flops = 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+        return run.tokens / (flops / (run.published * 1e12 * run.gpus)) / run.gpus
+    if run.unit == "MFU (Megatron)":
+        flops = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+        return run.tokens / (flops / (run.published * 312e12 * run.gpus)) / run.gpus
+    if run.unit == "GPU hours per 1e12 tokens":
+        return 1e12 / (run.published * 3600)
+    raise ValueError(f"unknown unit {run.unit!r}")
+
+
+def predict(run: Run, **kw) -> dict:
+    """`step_time` of the run on its preset (keywords override the run's options)."""
+    from .plan_search import step_time
+    return step_time(run.cfg, run.par, run.hw, run.moe, **{**run.options, **kw})
+
+
+_LLAMA = dict(tp=8, pp=16, sp=True, zero=1, schedule="interleaved", chunks=2)
+_MEGATRON = dict(flash=False, zero=0, activations="korthikanti")
+_NARAYANAN = dict(recompute="full", seq=2048, **_MEGATRON)
+_KORTHIKANTI = dict(recompute="selective", sp=True, seq=2048, **_MEGATRON)
+_DS = LlamaConfig(vocab_size=129280, hidden=7168, n_layers=64, n_heads=128, n_kv_heads=128, ffn_hidden=18432)
+
+RUNS = (
+    Run("Llama 3 405B, 8,192 GPUs, 8k", "Llama 3 report, Table 4", LLAMA3_405B,
+        Parallelism(dp=64, micro_batches=32, seq=8192, **_LLAMA), "H100-SXM", 430, "TFLOP/s (causal)"),
+    Run("Llama 3 405B, 16,384 GPUs, 8k", "Llama 3 report, Table 4", LLAMA3_405B,
+        Parallelism(dp=128, micro_batches=16, seq=8192, **_LLAMA), "H100-SXM", 400, "TFLOP/s (causal)"),
+    Run("Llama 3 405B, 16,384 GPUs, 131k", "Llama 3 report, Table 4", LLAMA3_405B,
+        Parallelism(dp=8, cp=16, micro_batches=16, seq=131072, **_LLAMA), "H100-SXM", 380, "TFLOP/s (causal)"),
+    Run("GPT 1.7B, 32 GPUs", "Narayanan et al., Table 1", gpt(2304, 24, 24),
+        Parallelism(dp=32, micro_batches=16, **_NARAYANAN), "A100-SXM", 137,
+        "TFLOP/s (Megatron, recomputed)", options={"dropout": True}),
+    Run("GPT 7.5B, 128 GPUs", "Narayanan et al., Table 1", gpt(4096, 36, 32),
+        Parallelism(dp=32, tp=4, micro_batches=16, **_NARAYANAN), "A100-SXM", 142,
+        "TFLOP/s (Megatron, recomputed)", options={"dropout": True}),
+    Run("GPT 18.4B, 256 GPUs", "Narayanan et al., Table 1", gpt(6144, 40, 48),
+        Parallelism(dp=32, tp=8, micro_batches=32, **_NARAYANAN), "A100-SXM", 135,
+        "TFLOP/s (Megatron, recomputed)", options={"dropout": True}),
+    Run("GPT 145.6B, 1,536 GPUs", "Narayanan et al., Table 1", gpt(12288, 80, 96),
+        Parallelism(dp=24, tp=8, pp=8, micro_batches=96, **_NARAYANAN), "A100-SXM", 148,
+        "TFLOP/s (Megatron, recomputed)", options={"dropout": True}),
+    Run("GPT 1T, 3,072 GPUs", "Narayanan et al., Table 1", gpt(25600, 128, 160),
+        Parallelism(dp=6, tp=8, pp=64, micro_batches=512, **_NARAYANAN), "A100-SXM", 163,
+        "TFLOP/s (Megatron, recomputed)", options={"dropout": True}),
+    Run("GPT 22B, 8 GPUs", "Korthikanti et al., Table 5", gpt(6144, 48, 64),
+        Parallelism(tp=8, micro_batch_size=4, **_KORTHIKANTI), "A100-SXM", 0.415, "MFU (Megatron)",
+        options={"dropout": True}),
+    Run("GPT 175B, 64 GPUs", "Korthikanti et al., Table 5", gpt(12288, 96, 96),
+        Parallelism(tp=8, pp=8, micro_batches=64, **_KORTHIKANTI), "A100-SXM", 0.514, "MFU (Megatron)",
+        options={"dropout": True}),
+    Run("GPT 530B, 280 GPUs", "Korthikanti et al., Table 5", gpt(20480, 105, 128),
+        Parallelism(tp=8, pp=35, micro_batches=280, **_KORTHIKANTI), "A100-SXM", 0.560, "MFU (Megatron)",
+        options={"dropout": True}),
+    Run("GPT 1T, 512 GPUs", "Korthikanti et al., Table 5", gpt(25600, 128, 160),
+        Parallelism(tp=8, pp=64, micro_batches=512, **_KORTHIKANTI), "A100-SXM", 0.563, "MFU (Megatron)",
+        options={"dropout": True}),
+    Run("DeepSeek-V3 (MoE), 2,048 H800s", "DeepSeek-V3 report, §1", _DS,
+        Parallelism(dp=128, ep=64, pp=16, micro_batches=120, seq=4096, zero=1, precision="fp8",
+                    schedule="dualpipe"), "H800", 180e3, "GPU hours per 1e12 tokens",
+        moe=MoEShape(n_experts=256, top_k=8, expert_ffn=2048, shared=1), options={"ep_nodes": 4}),
+)
+
+
+def table(runs=RUNS, **kw) -> list[dict]:
+    """Per run: {"run", "published" (tokens/s per GPU), "planner" (the same), "error"
+    (planner / published − 1), "time" (step_time's dict)}."""
+    out = []
+    for run in runs:
+        t = predict(run, **kw)
+        pub = published_tokens_per_s(run)
+        mine = t["tokens_per_s"] / run.gpus
+        out.append({"run": run, "published": pub, "planner": mine, "error": mine / pub - 1, "time": t})
+    return out
+
+
+def markdown(rows=None) -> str:
+    """The validation table as Markdown (the README's copy is this text; a test compares)."""
+    rows = table() if rows is None else rows
+    lines = ["| run | source | GPUs | published, as the source states it | tokens/s per GPU, published | planner | error |",
+             "|---|---|---:|---|---:|---:|---:|"]
+    for r in rows:
+        run = r["run"]
+        stated = (f"{run.published:.1%} MFU" if run.unit == "MFU (Megatron)" else
+                  f"{run.published / 1e3:.0f}K {run.unit}" if run.unit.startswith("GPU hours") else
+                  f"{run.published:.0f} {run.unit}")
+        lines.append(f"| {run.name} | {run.source} | {run.gpus:,} | {stated} | {r['published']:,.0f} | "
+                     f"{r['planner']:,.0f} | {r['error']:+.1%} |")
+    return "\n".join(lines)
