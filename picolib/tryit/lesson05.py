@@ -3,7 +3,9 @@ sequence parallelism.
 
     saved_bytes(tp, seq, sp, hidden, ffn_hidden, n_heads, batch)   # the number
     saved_bytes_bars(tp, seq, sp)                                   # the knob cell (bars)
+    saved_per_layer_figure(measured, one, s, b, h, f, a)           # §2's figure
     layer_timeline(sp, cfg, unit)         # §4: one block's forward, op by op, on tp ranks
+    layer_timeline_figure(spans)          # §4's figure: TP above TP+SP, one time axis
     plan_640(tp, sp, seq, ...)            # §8: the 640-H100 plan of the Llama-3-70B sizing
     max_seq(tp, sp, ...), max_micro_batch_size(tp, sp, seq, ...)   # §8: what fits in 0.9 × 80 GB
 
@@ -16,8 +18,8 @@ from __future__ import annotations
 from ..sequence_parallel import activation_bytes_per_layer
 from ..style import OPS, PARALLELISM
 
-__all__ = ["SHAPE", "MODE_COLORS", "saved_bytes", "saved_bytes_bars", "layer_timeline",
-           "plan_640", "max_seq", "max_micro_batch_size"]
+__all__ = ["SHAPE", "MODE_COLORS", "saved_bytes", "saved_bytes_bars", "saved_per_layer_figure",
+           "layer_timeline", "layer_timeline_figure", "plan_640", "max_seq", "max_micro_batch_size"]
 
 # TP's colour for TP; TP+SP a darker green (the same family: TP, further split); the
 # gathered variant in between; one process grey
@@ -70,6 +72,42 @@ def saved_bytes_bars(tp: int = 1, seq: int = 128, sp: bool = False, ax=None) -> 
     print(f"tp={tp}, {'TP+SP' if sp else 'TP'}, {seq} tokens: {mine / 2**20:,.2f} MiB per layer "
           f"per rank = {out['fraction']:.3f} of one process ({one / 2**20:,.2f} MiB)")
     return out
+
+
+def saved_per_layer_figure(measured: dict, one: int, s: int, b: int, h: int, f: int, a: int):
+    """Lesson 05 §2: the bytes one layer saved per rank (`measured[tp][mode]`, a list per layer)
+    as bars at tp = 2 and 4 beside one process's `one`, each with its adapted formula
+    (`activation_bytes_per_layer`) as a black tick."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.bar(0, one / 1024, color=MODE_COLORS["one process"], label="one process")
+    for i, tp in enumerate((2, 4)):
+        for j, mode in enumerate(("tp", "tp+sp-gathered", "tp+sp")):
+            x = 1 + i * 3.5 + j
+            ax.bar(x, measured[tp][mode][0] / 1024, color=MODE_COLORS[mode], label=mode if i == 0 else None)
+            ax.plot(x, activation_bytes_per_layer(s, b, h, f, a, tp, mode) / 1024, "k_", ms=18)
+    ax.set_xticks([0, 2, 5.5]); ax.set_xticklabels(["tp = 1", "tp = 2", "tp = 4"])
+    ax.set_ylabel("saved KiB per layer per rank")
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_title("saved activations per rank: measured (bars), adapted formula (black ticks)")
+    plt.tight_layout(); plt.show()
+
+
+def layer_timeline_figure(spans: dict):
+    """Lesson 05 §4: the merged spans of `layer_timeline` (`spans[sp]`), TP above TP+SP on one
+    time axis; norms and residuals in the step colour, attention and MLP in the forward's."""
+    import matplotlib.pyplot as plt
+
+    from ..timeline import makespan, plot_gantt
+
+    longest = max(makespan(ev) for ev in spans.values())
+    colors = {"norm": OPS["step"], "residual": OPS["step"], "attention": OPS["F"], "MLP": OPS["F"]}
+    fig, axes = plt.subplots(2, 1, figsize=(10, 4.8))
+    for ax, sp in zip(axes, (False, True)):
+        plot_gantt(spans[sp], ax=ax, unit="ms", xmax=longest, colors=colors,
+                   title=f"block 0 forward, {'TP+SP' if sp else 'TP'} (tp = 2, emulated costs)")
+    plt.tight_layout(); plt.show()
 
 
 def layer_timeline(sp: bool, cfg, unit: float, b: int = 2, s: int = 32):
