@@ -3,8 +3,8 @@
     slicing_gantt(n_slices=4, p=4, context_cost=1.0)   # two Gantt charts; returns the times
     counted_token_flops(cfg, context)                  # the lesson's check of token_flops
 
-A 1024-token sequence, p stages, a cost per slice t(l, c) = 1 + l/128 + w·l·(c + l/2)/128²
-(ideal time units; w = `context_cost` weighs attention to the context against the rest).
+A 1024-token sequence, p stages, a cost per slice τ(l, c) = 1 + l/128 + context_cost·l·(c + l/2)/128²
+(ideal time units; `context_cost` weighs attention to the context against the rest).
 The uniform cut has `n_slices` equal slices; the slicer (`dp_slices`, the paper's dynamic
 program, slices in multiples of 64 tokens) picks its own. Both are simulated with lesson 07's
 simulator. ("DP" means data parallelism everywhere else in the course, so the dynamic
@@ -27,14 +27,14 @@ SEQ = 1024
 
 
 def toy_cost(context_cost: float):
-    """τ(l, c) for the knob: fixed overhead 1, 1 per 128 tokens, w per 128² token pairs."""
+    """τ(l, c) for the knob: fixed overhead 1, 1 per 128 tokens, context_cost per 128² token pairs."""
     return lambda l, c: 1.0 + l / 128 + context_cost * l * (c + l / 2) / 128 ** 2
 
 
 def slicing_gantt(n_slices: int = 4, p: int = 4, context_cost: float = 1.0, plot: bool = True):
     """Simulate `n_slices` uniform slices and the slicer's slices on p stages; draw both on
-    one time axis and return {"uniform": T, "slicer": T, "slicer_slices": slices}
-    (T = makespan, ideal time units)."""
+    one time axis and return {"uniform": τ_step, "slicer": τ_step, "slicer_slices": slices}
+    (τ_step = makespan, ideal time units)."""
     n_slices, p = int(n_slices), int(p)
     if context_cost < 0:
         raise ValueError(f"context_cost={context_cost} < 0: attention to more context cannot be cheaper")
@@ -75,7 +75,7 @@ def plot_two_gantts(events: dict, titles: dict, unit: str, xlabel: str, height: 
 
 
 def plot_cost_fit(rows, fit, lengths, seq: int):
-    """Lesson 08 §4: the measured t(l, c) (dots, one colour per slice length) and the fitted
+    """Lesson 08 §4: the measured τ(l, c) (dots, one colour per slice length) and the fitted
     model (lines), in ms. Shows the figure; returns it."""
     import matplotlib.pyplot as plt
     import torch
