@@ -22,8 +22,10 @@ features; a row-parallel bias is added once, after the sum.
 `apply_tensor_parallel(model, tp, sequence_parallel=False)` turns a TinyLlama into its
 TP (or TP+SP, lesson 05) form in place: it swaps the attention, MLP, embedding, head and
 loss for their parallel versions, each carrying its own entry and exit operators, so the
-model's one forward runs unchanged. Apply it first, before context/expert parallelism,
-pipeline stages and data parallelism (the order in `picolib.mesh`).
+model's one forward runs unchanged. Which weight is cut along which dim is one table,
+`TP_PLAN`, that the transform builds its shards from and `picolib.layout` reads. Apply it
+first, before context/expert parallelism, pipeline stages and data parallelism (the order
+in `picolib.mesh`).
 
 Grouped-query attention rule (n_heads = a query heads, kv key/value heads, tp ranks):
     a % tp == 0 always; if tp <= kv: kv % tp == 0 and each rank holds kv/tp KV heads;
@@ -252,8 +254,8 @@ class ParallelAttention(Attention):
         self.group, self.region, self.core = group, region, attn.core
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         heads = (attn.n_heads, attn.n_kv_heads)
-        for role in ("wq", "wk", "wv", "wo"):
-            setattr(self, role, parallel_linear(getattr(attn, role), f"attn.{role}", group, heads))
+        self.wq, self.wk, self.wv, self.wo = (parallel_linear(getattr(attn, n), f"attn.{n}", group, heads)
+                                              for n in ("wq", "wk", "wv", "wo"))
         # when tp > kv, each KV head is held by the `replicas` ranks whose query heads read it:
         # this rank's K, V are slice `slot` of `n_slots`
         cut = tp_cut("attn.wk", dist.get_world_size(group), dist.get_rank(group), heads)
@@ -280,8 +282,8 @@ class ParallelSwiGLU(nn.Module):
     def __init__(self, mlp: SwiGLU, group=None, region: Region = TP_REGION):
         super().__init__()
         self.group, self.region = group, region
-        for role in ("w_gate", "w_up", "w_down"):
-            setattr(self, role, parallel_linear(getattr(mlp, role), f"mlp.{role}", group))
+        self.w_gate, self.w_up, self.w_down = (parallel_linear(getattr(mlp, n), f"mlp.{n}", group)
+                                               for n in ("w_gate", "w_up", "w_down"))
 
     def forward(self, x):
         gate, up = add_biases(self.region.enter(x, [self.w_gate.weight, self.w_up.weight], self.group),
