@@ -49,7 +49,7 @@ from .mesh import Mesh
 from .moe import (MoE, Routing, build_moe_layers, check_moe, install, moe_layers, run_experts,
                   sort_by_expert)
 
-__all__ = ["DISPATCHERS", "all_to_all", "exchange_counts", "group_by_local_expert",
+__all__ = ["DISPATCHERS", "all_to_all", "exchange_counts", "group_by_local_expert", "local_experts",
            "ExpertParallelMoE", "expert_groups", "apply_expert_parallel",
            "expert_gradient_groups", "all_to_all_bytes"]
 
@@ -101,6 +101,12 @@ def group_by_local_expert(recv_counts: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=at)
 
 
+def local_experts(n_experts: int, ep: int, rank: int) -> range:
+    """The experts rank `rank` of an ep group keeps: [r·E/ep, (r+1)·E/ep)."""
+    n_local = n_experts // ep
+    return range(rank * n_local, (rank + 1) * n_local)
+
+
 class ExpertParallelMoE(MoE):
     """A MoE layer whose experts are spread over `group`: this rank keeps experts
     [r·E/ep, (r+1)·E/ep) of `moe` (shared modules, not copies); the router and the shared
@@ -118,7 +124,8 @@ class ExpertParallelMoE(MoE):
         self.replica_group, self.ep, self.ep_rank = replica_group, ep, r
         self.n_local = moe.n_experts // ep
         self.router, self.shared = moe.router, moe.shared
-        self.experts = torch.nn.ModuleList(moe.experts[r * self.n_local:(r + 1) * self.n_local])
+        held = local_experts(moe.n_experts, ep, r)
+        self.experts = torch.nn.ModuleList(moe.experts[held.start:held.stop])
         self.aux_loss = self.load = self.dropped = None
         self.aux_weight = 0.0     # > 0: the backward adds the aux loss (aux_loss_in_backward)
         self.stats_group = None   # the ranks sharing each token group (aux_loss_in_backward)

@@ -7,9 +7,11 @@ For each parameter a rank holds, `placements(cfg, rank)` gives a `Placement`:
   `local`: the pipeline stage that holds it and its name inside that stage's module
   (stage 1 of two calls block 5 `blocks.1`; expert 3 of four over ep=2 is local expert 1);
 - `shape`: the whole tensor's shape; `offsets`, `sizes`: the box of the whole tensor this
-  rank's tensor is — tensor parallelism cuts along dim 0 (column-parallel q, k, v, gate, up,
-  the vocabulary of the embedding and the head) or dim 1 (row-parallel o, down); a KV head
-  is held by tp/kv ranks when tp > kv heads; norms, routers and experts are whole;
+  rank's tensor is — tensor parallelism cuts as `tensor_parallel.TP_PLAN` says, the table the
+  transform builds its shards from (dim 0: column-parallel q, gate, up, k and v by KV head —
+  a KV head held by tp/kv ranks when tp > kv heads — and the vocabulary of the embedding and
+  the head; dim 1: row-parallel o, down; norms, routers and experts whole), and the experts an
+  ep rank keeps are `expert_parallel.local_experts`, the rule `ExpertParallelMoE` keeps them by;
 - `copies`: every global rank that holds this same box with the same values (data- and
   context-parallel replicas, the tp ranks that share a norm or a KV head, an expert's
   replicas over dp/ep, DualPipe's mirror pipeline rank); `replicas`: those of them the
@@ -90,32 +92,26 @@ def stage_layers(cfg, pp: int) -> list[tuple[int, range, bool, bool]]:
     return sorted(out, key=lambda x: x[0])
 
 
-_ROW = re.compile(r"(attn\.wo|mlp\.w_down)\.weight$")              # cut along dim 1
-_COLUMN = re.compile(r"(^embed|^lm_head|attn\.wq|mlp\.w_gate|mlp\.w_up)\.weight$")  # dim 0
-_KV = re.compile(r"attn\.w[kv]\.weight$")
 _EXPERT = re.compile(r"^(blocks\.\d+\.mlp\.experts\.)(\d+)(\..*)$")
 
 
-def _tp_box(cfg, name, shape, t):
-    """(dim or None, index, count, tp coordinates sharing the box) of tp rank t."""
-    T = cfg.tp
-    if T == 1 or _EXPERT.match(name) or not (_ROW.search(name) or _COLUMN.search(name) or _KV.search(name)):
-        return None, 0, 1, tuple(range(T))          # whole on every tp rank
-    if _KV.search(name):
-        from .tensor_parallel import kv_heads_per_rank
-        m = cfg.model_config()
-        _, rep = kv_heads_per_rank(m.n_heads, m.n_kv_heads, T)
-        slot = t // rep
-        return 0, slot, T // rep, tuple(range(slot * rep, (slot + 1) * rep))
-    return (1 if _ROW.search(name) else 0), t, T, (t,)
+def _tp_cut(cfg, name, t):
+    """How tensor parallelism cuts parameter `name` on tp rank t (tensor_parallel.TP_PLAN)."""
+    from .tensor_parallel import Cut, tp_cut
+    role, kind = re.sub(r"^blocks\.\d+\.", "", name).rsplit(".", 1)     # "attn.wq", "weight"
+    m = cfg.model_config()
+    cut = tp_cut(role, cfg.tp, t, (m.n_heads, m.n_kv_heads))
+    if kind == "bias" and cut.dim == 1:             # a row-parallel bias is added once, whole
+        return Cut(None, 0, 1, tuple(range(cfg.tp)))
+    return cut
 
 
 def placements(cfg, rank: int) -> list[Placement]:
     """Every parameter global rank `rank` holds under the TrainConfig `cfg`, stage by stage
     in each stage module's parameter order."""
+    from .expert_parallel import local_experts
     c = coordinates(cfg, rank)
     shapes = global_shapes(cfg)
-    per_ep = cfg.experts // cfg.ep if cfg.experts else 0
     ep_rank = c["dp"] % cfg.ep
     # DualPipe: pipeline ranks r and p−1−r hold the same layers, one copy per direction
     pps = sorted({c["pp"], cfg.pp - 1 - c["pp"]}) if cfg.pp > 1 and cfg.schedule == "dualpipe" \
@@ -140,12 +136,12 @@ def placements(cfg, rank: int) -> list[Placement]:
             expert = _EXPERT.match(local)
             dp_coords = range(cfg.dp)
             if expert and cfg.ep > 1:
-                e = int(expert[2])
-                if e // per_ep != ep_rank:
+                held, e = local_experts(cfg.experts, cfg.ep, ep_rank), int(expert[2])
+                if e not in held:
                     continue
-                local = f"{expert[1]}{e - ep_rank * per_ep}{expert[3]}"
+                local = f"{expert[1]}{e - held.start}{expert[3]}"
                 dp_coords = range(ep_rank, cfg.dp, cfg.ep)
-            dim, index, count, tps = _tp_box(cfg, name, shape, c["tp"])
+            dim, index, count, tps = _tp_cut(cfg, name, c["tp"])
             offsets, sizes = [0] * len(shape), list(shape)
             if dim is not None:
                 sizes[dim] = shape[dim] // count

@@ -22,8 +22,10 @@ features; a row-parallel bias is added once, after the sum.
 `apply_tensor_parallel(model, tp, sequence_parallel=False)` turns a TinyLlama into its
 TP (or TP+SP, lesson 05) form in place: it swaps the attention, MLP, embedding, head and
 loss for their parallel versions, each carrying its own entry and exit operators, so the
-model's one forward runs unchanged. Apply it first, before context/expert parallelism,
-pipeline stages and data parallelism (the order in `picolib.mesh`).
+model's one forward runs unchanged. Which weight is cut along which dim is one table,
+`TP_PLAN`, that the transform builds its shards from and `picolib.layout` reads. Apply it
+first, before context/expert parallelism, pipeline stages and data parallelism (the order
+in `picolib.mesh`).
 
 Grouped-query attention rule (n_heads = a query heads, kv key/value heads, tp ranks):
     a % tp == 0 always; if tp <= kv: kv % tp == 0 and each rank holds kv/tp KV heads;
@@ -32,6 +34,8 @@ Grouped-query attention rule (n_heads = a query heads, kv key/value heads, tp ra
 `check_tensor_parallel` raises a ValueError naming the numbers when the rule is broken.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +52,7 @@ from .vocab_parallel import VocabParallelCrossEntropy, VocabParallelEmbedding
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "column_matmuls", "add_biases",
            "Region", "TP_REGION", "kv_heads_per_rank", "check_tensor_parallel",
+           "COLUMN", "ROW", "KV_HEADS", "VOCAB", "TP_PLAN", "Cut", "tp_cut", "parallel_linear",
            "ColumnParallelLinear", "RowParallelLinear", "ParallelAttention", "ParallelSwiGLU",
            "apply_tensor_parallel"]
 
@@ -100,6 +105,41 @@ def check_tensor_parallel(cfg: LlamaConfig, tp: int, seq_len: int | None = None)
     if seq_len is not None and seq_len % tp:
         raise ValueError(f"tp={tp} must divide the sequence length {seq_len} (sequence parallel "
                          "gives each rank s/tp tokens)")
+
+
+# ------------------------------------------------------------------ the plan: how each weight is cut
+
+COLUMN, ROW, KV_HEADS, VOCAB = "column", "row", "kv heads", "vocabulary"
+
+# Which weight tensor parallelism cuts, and how, by its name inside a block or at the model's
+# ends (torchtitan calls such a table a parallelize plan): column = dim 0 (output features),
+# row = dim 1 (input features), kv heads = dim 0 by KV head (a head on tp/kv ranks when
+# tp > kv), vocabulary = dim 0 (words). Any other weight (norms, a router, experts) is whole on
+# every tp rank. The modules below take their shards from it (`tp_cut`), and picolib.layout
+# reads it to say where each parameter lives.
+TP_PLAN = {"embed": VOCAB, "attn.wq": COLUMN, "attn.wk": KV_HEADS, "attn.wv": KV_HEADS,
+           "attn.wo": ROW, "mlp.w_gate": COLUMN, "mlp.w_up": COLUMN, "mlp.w_down": ROW,
+           "lm_head": VOCAB}
+
+
+class Cut(NamedTuple):
+    dim: int | None           # the dim cut (None: whole)
+    index: int                # this rank's slice
+    count: int                # slices along `dim`
+    holders: tuple[int, ...]  # the tp ranks holding this same slice
+
+
+def tp_cut(role: str, tp: int, rank: int, heads: tuple[int, int] | None = None) -> Cut:
+    """Where TP_PLAN puts the weight `role` (e.g. "attn.wk") on tp rank `rank` of `tp`;
+    `heads` = (n_heads, n_kv_heads), needed for a KV-heads cut."""
+    how = TP_PLAN.get(role)
+    if how is None:
+        return Cut(None, 0, 1, tuple(range(tp)))
+    if how == KV_HEADS:
+        _, shared = kv_heads_per_rank(*heads, tp)
+        slot = rank // shared
+        return Cut(0, slot, tp // shared, tuple(range(slot * shared, (slot + 1) * shared)))
+    return Cut(1 if how == ROW else 0, rank, tp, (rank,))
 
 
 # ------------------------------------------------------------------ the two linears
@@ -183,6 +223,24 @@ class RowParallelLinear(_ShardedLinear):
         return y + (copy_to_tp(self.bias, self.group) if sequence_split else self.bias)
 
 
+def parallel_linear(linear: nn.Linear, role: str, group=None, heads=None, enter=None):
+    """This rank's piece of `linear` as TP_PLAN cuts `role`, for a module that enters and
+    leaves the region itself: a ColumnParallelLinear (`enter`: its entry operator; None: the
+    caller has entered) or a RowParallelLinear whose partial sum the caller completes."""
+    tp, r = dist.get_world_size(group), dist.get_rank(group)
+    cut = tp_cut(role, tp, r, heads)
+    if cut.dim is None:
+        raise ValueError(f"TP_PLAN does not cut {role}")
+    out_f, in_f = linear.weight.shape
+    like = {"bias": linear.bias is not None, "device": linear.weight.device,
+            "dtype": linear.weight.dtype}
+    if cut.dim == 0:        # out_f/count rows each (count < tp: a KV head on several ranks)
+        m = ColumnParallelLinear(in_f, out_f // cut.count * tp, group, enter=enter, **like)
+    else:
+        m = RowParallelLinear(in_f, out_f, group, reduce_output=False, **like)
+    return m.load_shard(linear, cut.index, cut.count)
+
+
 # ------------------------------------------------------------------ attention and MLP
 
 class ParallelAttention(Attention):
@@ -193,20 +251,15 @@ class ParallelAttention(Attention):
 
     def __init__(self, attn: Attention, group=None, region: Region = TP_REGION):
         nn.Module.__init__(self)
-        tp, r = dist.get_world_size(group), dist.get_rank(group)
-        kv_local, self.replicas = kv_heads_per_rank(attn.n_heads, attn.n_kv_heads, tp)
         self.group, self.region, self.core = group, region, attn.core
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        self.wq = ColumnParallelLinear.from_linear(attn.wq, group, enter=None)
-        # K, V: this rank holds KV slice r // replicas of tp // replicas (when tp > kv, each
-        # KV head is held by the `replicas` ranks whose query heads read it)
-        self.slot, self.n_slots = r // self.replicas, tp // self.replicas
-        rows = kv_local * attn.head_dim
-        self.wk, self.wv = (ColumnParallelLinear(
-            lin.in_features, rows * tp, group, bias=lin.bias is not None, enter=None,
-            device=lin.weight.device, dtype=lin.weight.dtype).load_shard(lin, self.slot, self.n_slots)
-            for lin in (attn.wk, attn.wv))
-        self.wo = RowParallelLinear.from_linear(attn.wo, group, reduce_output=False)
+        heads = (attn.n_heads, attn.n_kv_heads)
+        self.wq, self.wk, self.wv, self.wo = (parallel_linear(getattr(attn, n), f"attn.{n}", group, heads)
+                                              for n in ("wq", "wk", "wv", "wo"))
+        # when tp > kv, each KV head is held by the `replicas` ranks whose query heads read it:
+        # this rank's K, V are slice `slot` of `n_slots`
+        cut = tp_cut("attn.wk", dist.get_world_size(group), dist.get_rank(group), heads)
+        self.slot, self.n_slots, self.replicas = cut.index, cut.count, len(cut.holders)
 
     def _kv(self, t):
         if self.replicas == 1 or t is None:
@@ -229,9 +282,8 @@ class ParallelSwiGLU(nn.Module):
     def __init__(self, mlp: SwiGLU, group=None, region: Region = TP_REGION):
         super().__init__()
         self.group, self.region = group, region
-        self.w_gate = ColumnParallelLinear.from_linear(mlp.w_gate, group, enter=None)
-        self.w_up = ColumnParallelLinear.from_linear(mlp.w_up, group, enter=None)
-        self.w_down = RowParallelLinear.from_linear(mlp.w_down, group, reduce_output=False)
+        self.w_gate, self.w_up, self.w_down = (parallel_linear(getattr(mlp, n), f"mlp.{n}", group)
+                                               for n in ("w_gate", "w_up", "w_down"))
 
     def forward(self, x):
         gate, up = add_biases(self.region.enter(x, [self.w_gate.weight, self.w_up.weight], self.group),
@@ -274,8 +326,8 @@ def apply_tensor_parallel(model: TinyLlama, tp=None, *, sequence_parallel: bool 
         block.mlp = ParallelSwiGLU(block.mlp, group, region)
     if model.lm_head is not None:
         model.norm = norm(model.norm)
-        model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, enter=region.enter)
-        vocab_start = dist.get_rank(group) * model.cfg.vocab_size // n
+        model.lm_head = parallel_linear(model.lm_head, "lm_head", group, enter=region.enter)
+        vocab_start = tp_cut("lm_head", n, dist.get_rank(group)).index * model.cfg.vocab_size // n
         model.loss_fn = VocabParallelCrossEntropy(vocab_start, group)
     model.sequence_shards = n if sequence_parallel else 1
     return model

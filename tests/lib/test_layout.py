@@ -16,6 +16,8 @@ from picolib.launch import run
 from picolib.mesh import Mesh
 from picolib.model import TinyLlama, param_count
 from picolib.moe import apply_moe
+from picolib import tensor_parallel
+from picolib.tensor_parallel import ROW, TP_PLAN, apply_tensor_parallel
 
 
 def _reference(cfg):
@@ -58,6 +60,38 @@ def test_every_local_tensor_is_its_box_of_the_single_process_tensor(name):
     check_config(cfg, nproc)
     counts = run(_compare, nproc, cfg, timeout=240)
     assert all(c > 0 for c in counts)
+
+
+def _shards_of_the_transform(cfg, plan):
+    """On this rank: `apply_tensor_parallel` on a real model under TP_PLAN updated by `plan`;
+    each tensor it leaves, against its box of the model's tensors from before the transform."""
+    tensor_parallel.TP_PLAN.update(plan)        # the module's table (`run` sends globals by value)
+    model = TinyLlama(cfg.model_config())
+    whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+    held = dict(apply_tensor_parallel(model).named_parameters())
+    described = placements(cfg, dist.get_rank())
+    assert sorted(p.local for p in described) == sorted(held)
+    for p in described:
+        box = whole[p.name][tuple(slice(o, o + s) for o, s in zip(p.offsets, p.sizes))]
+        assert torch.equal(held[p.local].detach(), box), p.name
+    return {p.name: p.sizes for p in described}
+
+
+@pytest.mark.parametrize("tp, plan", [(4, {}), (2, {"mlp.w_up": ROW})])
+def test_the_transform_and_placements_cut_as_the_one_plan_says(tp, plan, monkeypatch):
+    """tensor_parallel.TP_PLAN decides each cut for both: the shards `apply_tensor_parallel`
+    makes (real values, not materialized from placements) are the boxes `placements` gives, with
+    the table as it is (tp=4: a KV head on two ranks) and with `w_up` changed to a row cut —
+    which moves exactly the w_up boxes, in the transform and in placements alike."""
+    cfg = TrainConfig(progress=False, tp=tp)
+    before = {p.name: p.sizes for p in placements(cfg, 0)}
+    for role, how in plan.items():
+        monkeypatch.setitem(TP_PLAN, role, how)
+    moved = {n for n, s in before.items() if {p.name: p.sizes for p in placements(cfg, 0)}[n] != s}
+    n_layers = cfg.model_config().n_layers
+    assert moved == {f"blocks.{i}.{r}.weight" for r in plan for i in range(n_layers)}
+    sizes = run(_shards_of_the_transform, tp, cfg, plan, timeout=240)
+    assert sizes[0] == {p.name: p.sizes for p in placements(cfg, 0)}
 
 
 @pytest.mark.parametrize("options, world", [
