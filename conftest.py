@@ -74,15 +74,16 @@ def _printed(outputs) -> str:
     return output_text(outputs)
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(wrapper=True)   # a first-result hook: a plain implementation would never run
 def pytest_runtest_makereport(item, call):
-    if call.when != "call" or type(item).__name__ != "IPyNbCell":
-        return
-    index = next((i for i, c in enumerate(item.parent.nb.cells) if c is item.cell), None)
-    if index is not None:
-        store = item.config.__dict__.setdefault("_picolib_outputs", {})
-        store.setdefault(os.path.realpath(str(item.parent.fspath)), {})[index] = _printed(
-            getattr(item, "test_outputs", None))
+    report = yield
+    if call.when == "call" and type(item).__name__ == "IPyNbCell":
+        index = next((i for i, c in enumerate(item.parent.nb.cells) if c is item.cell), None)
+        if index is not None:
+            store = item.config.__dict__.setdefault("_picolib_outputs", {})
+            store.setdefault(os.path.realpath(str(item.parent.fspath)), {})[index] = _printed(
+                getattr(item, "test_outputs", None))
+    return report
 
 
 def pytest_collection_modifyitems(session, config, items):
