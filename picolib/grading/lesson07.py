@@ -10,7 +10,8 @@
 from __future__ import annotations
 
 from ..pipeline_schedules import Op, Schedule, make_schedule, one_f_one_b
-from ..pipeline_simulator import ScheduleError, check_ops, simulate, validate
+from .. import pipeline_simulator
+from ..pipeline_simulator import ScheduleError, simulate, validate
 from ..timeline import bubble_ratio
 from ._core import call_student, compare, report
 
@@ -134,7 +135,7 @@ def check_broken_schedules(fn) -> None:
                             + " makes it valid; start from a valid schedule and change one thing")
         if reason == "deadlock":
             try:
-                check_ops(sched)
+                pipeline_simulator.check_ops(sched)
             except ScheduleError as e:
                 problems.append(f"'deadlock': every op must be present and in a valid order on "
                                 f"its rank, but: {e}")
