@@ -1,14 +1,15 @@
 """Checkpoints that never lose a run: `--save DIR` writes DIR/step-NNNNNN/ atomically (a
 temporary name renamed once every rank has finished), keeps the newest `--keep`, and
 `--resume DIR` takes the newest complete one. A trainer killed (SIGKILL of its whole process
-group) at random moments during periodic saves always resumes onto the uninterrupted curve.
+group) at each moment of a save that leaves something different on disk always resumes onto
+the uninterrupted curve.
 Folders that cannot work are refused before any rank starts."""
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -94,45 +95,98 @@ def _wait_gone(pids: set[int], timeout: float = 30.0) -> None:
     assert not left, f"processes of the killed run still alive after {timeout} s: {sorted(left)}"
 
 
-def _trainer(save: Path, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "picolib.train", "--nproc", "2", "--dp", "2", "--zero", "1",
-           "--micro-batches", "2", "--steps", str(STEPS), "--save", str(save), "--save-every", "1",
-           "--log", str(log), "--no-progress"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)           # its own process group
+KILLED = textwrap.dedent("""
+    import os, signal, sys
+    from picolib import checkpoint
+    from picolib.compose import TrainConfig
+    from picolib.launch import run
+    from picolib.train import train
+
+    def killed_train(cfg, group, moment, at):
+        \"\"\"train(cfg), but rank 0 SIGKILLs the caller's process group (the caller, its fork
+        server; the ranks follow their server) and itself at `moment` of the save of step `at`.\"\"\"
+        import shutil
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        def kill(when):
+            if when and dist.get_rank() == 0:
+                os.killpg(group, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def killing(name, fn, first):
+            def wrapped(*args, **kwargs):
+                mine = moment == name and checkpoint.saving == at
+                kill(mine and first)
+                out = fn(*args, **kwargs)
+                kill(mine and not first)
+                return out
+            return wrapped
+
+        save, rmtree = checkpoint.save, shutil.rmtree
+        def counting_save(*args, **kwargs):
+            checkpoint.saving = args[5]                              # next_step: the step saved
+            kill(moment == "before the save" and checkpoint.saving == at)
+            return save(*args, **kwargs)
+        checkpoint.save = counting_save
+        FileSystemWriter.finish = killing("files written, no metadata", FileSystemWriter.finish, True)
+        checkpoint.dcp.save = killing("written, not renamed", checkpoint.dcp.save, False)
+        checkpoint._sync_folder = killing("renamed, older not pruned", checkpoint._sync_folder, False)
+        def pruning(path, *args, **kwargs):
+            kill(moment == "pruning" and checkpoint.saving == at and ".old-step" in str(path))
+            return rmtree(path, *args, **kwargs)
+        checkpoint.shutil.rmtree = pruning
+        return train(cfg)
+
+    save, moment, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    cfg = TrainConfig(steps=%d, save=save, save_every=1, progress=False, **%r)
+    run(killed_train, 2, cfg, os.getpid(), moment, at, timeout=240)
+""" % (STEPS, OPTIONS))
 
 
-def test_a_kill_at_any_moment_of_periodic_saves_never_loses_the_run(tmp_path, straight):
-    """Ten kills at random moments of the periodic saves of a run that saves after every step:
-    each waits until rank 0 has logged a random step (its save starts right after) and then a
-    random fraction of a second, so the kills land before, inside and after saves whatever the
-    machine's load. Each time the newest complete step resumes onto the uninterrupted curve
-    (fp32, within 1e-6), and every step folder left behind loads."""
-    rng = random.Random(1234)
-    resumed_from = []
-    for attempt in range(10):
-        ckpt, log = tmp_path / f"run{attempt}", tmp_path / f"log{attempt}.jsonl"
-        p = _trainer(ckpt, log)
-        target, deadline = rng.randrange(STEPS), time.monotonic() + 240
-        while p.poll() is None and time.monotonic() < deadline:
-            if log.exists() and len(log.read_text().splitlines()) > target:
-                break
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0.0, 0.4))
-        family = _descendants(p.pid)      # its fork server and ranks (each rank its own group)
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        _wait_gone(family)   # a rank dies a moment after its server: a rename it had begun
-        # may still land then, and is part of what the kill left (read nothing before)
-        for step in checkpoint.step_folders(ckpt):        # nothing half-written is ever named step-N
-            checkpoint.check_resume(step, TrainConfig().model_config())
-        newest = checkpoint.latest(ckpt) if ckpt.exists() else None
-        start = int(newest.name[5:]) if newest else 0
-        resumed_from.append(start)
-        rest = _run(resume=str(ckpt), save=str(ckpt), save_every=1) if newest else _run(save=str(ckpt))
-        assert len(rest) == STEPS - start                  # killed after the last save: nothing left
-        assert all(abs(a - b) <= 1e-6 for a, b in zip(rest, straight[start:])), \
-            (attempt, start, rest, straight)
-        assert not list(ckpt.glob(".*")), f"leftovers after a completed run: {list(ckpt.glob('.*'))}"
-    assert sum(0 < s < STEPS for s in resumed_from) >= 3, f"too few kills between saves: {resumed_from}"
+# (where the kill lands, in the save of which step, what it leaves, the step resumed from)
+MOMENTS = [("before the save", 1, "nothing yet", 0),
+           ("files written, no metadata", 3, "a .tmp folder without .metadata", 2),
+           ("written, not renamed", 4, "a complete .tmp folder", 3),
+           ("renamed, older not pruned", 8, "three step folders", 8),   # nothing left to run
+           ("pruning", 7, "a half-pruned .old- folder", 7)]
+
+
+@pytest.mark.parametrize("moment, at, leaves, start", MOMENTS, ids=[m[0] for m in MOMENTS])
+def test_a_kill_at_any_moment_of_periodic_saves_never_loses_the_run(tmp_path, straight, moment, at, leaves, start):
+    """A run that saves after every step, SIGKILLed (its whole process group) at each moment
+    of a save where what is on disk differs: before it starts (as anywhere between saves),
+    with the data files written but not DCP's metadata, with the folder complete but not yet
+    renamed, renamed but the oldest not yet pruned, and during pruning. Each leaves what that
+    moment should; the newest complete step resumes onto the uninterrupted curve (fp32,
+    within 1e-6); every step folder left behind loads; the resumed run leaves nothing else."""
+    ckpt = tmp_path / "ckpt"
+    p = subprocess.Popen([sys.executable, "-c", KILLED, str(ckpt), moment, str(at)], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
+                         stderr=(tmp_path / "err").open("w"), start_new_session=True)   # its own group
+    family = set()
+    while p.poll() is None:           # its fork server and ranks (each rank its own group)
+        family |= _descendants(p.pid)
+        time.sleep(0.05)
+    assert p.returncode == -signal.SIGKILL, (tmp_path / "err").read_text()[-2000:]
+    _wait_gone(family)   # a rank dies a moment after its server: a rename it had begun
+    # may still land then, and is part of what the kill left (read nothing before)
+    names = sorted(q.name for q in ckpt.iterdir()) if ckpt.exists() else []
+    step = [f"step-{s:06d}" for s in range(at)]
+    assert names == {"before the save": [],
+                     "files written, no metadata": [f".step-{at:06d}.tmp", *step[-2:]],
+                     "written, not renamed": [f".step-{at:06d}.tmp", *step[-2:]],
+                     "renamed, older not pruned": [*step[-2:], f"step-{at:06d}"],
+                     "pruning": [f".old-step-{at - 2:06d}", *step[-1:], f"step-{at:06d}"]}[moment], leaves
+    if moment != "before the save":
+        tmp = ckpt / f".step-{at:06d}.tmp"
+        assert (tmp / ".metadata").exists() == (moment == "written, not renamed")
+        assert moment.startswith("renamed") or moment == "pruning" or any(tmp.glob("*.distcp"))
+    for folder in checkpoint.step_folders(ckpt):        # nothing half-written is ever named step-N
+        checkpoint.check_resume(folder, TrainConfig().model_config())
+    newest = checkpoint.latest(ckpt) if ckpt.exists() else None
+    assert (int(newest.name[5:]) if newest else 0) == start
+    rest = _run(resume=str(ckpt), save=str(ckpt), save_every=1) if newest else _run(save=str(ckpt))
+    assert len(rest) == STEPS - start                  # killed after the last save: nothing left
+    assert all(abs(a - b) <= 1e-6 for a, b in zip(rest, straight[start:])), (moment, start, rest, straight)
+    assert not list(ckpt.glob(".*")), f"leftovers after a completed run: {list(ckpt.glob('.*'))}"

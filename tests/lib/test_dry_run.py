@@ -55,14 +55,14 @@ def test_refusals():
 
 
 def test_llama3_70b_on_640_ranks(tmp_path):
-    """dp 20 × tp 8 × pp 4, SP, ZeRO-1, 16 micro-batches of one 8k sequence, bf16: every
+    """dp 20 × tp 8 × pp 4, SP, ZeRO-1, 4 micro-batches of one 8k sequence, bf16: every
     parameter is meta (the model is 70.6 B parameters, 141 GB in bf16; this process and its
     ranks never hold more than a fraction of one GB), and the four pipeline positions hold
     the whole model once per tp × dp replica."""
     import json
     out = tmp_path / "plan.json"
     reports = main(["--preset", "llama3-70b", "--dp", "20", "--tp", "8", "--pp", "4", "--sp",
-                    "--zero", "1", "--micro-batches", "16", "--batch", "320", "--seq", "8192",
+                    "--zero", "1", "--micro-batches", "4", "--batch", "80", "--seq", "8192",
                     "--precision", "bf16", "--world", "640", "--gpu", "H100-SXM", "--json", str(out)])
     assert json.loads(out.read_text()) == reports
     assert [r["pp_rank"] for r in reports] == [0, 1, 2, 3]

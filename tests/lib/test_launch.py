@@ -348,21 +348,37 @@ def test_when_the_caller_dies_nothing_is_left(tmp_path, sig):
 
 
 MANY = textwrap.dedent("""
-    import torch, torch.distributed as dist
+    import sys, time, torch, torch.distributed as dist
     from picolib.launch import run
     def work(k):
         t = torch.full((1,), float(k)); dist.all_reduce(t); return t.item()
-    for k in range(20):
+    print("ready", flush=True)
+    sys.stdin.readline()                 # every caller has imported torch: start together
+    for k in range(5):
+        t0 = time.monotonic()
         assert run(work, 4, k, timeout=60) == [4.0 * k] * 4
+        print("run", t0, time.monotonic(), flush=True)
     print("ok")
 """)
 
 
 def test_four_callers_at_once_do_not_collide():
-    procs = [subprocess.Popen([sys.executable, "-c", MANY], stdout=subprocess.PIPE, text=True)
-             for _ in range(4)]
+    """Four processes each run five 4-rank groups, released together once all have imported
+    torch, so their runs overlap in time (checked: each caller's runs meet another's)."""
+    procs = [subprocess.Popen([sys.executable, "-c", MANY], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    assert [p.stdout.readline() for p in procs] == ["ready\n"] * 4
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * 4 and all("ok" in o for o in outs)
+    spans = [[tuple(map(float, line.split()[1:])) for line in o.splitlines() if line.startswith("run")]
+             for o in outs]
+    assert [len(s) for s in spans] == [5] * 4
+    for i, mine in enumerate(spans):
+        others = [s for j, theirs in enumerate(spans) if j != i for s in theirs]
+        assert any(a < d and c < b for a, b in mine for c, d in others), f"caller {i} ran alone"
 
 
 TORCHRUN_SCRIPT = textwrap.dedent("""

@@ -3,6 +3,8 @@ ScheduleInterleavedZeroBubble order, run by picolib's executor; DualPipe with DD
 pairs of ranks, which sums the two copies' gradients); the validator
 rejects broken schedules; the simulator reproduces the bubble formulas; AFAB keeps m
 micro-batches of activations alive, 1F1B at most p."""
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -66,6 +68,7 @@ def _all_cases(p):
     return out
 
 
+@functools.cache      # one per m, shared by every schedule and both p
 def _reference(m):
     model = TinyLlama(CFG)
     tokens, targets = random_tokens(MB * m, SEQ, CFG.vocab_size, seed=1)
