@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from .flat import STATE
 from .layout import boxes_of_range, global_shapes, placements
 
-__all__ = ["STATE", "save", "load", "load_into", "latest", "step_folders", "check_resume",
+__all__ = ["STATE", "save", "tidy", "load", "load_into", "latest", "step_folders", "check_resume",
            "check_save"]
 
 KEYS = ("model",) + tuple(f"optim.{k}" for k in STATE)   # one whole tensor each, per parameter
@@ -246,10 +246,18 @@ def save(root, cfg, stages: dict, wrappers: dict, optimizers: list, next_step: i
             gone = root / f".old-{stale.name}"
             stale.rename(gone)                 # never a half-deleted step-NNNNNN
             shutil.rmtree(gone)
-        for left in [*root.glob(".old-step-*"), *root.glob(".step-*.tmp")]:
-            shutil.rmtree(left, ignore_errors=True)   # deletions and saves a kill interrupted
+        tidy(root)
     dist.barrier()
     return final
+
+
+def tidy(root) -> None:
+    """Remove what a killed save or deletion left in `root` (`.step-N.tmp`, `.old-step-N`):
+    never a step folder. The trainer's rank 0 calls it after each save and once at the start
+    of a run that saves there, so a run killed during its last save's pruning, resumed with
+    nothing left to train, still leaves only step folders."""
+    for left in [*Path(root).glob(".old-step-*"), *Path(root).glob(".step-*.tmp")]:
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def load_into(path, cfg, stages: dict, wrappers: dict, optimizers: list,

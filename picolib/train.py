@@ -221,6 +221,8 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     resumed = {"data_position": 0}
     start = checkpoint.load_into(checkpoint.latest(cfg.resume), cfg, stages, wrappers,
                                  optimizers, into=resumed) if cfg.resume else 0
+    if cfg.save and dist.get_rank() == 0 and os.path.isdir(cfg.save):
+        checkpoint.tidy(cfg.save)     # what a killed run's last save left behind
     # where this run is in its data: global batch number `position + (step - start)`
     data_at = resumed["data_position"] - start
     # the learning rate of each step, on every wrapper's torch optimizer (all its groups)
