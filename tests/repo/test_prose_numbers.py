@@ -185,15 +185,22 @@ def test_every_lesson_reports_issue_44s_examples_if_put_back(lesson_no, where, t
     planted, at = _with_sentence(cells, where, text)
     shifted = {(i if i < at else i + 1): v for i, v in outputs.items()}
     found = pn.check(lesson, shifted, other_lessons=_sections(request.config), cells=planted)
-    if not [u for u in found if u.cell == at] and where[0].isdigit():
-        # A measured value (06's zig-zag ratio) can land on the old number in a run; then the
-        # old sentence is true of that run and rightly binds: the section must print it.
-        start = max(i for i in range(at) if planted[i]["cell_type"] == "markdown"
-                    and "".join(planted[i]["source"]).lstrip().startswith("## "))
-        printed = " ".join(shifted.get(i, "") for i in range(start, at))
-        numbers = re.findall(r"\d+(?:\.\d+)?", text)
-        assert numbers and all(re.search(rf"(?<![\d.]){re.escape(n)}(?!\d)", printed) for n in numbers), \
-            f"{lesson.stem}: the old text was not reported: {text}"
+    named = where if where[0].isdigit() else (re.findall(r"\(§(\d+)\)", text) or [None])[0]
+    if not [u for u in found if u.cell == at] and named:
+        # A value can land on the old number in a run (06's measured zig-zag ratio; a bare
+        # 0.17 that 11b's §3 prints, which binds 17 %): then the sentence is true of that run
+        # and rightly binds, and the section it names must print the number (or, for a
+        # percentage, its fraction).
+        heads = [i for i, c in enumerate(planted) if c["cell_type"] == "markdown"
+                 and "".join(c["source"]).lstrip().startswith("## ")]
+        start = next(i for i in heads if pn.section_number("".join(planted[i]["source"]).lstrip()
+                                                            .split("\n")[0][3:]) == named)
+        end = next((i for i in heads if i > start), len(planted))
+        printed = " ".join(shifted.get(i, "") for i in range(start, end))
+        numbers = re.findall(r"\d+(?:\.\d+)?", text.replace(f"(§{named})", ""))
+        forms = [[n] + ([f"{float(n) / 100:.2f}"] if "%" in text else []) for n in numbers]
+        assert numbers and all(any(re.search(rf"(?<![\d.]){re.escape(f)}(?!\d)", printed) for f in fs)
+                               for fs in forms), f"{lesson.stem}: the old text was not reported: {text}"
         return
     assert [u for u in found if u.cell == at], f"{lesson.stem}: the old text was not reported: {text}"
 
