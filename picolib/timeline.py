@@ -343,7 +343,8 @@ def pick_unit(seconds: float) -> str:
 def plot_gantt(events, ax=None, title=None, colors=None, unit=None, xmax=None):
     """Gantt chart: one row per rank (rank 0 on top), a sub-row per lane (compute, comm),
     one box per span labelled like "F3" (name + meta `mb`, or meta `label`), coloured by
-    name (`COLORS`, overridden by `colors`); virtual-stage `chunk` > 0 is drawn lighter.
+    name (`COLORS`, overridden by `colors`; names given one colour share a legend entry);
+    virtual-stage `chunk` > 0 is drawn lighter.
     Spans of one row that overlap in time are stacked in sub-rows. `unit` ("s", "ms", "us")
     and `xmax` (seconds) let panels share one time axis: give each panel the same unit and
     the longest makespan. Draws into `ax` when given and never shows the figure. Returns
@@ -406,8 +407,10 @@ def plot_gantt(events, ax=None, title=None, colors=None, unit=None, xmax=None):
     ax.spines[["top", "right"]].set_visible(False)
     ax.grid(axis="x", color="#eeeeee", linewidth=0.8)
     ax.set_axisbelow(True)
-    names = list(dict.fromkeys(e["name"] for e in events))
-    ax.legend(handles=[Patch(color=palette[_key(n)], label=n.replace("_", "-")) for n in names],
+    by_colour: dict[tuple, list[str]] = {}   # names drawn in one colour share one legend entry
+    for n in dict.fromkeys(e["name"] for e in events):
+        by_colour.setdefault(to_rgb(palette[_key(n)]), []).append(n.replace("_", "-"))
+    ax.legend(handles=[Patch(color=c, label=", ".join(ns)) for c, ns in by_colour.items()],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=9)
     if title:
         ax.set_title(title)

@@ -186,6 +186,17 @@ def test_plot_gantt_one_patch_per_span():
     plt.close(ax.figure)
 
 
+def test_plot_gantt_names_drawn_in_one_colour_share_a_legend_entry():
+    """Lesson 05 draws norms and residuals in one colour: one entry names both, not two alike."""
+    import matplotlib.pyplot as plt
+    events = [ev(0, "norm", 0, 1), ev(0, "attention", 1, 3), ev(0, "residual", 3, 4), ev(0, "MLP", 4, 6)]
+    ax = plot_gantt(events, colors={"norm": "grey", "residual": "grey", "attention": "blue", "MLP": "blue"})
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["norm, residual", "attention, MLP"]
+    ax = plot_gantt(events, colors={"norm": "grey", "residual": "red", "attention": "blue", "MLP": "green"})
+    assert len(ax.get_legend().get_texts()) == 4
+    plt.close("all")
+
+
 def test_plot_gantt_stacks_overlapping_spans_and_shares_a_time_axis():
     """Two gathers in flight at once on one lane get a row each (ZeRO-3 prefetch); panels
     given one unit and the longest makespan share a time axis; nothing is shown."""
