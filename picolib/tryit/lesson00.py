@@ -201,6 +201,19 @@ def draw_traffic(ax, traffic: dict | None = None, nbytes: int = 32768) -> None:
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
+def traffic_table(traffic: dict, nbytes: int) -> str:
+    """The bytes one rank (rank 0) sent, one row per N: `traffic[N]` is `run`'s list of per-rank
+    results with bytes by op in item 3, as in `draw_traffic`. Columns: picolib's rings counted,
+    reduce-scatter + all-gather, and the ledger's formula for gloo's own all-reduce."""
+    rows = [f"bytes one rank sent, B = {nbytes // 2**10} KiB",
+            " N | reduce-scatter | all-gather | all-reduce | RS+AG  | formula AR"]
+    for n, res in traffic.items():
+        s = res[0][3]
+        rows.append(f"{n:2d} | {s['reduce_scatter']:14d} | {s['all_gather']:10d} | {s['all_reduce']:10d} "
+                    f"| {s['reduce_scatter'] + s['all_gather']:6d} | {s['native all_reduce (formula)']}")
+    return "\n".join(rows)
+
+
 def time_ring_all_reduce(sizes, repeats: int = 7) -> dict:
     """Run on every rank: seconds of picolib's `comm.ring_all_reduce` on float32 buffers of
     each size in `sizes` (elements), the fastest of `repeats` runs after a warm-up (the
@@ -223,3 +236,75 @@ def time_ring_all_reduce(sizes, repeats: int = 7) -> dict:
             ts.append(time.perf_counter() - t0)
         best[numel] = min(ts)
     return best
+
+
+def fit_alpha_beta(seconds: dict[int, float], n: int = 2) -> tuple[float, float]:
+    """α (seconds per ring step) and 1/β (seconds per byte) fitted by least squares to ring
+    all-reduce times on `n` ranks: `seconds[numel]` for a float32 buffer of `numel` elements,
+    modelled as τ = 2(N−1)·α + (bytes one rank sends)/β."""
+    import torch
+
+    from ..comm import ring_sent_bytes
+
+    if n < 2 or len(seconds) < 2:
+        raise ValueError(f"need n ≥ 2 and at least two buffer sizes; got n={n}, {len(seconds)} size(s)")
+    sent = [float(ring_sent_bytes("all_reduce", 4 * numel, n)) for numel in seconds]
+    fit = torch.linalg.lstsq(torch.tensor([[1.0, s] for s in sent], dtype=torch.float64),
+                             torch.tensor(list(seconds.values()), dtype=torch.float64)).solution
+    intercept, per_byte = fit.tolist()
+    return intercept / (2 * (n - 1)), per_byte
+
+
+# ---------------------------------------------------------------- three ways a run goes wrong
+# (each runs on every rank of a group; `three_failures` runs them)
+
+def raises_on_rank_2():
+    import torch.distributed as dist
+    if dist.get_rank() == 2:
+        raise ValueError("rank 2 refuses")
+
+
+def rank_1_skips_the_all_reduce():
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm
+    if dist.get_rank() != 1:
+        time.sleep(0.5)                 # some work first, then the all-reduce rank 1 never joins
+        comm.all_reduce(torch.ones(4))
+
+
+def rank_3_is_killed():
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm
+    if dist.get_rank() == 3:
+        os.kill(os.getpid(), signal.SIGKILL)   # what the out-of-memory killer does
+    comm.all_reduce(torch.ones(1))
+
+
+def three_failures(timeout: float = 3.0) -> dict[str, BaseException]:
+    """Run three broken programs with `launch.run` and return what each raised, by case: rank 2
+    of 4 raises (`raises_on_rank_2`); rank 1 of 2 skips an all-reduce its peer waits in, stopped
+    after `timeout` seconds (`rank_1_skips_the_all_reduce`); rank 3 of 4 is killed by SIGKILL
+    (`rank_3_is_killed`). A case that raises nothing is an error here."""
+    from ..launch import run
+
+    cases = {"rank 2 raises": (raises_on_rank_2, 4, 30),
+             "rank 1 skips an all-reduce": (rank_1_skips_the_all_reduce, 2, timeout),
+             "rank 3 is killed": (rank_3_is_killed, 4, 30)}
+    raised = {}
+    for case, (fn, n, limit) in cases.items():
+        try:
+            run(fn, n, timeout=limit)
+        except Exception as e:          # noqa: BLE001 — what the case raised is the result
+            raised[case] = e
+        else:
+            raise AssertionError(f"{case}: the run finished without an error")
+    return raised

@@ -78,3 +78,39 @@ def test_drawing_helpers_fill_every_panel():
     fig.suptitle("ring")
     assert problems(fig) == []
     plt.close("all")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_fit_recovers_alpha_and_beta_from_exact_ring_times(n):
+    from picolib.tryit.lesson00 import fit_alpha_beta
+    alpha, beta = 40e-6, 2e9
+    seconds = {numel: 2 * (n - 1) * alpha + comm.ring_sent_bytes("all_reduce", 4 * numel, n) / beta
+               for numel in (4096, 65536, 1048576)}
+    got_alpha, per_byte = fit_alpha_beta(seconds, n)
+    assert got_alpha == pytest.approx(alpha, rel=1e-6) and 1 / per_byte == pytest.approx(beta, rel=1e-6)
+    with pytest.raises(ValueError):
+        fit_alpha_beta({4096: 1e-3}, n)                       # one size cannot separate α from β
+
+
+def test_three_failures_come_back_as_exceptions_naming_the_rank():
+    from picolib.launch import WorkerError, WorkerTimeout
+    from picolib.tryit.lesson00 import three_failures
+    raised = three_failures(timeout=3)
+    assert list(raised) == ["rank 2 raises", "rank 1 skips an all-reduce", "rank 3 is killed"]
+    error, hang, death = raised.values()
+    assert isinstance(error, WorkerError) and error.rank == 2 and "raises_on_rank_2" in error.remote_traceback
+    assert isinstance(hang, WorkerTimeout) and "ranks [0] did not finish" in str(hang)
+    assert "rank 0 was here" in str(hang) and "in all_reduce" in str(hang)     # the stuck rank's stack
+    assert isinstance(death, WorkerError) and death.rank == 3 and "SIGKILL" in str(death)
+
+
+def test_the_traffic_table_prints_rank_0s_counts_and_their_sum():
+    from picolib.tryit.lesson00 import traffic_table
+    nbytes = 8192 * 4
+    traffic = {n: [(None, None, None, {"reduce_scatter": 10 * n + r, "all_gather": 100 * n + r,
+                                       "all_reduce": 1000 * n + r, "native all_reduce (formula)": 7 * n})
+                   for r in range(n)] for n in (2, 4)}
+    head, columns, *rows = traffic_table(traffic, nbytes).splitlines()
+    assert "32 KiB" in head and len(rows) == 2
+    for n, row in zip((2, 4), rows):
+        assert [int(c) for c in row.split("|")] == [n, 10 * n, 100 * n, 1000 * n, 110 * n, 7 * n]   # rank 0's
