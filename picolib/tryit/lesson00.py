@@ -239,19 +239,24 @@ def time_ring_all_reduce(sizes, repeats: int = 7) -> dict:
 
 
 def fit_alpha_beta(seconds: dict[int, float], n: int = 2) -> tuple[float, float]:
-    """α (seconds per ring step) and 1/β (seconds per byte) fitted by least squares to ring
-    all-reduce times on `n` ranks: `seconds[numel]` for a float32 buffer of `numel` elements,
-    modelled as τ = 2(N−1)·α + (bytes one rank sends)/β."""
+    """α (seconds per ring step) and 1/β (seconds per byte) fitted to ring all-reduce times on
+    `n` ranks: `seconds[numel]` for a float32 buffer of `numel` elements, modelled as
+    τ = 2(N−1)·α + (bytes one rank sends)/β. Least squares on relative errors, so the small
+    buffers (where α shows) weigh as much as the large ones (where β shows); α is held ≥ 0, since
+    on a noisy machine a free fit can return a negative latency."""
     import torch
 
     from ..comm import ring_sent_bytes
 
     if n < 2 or len(seconds) < 2:
         raise ValueError(f"need n ≥ 2 and at least two buffer sizes; got n={n}, {len(seconds)} size(s)")
-    sent = [float(ring_sent_bytes("all_reduce", 4 * numel, n)) for numel in seconds]
-    fit = torch.linalg.lstsq(torch.tensor([[1.0, s] for s in sent], dtype=torch.float64),
-                             torch.tensor(list(seconds.values()), dtype=torch.float64)).solution
-    intercept, per_byte = fit.tolist()
+    sent = torch.tensor([float(ring_sent_bytes("all_reduce", 4 * numel, n)) for numel in seconds],
+                        dtype=torch.float64)
+    tau = torch.tensor(list(seconds.values()), dtype=torch.float64)
+    a = torch.stack([torch.ones_like(sent), sent], dim=1) / tau[:, None]
+    intercept, per_byte = torch.linalg.lstsq(a, torch.ones_like(tau)).solution.tolist()
+    if intercept < 0:                                   # the best fit with α = 0
+        intercept, per_byte = 0.0, float((sent / tau).sum() / (sent / tau).square().sum())
     return intercept / (2 * (n - 1)), per_byte
 
 

@@ -92,6 +92,21 @@ def test_the_fit_recovers_alpha_and_beta_from_exact_ring_times(n):
         fit_alpha_beta({4096: 1e-3}, n)                       # one size cannot separate α from β
 
 
+def test_the_fit_weighs_small_buffers_and_never_returns_a_negative_latency():
+    from picolib.tryit.lesson00 import fit_alpha_beta
+    alpha, beta = 40e-6, 2e9
+    exact = {numel: 2 * alpha + comm.ring_sent_bytes("all_reduce", 4 * numel, 2) / beta
+             for numel in (4096, 65536, 1048576, 4194304)}
+    noisy = {**exact, 4194304: exact[4194304] * 1.05}     # 5 % noise on the largest buffer only
+    got_alpha, _ = fit_alpha_beta(noisy)
+    assert got_alpha == pytest.approx(alpha, rel=0.3)     # an unweighted fit is off by far more
+    no_latency = {numel: comm.ring_sent_bytes("all_reduce", 4 * numel, 2) / beta for numel in exact}
+    got_alpha, per_byte = fit_alpha_beta({**no_latency, 4096: no_latency[4096] / 2})   # faster than β allows
+    assert got_alpha == 0 and beta < 1 / per_byte < 2 * beta   # a free fit: α < 0
+    got_alpha, per_byte = fit_alpha_beta(no_latency)
+    assert got_alpha == 0 and 1 / per_byte == pytest.approx(beta, rel=0.2)
+
+
 def test_three_failures_come_back_as_exceptions_naming_the_rank():
     from picolib.launch import WorkerError, WorkerTimeout
     from picolib.tryit.lesson00 import three_failures
