@@ -8,13 +8,18 @@
 with `n_layers` blocks, in the order backward produces them, packed by
 `picolib.data_parallel.assign_buckets`. tests/lessons/test_tryit_02.py checks it against the
 buckets and the all-reduce calls of a real `DDP` on two ranks.
+
+Below the knob: helpers the lesson's cells run on ranks ("checking it") and the lesson's
+plumbing (slicing a batch, the one-process reference, section 2's table and figure, section
+3's figure and summary), each checked in tests/lessons/test_tryit_02.py.
 """
 from __future__ import annotations
 
 from ..data_parallel import assign_buckets
 from ..model import LlamaConfig, TinyLlama
 
-__all__ = ["bucket_plan", "buckets", "through_root_vs_ring", "emulate_backward"]
+__all__ = ["bucket_plan", "buckets", "through_root_vs_ring", "emulate_backward", "rows", "max_diff",
+           "single_process", "print_calls", "plot_calls", "last_step", "plot_overlap", "overlap_summary"]
 
 
 def bucket_plan(cap_kib: int, n_layers: int, base: LlamaConfig | None = None) -> dict:
@@ -212,3 +217,105 @@ def emulate_backward(model, timeline, seconds: float) -> None:
     for name, module in [("head", model.lm_head)] + [(f"B{i}", b) for i, b in enumerate(model.blocks)]:
         module.register_full_backward_pre_hook(before(name))
         module.register_full_backward_hook(after(name))
+
+
+# --------------------------------------------------------------------------- the lesson's plumbing
+# Slicing batches, comparing weights, printing and drawing: what the lesson's cells call so
+# that what they show is the data parallelism itself.
+
+def rows(tokens, targets, pieces: int, i: int):
+    """Slice `i` of `pieces` equal slices of a batch (rows of `tokens` and `targets`)."""
+    n = tokens.shape[0]
+    if pieces < 1 or n % pieces or not 0 <= i < pieces:
+        raise ValueError(f"cannot take slice {i} of {pieces} equal slices of {n} rows")
+    k = n // pieces
+    return tokens[i * k:(i + 1) * k], targets[i * k:(i + 1) * k]
+
+
+def max_diff(a, b) -> float:
+    """The largest absolute difference between two lists of tensors (weights of two runs)."""
+    a, b = list(a), list(b)
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} tensors against {len(b)}")
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def single_process(cfg: LlamaConfig, batch_fn, steps: int, lr: float) -> list:
+    """The reference: one process trains a tiny Llama with SGD on the whole batch
+    `batch_fn(step)` (tokens, targets) for `steps` steps; returns its weights."""
+    import torch
+    model = TinyLlama(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        model.loss(*batch_fn(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def print_calls(counts: dict, sizes: list) -> None:
+    """Section 2's table: for naive DP and each bucket cap in `counts` ({"naive" or cap:
+    (all-reduces, buffer bytes, bytes sent per rank)}), the buckets `assign_buckets` plans for
+    the gradient `sizes`, and what the Ledger counted."""
+    print(f"{'bucket cap':>12} {'buckets':>8} {'all-reduces':>12} {'bytes':>9} {'sent/rank (ring formula)':>25}")
+    for cap, (calls, nbytes, sent) in counts.items():
+        planned = "—" if cap == "naive" else len(assign_buckets(sizes, cap))
+        label = "naive DP" if cap == "naive" else f"{cap:,}"
+        print(f"{label:>12} {planned:>8} {calls:>12} {nbytes:>9,} {sent:>25,}")
+
+
+def plot_calls(counts: dict, caps: list, ax=None):
+    """Section 2's figure: all-reduce calls per step against the bucket cap (log axis), naive
+    DP's one call per tensor as a dashed line. Returns the Axes (the caller shows it)."""
+    import matplotlib.pyplot as plt
+    from ..style import COLLECTIVES
+    if ax is None:
+        ax = plt.subplots(figsize=(6.5, 3.2), layout="constrained")[1]
+    ax.plot(caps, [counts[c][0] for c in caps], "o-", color=COLLECTIVES["all_reduce"],
+            label="DDP: one per bucket")
+    ax.axhline(counts["naive"][0], color="grey", ls="--", label="naive DP: one per tensor")
+    ax.set_xscale("log")
+    ax.set(xlabel="bucket_cap_bytes (bytes, log scale)", ylabel="all-reduce calls per step",
+           title="bucketing: the same 4Ψ bytes, fewer calls", ylim=(0, counts["naive"][0] * 1.15))
+    ax.legend(loc="lower left")
+    return ax
+
+
+def last_step(events: list) -> list:
+    """One rank's timeline events from its last forward ("F") on: the step a figure shows."""
+    starts = [e["start"] for e in events if e["name"] == "F"]
+    if not starts:
+        raise ValueError("no forward span (\"F\") among the events")
+    return [e for e in events if e["start"] >= max(starts)]
+
+
+def plot_overlap(timelines: dict, costs: dict):
+    """Section 3's figure: one Gantt panel per run in `timelines` ({overlap: events of the
+    ranks}), on one time axis, the emulated costs in the titles. Returns the Figure."""
+    import matplotlib.pyplot as plt
+    from ..timeline import merge, plot_gantt
+    merged = {k: merge(v) for k, v in timelines.items()}
+    longest = max(max(e["end"] for e in ev) for ev in merged.values())
+    fig, axes = plt.subplots(len(merged), 1, figsize=(11, 2.6 * len(merged)), layout="constrained",
+                             squeeze=False)
+    for ax, (overlap, events) in zip(axes[:, 0], merged.items()):
+        plot_gantt(events, ax=ax, unit="ms", xmax=longest,
+                   title=f"DDP, overlap={overlap} (emulated costs: B {costs['B'] * 1e3:.0f} ms/block, "
+                         f"all-reduce {costs['all_reduce'] * 1e3:.0f} ms/bucket)")
+    return fig
+
+
+def overlap_summary(events: list, rank: int) -> dict:
+    """Section 3's measurements on one rank's step: all-reduces issued before backward ended,
+    the exposed communication (end of backward to end of the last all-reduce), the
+    all-reduce time hidden under backward, and the step, in ms."""
+    from ..timeline import overlap_time
+    mine = [e for e in events if e["rank"] == rank]
+    b_end = max(e["end"] for e in mine if e["name"] == "B")
+    comms = [e for e in mine if e["name"] == "all_reduce"]
+    if not comms:
+        raise ValueError(f"rank {rank} has no all_reduce span")
+    return {"issued under backward": sum(e["meta"]["issued"] < b_end for e in comms),
+            "exposed comm (ms)": 1e3 * (max(e["end"] for e in comms) - b_end),
+            "comm hidden by backward (ms)": 1e3 * overlap_time(mine, rank, "B", "all_reduce"),
+            "step (ms)": 1e3 * (max(e["end"] for e in mine) - min(e["start"] for e in mine))}

@@ -65,3 +65,127 @@ def test_every_bucket_is_visible_and_labelled_with_its_size():
     assert "256 B" in labels and "64 KiB" in labels and len(labels) == plan["calls"]
     assert problems(fig) == []
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- the lesson's plumbing
+# The helpers lesson 02's cells call (slicing, the reference run, the table, the figures, the
+# overlap summary): each against a value worked out here by hand.
+
+def _ev(rank, name, start, end, lane="compute", **meta):
+    return {"rank": rank, "name": name, "lane": lane, "start": start, "end": end,
+            "emulated": False, "cost": None, "meta": meta}
+
+
+def test_rows_are_equal_slices_that_rebuild_the_batch():
+    import torch
+    from picolib.tryit.lesson02 import rows
+    tokens, targets = torch.arange(24).view(8, 3), torch.arange(24).view(8, 3) + 100
+    parts = [rows(tokens, targets, 4, i) for i in range(4)]
+    assert all(x.shape == (2, 3) for x, _ in parts)
+    assert torch.equal(torch.cat([x for x, _ in parts]), tokens)
+    assert torch.equal(torch.cat([y for _, y in parts]), targets)
+    assert torch.equal(rows(tokens, targets, 4, 2)[0], tokens[4:6])
+    for pieces, i in [(3, 0), (4, 4), (0, 0)]:       # uneven, out of range, no slices
+        with pytest.raises(ValueError):
+            rows(tokens, targets, pieces, i)
+
+
+def test_max_diff_is_the_largest_gap_over_all_tensors():
+    import torch
+    from picolib.tryit.lesson02 import max_diff
+    a = [torch.zeros(3), torch.ones(2, 2)]
+    b = [torch.tensor([0.0, -0.25, 0.0]), torch.full((2, 2), 1.5)]
+    assert max_diff(a, a) == 0.0 and max_diff(a, b) == 0.5
+    with pytest.raises(ValueError):
+        max_diff(a, b[:1])
+
+
+def test_single_process_takes_plain_sgd_steps_on_the_whole_batch():
+    import torch
+    from picolib.tryit.lesson02 import single_process
+    cfg, lr = LlamaConfig().replace(n_layers=1), 0.1
+    batch = lambda step: random_tokens(4, 8, cfg.vocab_size, seed=7 + step)
+    model = TinyLlama(cfg)                            # the same seed: the same start
+    for step in range(2):
+        grads = torch.autograd.grad(model.loss(*batch(step)), list(model.parameters()))
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), grads):
+                p -= lr * g
+    got = single_process(cfg, batch, 2, lr)
+    assert max((w - p).abs().max().item() for w, p in zip(got, model.parameters())) < 1e-6
+    start = [p.detach() for p in TinyLlama(cfg).parameters()]
+    assert max((w - p).abs().max().item() for w, p in zip(got, start)) > 1e-4   # it did move
+
+
+def test_print_calls_prints_the_planned_buckets_beside_the_counts(capsys):
+    from picolib.data_parallel import assign_buckets
+    from picolib.tryit.lesson02 import print_calls
+    sizes = [400, 300, 200, 100]
+    counts = {"naive": (4, 1000, 1000), 500: (7, 1000, 1000), 10_000: (9, 1000, 1000)}   # ≠ the plan: the columns differ
+    print_calls(counts, sizes)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + len(counts) and "bucket cap" in lines[0]
+    assert lines[1].split()[:3] == ["naive", "DP", "—"]
+    for line, cap in zip(lines[2:], (500, 10_000)):
+        cells = line.split()
+        assert cells[0] == f"{cap:,}" and int(cells[1]) == len(assign_buckets(sizes, cap))
+        assert int(cells[2]) == counts[cap][0]
+    assert [int(line.split()[1]) for line in lines[2:]] == [3, 1]   # 400 | 300+200 | 100; all
+
+
+def test_plot_calls_draws_the_counted_calls_against_the_cap():
+    import matplotlib.pyplot as plt
+    from picolib.figure_check import problems
+    from picolib.tryit.lesson02 import plot_calls
+    counts = {"naive": (39, 1, 1), 1: (39, 1, 1), 2**16: (13, 1, 1), 2**20: (1, 1, 1)}
+    ax = plot_calls(counts, [1, 2**16, 2**20])
+    line, naive = ax.lines
+    assert list(line.get_xdata()) == [1, 2**16, 2**20] and list(line.get_ydata()) == [39, 13, 1]
+    assert list(naive.get_ydata()) == [39, 39] and ax.get_xscale() == "log"
+    assert ax.get_ylim()[1] > 39                      # the naive line is not on the frame
+    assert problems(ax.figure) == []
+    plt.close(ax.figure)
+
+
+def _step(rank, overlap):
+    """One rank's step: a forward, two blocks' backward, two all-reduces of 20 ms (issued
+    under backward with overlap, after it without)."""
+    ev = [_ev(rank, "F", 0.00, 0.04), _ev(rank, "B", 0.04, 0.07, label="head"),
+          _ev(rank, "B", 0.07, 0.10, label="B0")]
+    starts = (0.07, 0.10) if overlap else (0.10, 0.12)
+    ev += [_ev(rank, "all_reduce", s, s + 0.02, lane="comm", issued=s) for s in starts]
+    return ev
+
+
+def test_last_step_keeps_the_events_from_the_last_forward_on():
+    from picolib.tryit.lesson02 import last_step
+    warm = [_ev(0, "F", -1.0, -0.9), _ev(0, "B", -0.9, -0.8)]
+    assert last_step(warm + _step(0, True)) == _step(0, True)
+    with pytest.raises(ValueError):
+        last_step(_step(0, True)[1:])
+
+
+def test_overlap_summary_measures_issued_exposed_and_hidden_time():
+    from picolib.tryit.lesson02 import overlap_summary
+    events = _step(0, True) + _step(1, False)
+    on, off = overlap_summary(events, 0), overlap_summary(events, 1)
+    assert on["issued under backward"] == 1 and off["issued under backward"] == 0
+    assert on["exposed comm (ms)"] == pytest.approx(20) and off["exposed comm (ms)"] == pytest.approx(40)
+    assert on["comm hidden by backward (ms)"] == pytest.approx(20) and off["comm hidden by backward (ms)"] == 0
+    assert on["step (ms)"] == pytest.approx(120) and off["step (ms)"] == pytest.approx(140)
+    with pytest.raises(ValueError):
+        overlap_summary([e for e in events if e["name"] != "all_reduce"], 0)
+
+
+def test_plot_overlap_draws_one_panel_per_run_on_one_time_axis():
+    import matplotlib.pyplot as plt
+    from picolib.figure_check import problems
+    from picolib.tryit.lesson02 import plot_overlap
+    fig = plot_overlap({True: _step(0, True) + _step(1, True), False: _step(0, False) + _step(1, False)},
+                       {"B": 0.03, "all_reduce": 0.02})
+    top, bottom = fig.axes[:2]
+    assert "overlap=True" in top.get_title() and "overlap=False" in bottom.get_title()
+    assert "B 30 ms/block" in top.get_title() and "all-reduce 20 ms/bucket" in top.get_title()
+    assert top.get_xlim() == bottom.get_xlim()        # the longer run sets both axes
+    assert problems(fig) == []
+    plt.close(fig)
