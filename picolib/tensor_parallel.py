@@ -319,7 +319,8 @@ def apply_tensor_parallel(model: TinyLlama, tp=None, *, sequence_parallel: bool 
         return SequenceParallelRMSNorm(m, group) if sequence_parallel else m
 
     if model.embed is not None:
-        model.embed = VocabParallelEmbedding(model.embed, group, region.leave)
+        model.embed = VocabParallelEmbedding(model.embed, group, region.leave,
+                                             slot=tp_cut("embed", n, dist.get_rank(group)).index)
     for block in model.blocks:
         block.attn_norm, block.mlp_norm = norm(block.attn_norm), norm(block.mlp_norm)
         block.attn = ParallelAttention(block.attn, group, region)

@@ -21,12 +21,15 @@ __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "VocabParal
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r holds rows [r·v/tp, (r+1)·v/tp) of the table; a token outside gives zeros,
-    so summing over ranks (`reduce`: all-reduce, or reduce-scatter under SP) is the lookup."""
+    """Slice r holds rows [r·v/tp, (r+1)·v/tp) of the table; a token outside gives zeros,
+    so summing over ranks (`reduce`: all-reduce, or reduce-scatter under SP) is the lookup.
+    `slot`: the slice this rank holds — `tensor_parallel.tp_cut` decides it when the model is
+    made tensor-parallel; by default the rank's index in `group`."""
 
-    def __init__(self, embedding: nn.Embedding, group=None, reduce=reduce_from_region):
+    def __init__(self, embedding: nn.Embedding, group=None, reduce=reduce_from_region, slot: int | None = None):
         super().__init__()
-        tp, r = dist.get_world_size(group), dist.get_rank(group)
+        tp = dist.get_world_size(group)
+        r = dist.get_rank(group) if slot is None else slot
         v = embedding.num_embeddings
         if v % tp:
             raise ValueError(f"tp={tp} must divide vocab_size={v}")
