@@ -157,15 +157,16 @@ def _stage_seconds(cfg, par, hw, moe, eff, ceiling):
     return out
 
 
-def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout):
+def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block="llama", mla=None):
     """{piece: (F, B, W, core) seconds per micro-batch} on one tp rank: every op of
-    `roofline.layer_ops` (and `head_ops` on the last piece) at `roofline.op_seconds` on `hw`;
+    `roofline.layer_ops` (`embedding_ops` on the first piece, `head_ops` on the last) at
+    `roofline.op_seconds` on `hw`;
     `core` is the forward of the unfused attention core (what selective recomputation
     repeats; 0 with a fused kernel, whose backward already recomputes it)."""
     from dataclasses import replace as _replace
     from .parallel_layout import pieces as _n_pieces, stage_layers
     from .planner import elem_bytes
-    from .roofline import head_ops, layer_ops, op_seconds
+    from .roofline import embedding_ops, head_ops, layer_ops, op_seconds
     if ceiling is not None:
         hw = _replace(hw, matmul_eff=ceiling)
     e = 1 if par.precision == "fp8" else elem_bytes(par.precision)
@@ -187,10 +188,13 @@ def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout):
                 core += tf
         return f, b, w, core
 
-    layer = price(layer_ops(cfg, tokens, par.seq, par.tp, par.sp, e, par.flash, moe, par.ep, dropout))
+    layer = price(layer_ops(cfg, tokens, par.seq, par.tp, par.sp, e, par.flash, moe, par.ep, dropout,
+                            block, mla))
     head = price(head_ops(cfg, tokens, par.tp, par.sp, e))
+    emb = price(embedding_ops(cfg, tokens, par.tp, e, block))
     n = _n_pieces(par)
-    return {piece: tuple(k * x + (y if piece == n - 1 else 0) for x, y in zip(layer, head))
+    return {piece: tuple(k * x + (y if piece == n - 1 else 0) + (z if piece == 0 else 0)
+                         for x, y, z in zip(layer, head, emb))
             for piece, k in enumerate(stage_layers(cfg.n_layers, n))}
 
 
@@ -253,13 +257,15 @@ def _dp_seconds(cfg, par, hw, moe, pp_rank):
 def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | None = None,
               efficiency: float | None = None, alpha: float = ALPHA, *,
               ceiling: float | None = None, ep_overlap: float = 1.0,
-              ep_nodes: int | None = None, causal: bool = True, dropout: bool = False) -> dict:
+              ep_nodes: int | None = None, causal: bool = True, dropout: bool = False,
+              block: str = "llama", mla=None) -> dict:
     """Seconds of one step, its parts, tokens/s and MFU, from the slowest pipeline rank.
 
     Each op of the schedule (F, B, W, BW of a stage and micro-batch) costs its compute —
     every op of its layers (and the head and loss on the last piece) at `roofline.op_seconds`
     with the preset's measured fractions (`ceiling` overrides the matmuls' `matmul_eff`;
-    `dropout`: GPT's dropouts, as Megatron's runs had them; recomputation repeats the forward
+    `dropout`: GPT's dropouts, as Megatron's runs had them; `block`, `mla`: `layer_ops`'s
+    GPT block and DeepSeek's latent attention; recomputation repeats the forward
     (full) or the unfused attention core (selective; a fused kernel's backward already
     recomputes it)); or, with `efficiency`, the old single constant: every matmul at
     `efficiency` × peak and the attention core too, nothing else — plus its collectives on the
@@ -295,7 +301,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     if efficiency is not None:   # the old single constant: matmuls and attention only, datasheet links
         comp = {k: (*v, 0.0) for k, v in _stage_seconds(cfg, par, hw, moe, efficiency, 0.75).items()}
     else:                        # every op on the roofline, the links at NCCL's achieved fraction
-        comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout)
+        comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block, mla)
         hw = _replace(hw, levels=tuple(_replace(lv, per_gpu=lv.per_gpu * hw.link_eff, total=lv.total * hw.link_eff)
                                        for lv in hw.levels))
     full = par.recompute == "full"
