@@ -157,16 +157,17 @@ def _stage_seconds(cfg, par, hw, moe, eff, ceiling):
     return out
 
 
-def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block="llama", mla=None):
+def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block="llama", mla=None, mtp=0):
     """{piece: (F, B, W, core) seconds per micro-batch} on one tp rank: every op of
-    `roofline.layer_ops` (`embedding_ops` on the first piece, `head_ops` on the last) at
-    `roofline.op_seconds` on `hw`;
+    `roofline.layer_ops` (`embedding_ops` on the first piece, `head_ops` on the last; `mtp`
+    multi-token-prediction modules on the last too: each `mtp_ops`, one more layer and the
+    head again) at `roofline.op_seconds` on `hw`;
     `core` is the forward of the unfused attention core (what selective recomputation
     repeats; 0 with a fused kernel, whose backward already recomputes it)."""
     from dataclasses import replace as _replace
     from .parallel_layout import pieces as _n_pieces, stage_layers
     from .planner import elem_bytes
-    from .roofline import embedding_ops, head_ops, layer_ops, op_seconds
+    from .roofline import embedding_ops, head_ops, layer_ops, mtp_ops, op_seconds
     if ceiling is not None:
         hw = _replace(hw, matmul_eff=ceiling)
     e = 1 if par.precision == "fp8" else elem_bytes(par.precision)
@@ -192,6 +193,8 @@ def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block="llama", mla=N
                             block, mla))
     head = price(head_ops(cfg, tokens, par.tp, par.sp, e))
     emb = price(embedding_ops(cfg, tokens, par.tp, e, block))
+    extra = price(mtp_ops(cfg, tokens, par.tp, par.sp, e))
+    head = tuple(y + mtp * (x + y + z) for x, y, z in zip(layer, head, extra))
     n = _n_pieces(par)
     return {piece: tuple(k * x + (y if piece == n - 1 else 0) + (z if piece == 0 else 0)
                          for x, y, z in zip(layer, head, emb))
@@ -258,14 +261,15 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
               efficiency: float | None = None, alpha: float = ALPHA, *,
               ceiling: float | None = None, ep_overlap: float = 1.0,
               ep_nodes: int | None = None, causal: bool = True, dropout: bool = False,
-              block: str = "llama", mla=None) -> dict:
+              block: str = "llama", mla=None, mtp: int = 0) -> dict:
     """Seconds of one step, its parts, tokens/s and MFU, from the slowest pipeline rank.
 
     Each op of the schedule (F, B, W, BW of a stage and micro-batch) costs its compute —
     every op of its layers (and the head and loss on the last piece) at `roofline.op_seconds`
     with the preset's measured fractions (`ceiling` overrides the matmuls' `matmul_eff`;
     `dropout`: GPT's dropouts, as Megatron's runs had them; `block`, `mla`: `layer_ops`'s
-    GPT block and DeepSeek's latent attention; recomputation repeats the forward
+    GPT block and DeepSeek's latent attention; `mtp`: DeepSeek's multi-token-prediction
+    modules on the last stage; recomputation repeats the forward
     (full) or the unfused attention core (selective; a fused kernel's backward already
     recomputes it)); or, with `efficiency`, the old single constant: every matmul at
     `efficiency` × peak and the attention core too, nothing else — plus its collectives on the
@@ -301,7 +305,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     if efficiency is not None:   # the old single constant: matmuls and attention only, datasheet links
         comp = {k: (*v, 0.0) for k, v in _stage_seconds(cfg, par, hw, moe, efficiency, 0.75).items()}
     else:                        # every op on the roofline, the links at NCCL's achieved fraction
-        comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block, mla)
+        comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block, mla, mtp)
         hw = _replace(hw, levels=tuple(_replace(lv, per_gpu=lv.per_gpu * hw.link_eff, total=lv.total * hw.link_eff)
                                        for lv in hw.levels))
     full = par.recompute == "full"

@@ -48,7 +48,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
 __all__ = ["attainable", "op_time", "ridge", "measure_peak", "measure_bandwidth", "GROUPS",
-           "MLAShape", "layer_ops", "embedding_ops", "head_ops", "op_seconds",
+           "MLAShape", "layer_ops", "embedding_ops", "mtp_ops", "head_ops", "op_seconds",
            "StepProfile", "profile_step", "draw_roofline", "CHIPS", "tensor_peak"]
 
 # the kinds of work one step of the tiny Llama does, in the order the lesson shows them
@@ -433,6 +433,19 @@ def embedding_ops(cfg, tokens: int, tp: int = 1, e: int = 2, block: str = "llama
         ops.append(dict(name="position embedding add", group="loss and embedding", kind="memory",
                         shape=None, count=1, flops=0, bytes=3 * e * tokens * h))
     return ops
+
+
+def mtp_ops(cfg, tokens: int, tp: int = 1, sp: bool = False, e: int = 2) -> list[dict]:
+    """What a multi-token-prediction module (DeepSeek-V3 report, §2.2) adds before its own
+    transformer block and its pass through the shared head: the norms of the hidden state
+    and of the next token's embedding, and their concatenation projected from 2h to h."""
+    h = cfg.hidden
+    near = tokens // tp if sp else tokens
+    return [dict(name="MTP norms", group="norms", kind="memory", shape=None, count=1, flops=0,
+                 bytes=2 * 2 * e * near * h),
+            dict(name="MTP projection", group="matmuls", kind="matmul", shape=(tokens, 2 * h, h // tp),
+                 count=1, flops=2 * tokens * 2 * h * (h // tp),
+                 bytes=e * (tokens * 2 * h + 2 * h * (h // tp) + tokens * (h // tp)))]
 
 
 def head_ops(cfg, tokens: int, tp: int = 1, sp: bool = False, e: int = 2) -> list[dict]:

@@ -93,7 +93,7 @@ _NARAYANAN = dict(recompute="full", seq=2048, **_MEGATRON)
 _KORTHIKANTI = dict(recompute="selective", sp=True, seq=2048, **_MEGATRON)
 # DeepSeek-V3's config (DeepSeek-V3 report, §4.2; deepseek-ai/DeepSeek-V3, inference/configs/config_671B.json):
 # 61 layers, the first 3 dense with an 18,432 SwiGLU (= 9 × 2,048: the FLOPs of a MoE layer's 8 routed
-# and 1 shared experts, so all 61 are timed as MoE layers), MLA with 128 heads
+# and 1 shared experts, so all 61 are timed as MoE layers), MLA with 128 heads, one MTP module (§2.2)
 _DS = LlamaConfig(vocab_size=129280, hidden=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_hidden=18432)
 _MLA = MLAShape(q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128)
 
@@ -134,7 +134,7 @@ RUNS = (
     Run("DeepSeek-V3 (MoE), 2,048 H800s", "DeepSeek-V3 report, §1", _DS,
         Parallelism(dp=128, ep=64, pp=16, micro_batches=120, seq=4096, zero=1, precision="fp8",
                     schedule="dualpipe"), "H800", 180e3, "GPU hours per 1e12 tokens",
-        moe=MoEShape(n_experts=256, top_k=8, expert_ffn=2048, shared=1), options={"ep_nodes": 4, "mla": _MLA}),
+        moe=MoEShape(n_experts=256, top_k=8, expert_ffn=2048, shared=1), options={"ep_nodes": 4, "mla": _MLA, "mtp": 1}),
 )
 
 

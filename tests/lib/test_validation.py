@@ -144,3 +144,23 @@ def test_the_embeddings_gradient_is_a_dense_table_priced_on_the_first_stage():
         first[-1] = (*first[-1], grad_s)
     assert first[1][1] - first[0][1] == pytest.approx(first[1][4] - first[0][4])
     assert first[1][1] > first[0][1] and first[1][0] == pytest.approx(first[0][0])
+
+
+def test_a_multi_token_prediction_module_is_one_more_layer_and_head_on_the_last_stage():
+    from picolib.hardware import hardware
+    from picolib.plan_search import _stage_seconds_ops
+    from picolib.planner import Parallelism
+    from picolib.roofline import mtp_ops, op_seconds
+    cfg, tokens = LlamaConfig(hidden=64, n_heads=4, n_kv_heads=4, ffn_hidden=128, vocab_size=256, n_layers=4), 32
+    proj = torch.nn.Linear(2 * cfg.hidden, cfg.hidden, bias=False)      # DeepSeek-V3 §2.2's M
+    with FlopCounterMode(display=False) as fc:
+        proj(torch.randn(tokens, 2 * cfg.hidden))
+    assert _matmul_flops(mtp_ops(cfg, tokens)) == fc.get_total_flops()
+    hw, par = hardware("H100-SXM"), Parallelism(pp=2, micro_batches=4, seq=tokens)
+    plain = _stage_seconds_ops(cfg, par, hw, None, None, False)
+    one = _stage_seconds_ops(cfg, par, hw, None, None, False, mtp=1)
+    assert one[0] == plain[0]                                        # the first stage: unchanged
+    forward = lambda ops: sum(op_seconds(op, hw)[0] for op in ops)   # noqa: E731
+    added = (forward(layer_ops(cfg, tokens, tokens)) + forward(head_ops(cfg, tokens))
+             + forward(mtp_ops(cfg, tokens)))
+    assert one[1][0] - plain[1][0] == pytest.approx(added)
