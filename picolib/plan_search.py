@@ -261,7 +261,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
               efficiency: float | None = None, alpha: float = ALPHA, *,
               ceiling: float | None = None, ep_overlap: float = 1.0,
               ep_nodes: int | None = None, causal: bool = True, dropout: bool = False,
-              block: str = "llama", mla=None, mtp: int = 0) -> dict:
+              block: str = "llama", mla=None, mtp: int = 0, dp_overlap: bool = True) -> dict:
     """Seconds of one step, its parts, tokens/s and MFU, from the slowest pipeline rank.
 
     Each op of the schedule (F, B, W, BW of a stage and micro-batch) costs its compute —
@@ -282,7 +282,8 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     ops hide none. `picolib.pipeline_simulator.simulate` plays the schedule with these
     costs; each rank's idle time is the schedule's bubble, read off the simulation, not a
     formula per name. Data-parallel traffic overlaps the rank's last micro-batch backward
-    (B + W of its stages), the rest is exposed; then the optimizer's pass over the rank's
+    (B + W of its stages), the rest is exposed (`dp_overlap=False`: all of it, as Megatron-LM's
+    "local" DDP all-reduced after the last backward); then the optimizer's pass over the rank's
     shard (`_optimizer_seconds`). The step ends when the slowest rank ends.
 
     MFU = `model_flops_per_token` (6 × active parameters + causal attention) × tokens /
@@ -364,7 +365,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     for r in range(p):
         busy = sum(parts[r].values())
         pieces = [stage_piece(par, s) for s in (sched.stages_of(r) if sched else [0])]
-        window = sum(comp[k][1] + comp[k][2] for k in pieces)          # last backward
+        window = sum(comp[k][1] + comp[k][2] for k in pieces) if dp_overlap else 0.0   # last backward
         t_dp = _dp_seconds(cfg, par, hw, moe, r)
         exposed = max(0.0, t_dp - window)
         opt = 0.0 if efficiency is not None else _optimizer_seconds(cfg, par, hw, moe, r)

@@ -88,10 +88,13 @@ def predict(run: Run, **kw) -> dict:
 
 _LLAMA = dict(tp=8, pp=16, sp=True, zero=1, schedule="interleaved", chunks=2)
 _MEGATRON = dict(flash=False, zero=0, activations="korthikanti")
-_GPT = {"dropout": True, "block": "gpt"}
+# Megatron-LM's train_step as Narayanan et al. and Korthikanti et al. ran it (Megatron-LM code,
+# at a8d172b and 55ba1f7; DDP_impl "local" by default; docs/sources.md) all-reduces the
+# data-parallel gradients after the last micro-batch's backward: none of it overlaps
+_GPT = {"dropout": True, "block": "gpt", "dp_overlap": False}
 _NARAYANAN = dict(recompute="full", seq=2048, **_MEGATRON)
 _KORTHIKANTI = dict(recompute="selective", sp=True, seq=2048, **_MEGATRON)
-# DeepSeek-V3's config (DeepSeek-V3 report, §4.2; deepseek-ai/DeepSeek-V3, inference/configs/config_671B.json):
+# DeepSeek-V3's config (DeepSeek-V3 report, §4.2; DeepSeek-V3 repository, config_671B.json):
 # 61 layers, the first 3 dense with an 18,432 SwiGLU (= 9 × 2,048: the FLOPs of a MoE layer's 8 routed
 # and 1 shared experts, so all 61 are timed as MoE layers), MLA with 128 heads, one MTP module (§2.2)
 _DS = LlamaConfig(vocab_size=129280, hidden=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_hidden=18432)

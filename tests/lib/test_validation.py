@@ -164,3 +164,17 @@ def test_a_multi_token_prediction_module_is_one_more_layer_and_head_on_the_last_
     added = (forward(layer_ops(cfg, tokens, tokens)) + forward(head_ops(cfg, tokens))
              + forward(mtp_ops(cfg, tokens)))
     assert one[1][0] - plain[1][0] == pytest.approx(added)
+
+
+def test_megatrons_all_reduce_after_the_backward_is_exposed_whole():
+    from picolib.hardware import hardware
+    from picolib.model import param_count
+    from picolib.planner import Parallelism
+    cfg = LlamaConfig(hidden=1024, n_heads=8, n_kv_heads=8, ffn_hidden=2816, n_layers=8, vocab_size=32000)
+    par, hw = Parallelism(dp=16, micro_batches=2, seq=1024, zero=0), hardware("A100-SXM")
+    over, after = step_time(cfg, par, "A100-SXM"), step_time(cfg, par, "A100-SXM", dp_overlap=False)
+    # a ring all-reduce of the bf16 gradients: 2(n−1)/n of them leave each rank, at NCCL's fraction
+    ring = 2 * 15 / 16 * 2 * param_count(cfg) / (hw.link(16) * hw.link_eff)
+    assert after["dp"] == pytest.approx(ring) and after["dp_exposed"] == after["dp"]
+    assert over["dp_exposed"] < after["dp_exposed"]
+    assert after["seconds"] - over["seconds"] == pytest.approx(after["dp_exposed"] - over["dp_exposed"])
