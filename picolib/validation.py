@@ -88,10 +88,12 @@ def predict(run: Run, **kw) -> dict:
 
 _LLAMA = dict(tp=8, pp=16, sp=True, zero=1, schedule="interleaved", chunks=2)
 _MEGATRON = dict(flash=False, zero=0, activations="korthikanti")
-# Megatron-LM's train_step as Narayanan et al. and Korthikanti et al. ran it (Megatron-LM code,
-# at a8d172b and 55ba1f7; DDP_impl "local" by default; docs/sources.md) all-reduces the
-# data-parallel gradients after the last micro-batch's backward: none of it overlaps
-_GPT = {"dropout": True, "block": "gpt", "dp_overlap": False}
+_GPT = {"dropout": True, "block": "gpt"}
+# Narayanan et al.'s Table 1 as Megatron-LM's scripts rerun it (Megatron-LM code, docs/sources.md:
+# examples/sc21/run_table_1.sh): the micro-batch sizes, interleaving for 145.6B, and the DDP: "torch"
+# (the all-reduce overlaps the last backward) up to 18.4B, "local" above — train_step all-reduces
+# after the last micro-batch's backward, none of it overlapped
+_LOCAL_DDP = {**_GPT, "dp_overlap": False}
 _NARAYANAN = dict(recompute="full", seq=2048, **_MEGATRON)
 _KORTHIKANTI = dict(recompute="selective", sp=True, seq=2048, **_MEGATRON)
 # DeepSeek-V3's config (DeepSeek-V3 report, §4.2; DeepSeek-V3 repository, config_671B.json):
@@ -108,20 +110,20 @@ RUNS = (
     Run("Llama 3 405B, 16,384 GPUs, 131k", "Llama 3 report, Table 4", LLAMA3_405B,
         Parallelism(dp=8, cp=16, micro_batches=16, seq=131072, **_LLAMA), "H100-SXM", 380, "TFLOP/s (causal)"),
     Run("GPT 1.7B, 32 GPUs", "Narayanan et al., Table 1", gpt(2304, 24, 24),
-        Parallelism(dp=32, micro_batches=16, **_NARAYANAN), "A100-SXM", 137,
+        Parallelism(dp=32, micro_batch_size=16, **_NARAYANAN), "A100-SXM", 137,
         "TFLOP/s (Megatron, recomputed)", options=_GPT),
     Run("GPT 7.5B, 128 GPUs", "Narayanan et al., Table 1", gpt(4096, 36, 32),
-        Parallelism(dp=32, tp=4, micro_batches=16, **_NARAYANAN), "A100-SXM", 142,
+        Parallelism(dp=32, tp=4, micro_batch_size=16, **_NARAYANAN), "A100-SXM", 142,
         "TFLOP/s (Megatron, recomputed)", options=_GPT),
     Run("GPT 18.4B, 256 GPUs", "Narayanan et al., Table 1", gpt(6144, 40, 48),
-        Parallelism(dp=32, tp=8, micro_batches=32, **_NARAYANAN), "A100-SXM", 135,
+        Parallelism(dp=32, tp=8, micro_batch_size=8, micro_batches=4, **_NARAYANAN), "A100-SXM", 135,
         "TFLOP/s (Megatron, recomputed)", options=_GPT),
     Run("GPT 145.6B, 1,536 GPUs", "Narayanan et al., Table 1", gpt(12288, 80, 96),
-        Parallelism(dp=24, tp=8, pp=8, micro_batches=96, **_NARAYANAN), "A100-SXM", 148,
-        "TFLOP/s (Megatron, recomputed)", options=_GPT),
+        Parallelism(dp=24, tp=8, pp=8, micro_batch_size=2, micro_batches=48, schedule="interleaved", chunks=2,
+                    **_NARAYANAN), "A100-SXM", 148, "TFLOP/s (Megatron, recomputed)", options=_LOCAL_DDP),
     Run("GPT 1T, 3,072 GPUs", "Narayanan et al., Table 1", gpt(25600, 128, 160),
         Parallelism(dp=6, tp=8, pp=64, micro_batches=512, **_NARAYANAN), "A100-SXM", 163,
-        "TFLOP/s (Megatron, recomputed)", options=_GPT),
+        "TFLOP/s (Megatron, recomputed)", options=_LOCAL_DDP),
     Run("GPT 22B, 8 GPUs", "Korthikanti et al., Table 5", gpt(6144, 48, 64),
         Parallelism(tp=8, micro_batch_size=4, **_KORTHIKANTI), "A100-SXM", 0.415, "MFU (Megatron)",
         options=_GPT),
