@@ -335,8 +335,8 @@ def layer_ops(cfg, tokens: int, seq: int, tp: int = 1, sp: bool = False, e: int 
     copies of each token to their experts and back, and the E/ep local experts.
     `block="gpt"`: GPT's block (Megatron's runs) — LayerNorm (it also writes each token's
     fp32 mean and 1/std for the backward), a bias on q, k, v added after the matmul, no RoPE,
-    a GeLU MLP of inner size 3f/2 (the 8h² weights of a SwiGLU of inner f = `ffn_hidden`)
-    with its bias fused into the GeLU, the other biases fused into the residual adds.
+    a GeLU MLP of inner size 4h (`ffn_hidden` is not read) with its bias fused into the GeLU,
+    the other biases fused into the residual adds.
     `mla` (`MLAShape`): the attention of DeepSeek-V3 — the latent projections and their
     norms, RoPE on the rope parts, the core at its real head dims."""
     if block not in ("llama", "gpt"):
@@ -392,7 +392,7 @@ def layer_ops(cfg, tokens: int, seq: int, tp: int = 1, sp: bool = False, e: int 
     mem("residual add (attention)", "residual adds", residual)
     mem("MLP norm", "norms", norm)
     if moe is None and gpt:
-        f = 3 * cfg.ffn_hidden // 2 // tp
+        f = 4 * h // tp
         mm("up", tokens, h, f)
         mem("bias and GeLU", "SwiGLU elementwise", e * (2 * tokens * f + f))
         mm("down", tokens, f, h)

@@ -50,7 +50,7 @@ class Run:
     published: float         # in the source's unit
     unit: str                # "TFLOP/s (causal)", "TFLOP/s (Megatron, recomputed)", "MFU (Megatron)", "GPU hours per 1e12 tokens"
     moe: MoEShape | None = None
-    options: dict = field(default_factory=dict)   # step_time's keywords (dropout, ep_nodes)
+    options: dict = field(default_factory=dict)   # step_time's keywords (block, mla, dp_overlap, ...)
 
     @property
     def gpus(self) -> int:
@@ -139,7 +139,8 @@ RUNS = (
     Run("DeepSeek-V3 (MoE), 2,048 H800s", "DeepSeek-V3 report, §1", _DS,
         Parallelism(dp=128, ep=64, pp=16, micro_batches=120, seq=4096, zero=1, precision="fp8",
                     schedule="dualpipe"), "H800", 180e3, "GPU hours per 1e12 tokens",
-        moe=MoEShape(n_experts=256, top_k=8, expert_ffn=2048, shared=1), options={"ep_nodes": 4, "mla": _MLA, "mtp": 1}),
+        moe=MoEShape(n_experts=256, top_k=8, expert_ffn=2048, shared=1),
+        options={"ep_nodes": 4, "mla": _MLA, "mtp": 1}),
 )
 
 
