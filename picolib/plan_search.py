@@ -157,15 +157,17 @@ def _stage_seconds(cfg, par, hw, moe, eff, ceiling):
     return out
 
 
-def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout):
+def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block="llama", mla=None, mtp=0):
     """{piece: (F, B, W, core) seconds per micro-batch} on one tp rank: every op of
-    `roofline.layer_ops` (and `head_ops` on the last piece) at `roofline.op_seconds` on `hw`;
+    `roofline.layer_ops` (`embedding_ops` on the first piece, `head_ops` on the last; `mtp`
+    multi-token-prediction modules on the last too: each `mtp_ops`, one more layer and the
+    head again) at `roofline.op_seconds` on `hw`;
     `core` is the forward of the unfused attention core (what selective recomputation
     repeats; 0 with a fused kernel, whose backward already recomputes it)."""
     from dataclasses import replace as _replace
     from .parallel_layout import pieces as _n_pieces, stage_layers
     from .planner import elem_bytes
-    from .roofline import head_ops, layer_ops, op_seconds
+    from .roofline import embedding_ops, head_ops, layer_ops, mtp_ops, op_seconds
     if ceiling is not None:
         hw = _replace(hw, matmul_eff=ceiling)
     e = 1 if par.precision == "fp8" else elem_bytes(par.precision)
@@ -187,10 +189,15 @@ def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout):
                 core += tf
         return f, b, w, core
 
-    layer = price(layer_ops(cfg, tokens, par.seq, par.tp, par.sp, e, par.flash, moe, par.ep, dropout))
+    layer = price(layer_ops(cfg, tokens, par.seq, par.tp, par.sp, e, par.flash, moe, par.ep, dropout,
+                            block, mla))
     head = price(head_ops(cfg, tokens, par.tp, par.sp, e))
+    emb = price(embedding_ops(cfg, tokens, par.tp, e, block))
+    extra = price(mtp_ops(cfg, tokens, par.tp, par.sp, e))
+    head = tuple(y + mtp * (x + y + z) for x, y, z in zip(layer, head, extra))
     n = _n_pieces(par)
-    return {piece: tuple(k * x + (y if piece == n - 1 else 0) for x, y in zip(layer, head))
+    return {piece: tuple(k * x + (y if piece == n - 1 else 0) + (z if piece == 0 else 0)
+                         for x, y, z in zip(layer, head, emb))
             for piece, k in enumerate(stage_layers(cfg.n_layers, n))}
 
 
@@ -253,13 +260,16 @@ def _dp_seconds(cfg, par, hw, moe, pp_rank):
 def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | None = None,
               efficiency: float | None = None, alpha: float = ALPHA, *,
               ceiling: float | None = None, ep_overlap: float = 1.0,
-              ep_nodes: int | None = None, causal: bool = True, dropout: bool = False) -> dict:
+              ep_nodes: int | None = None, causal: bool = True, dropout: bool = False,
+              block: str = "llama", mla=None, mtp: int = 0, dp_overlap: bool = True) -> dict:
     """Seconds of one step, its parts, tokens/s and MFU, from the slowest pipeline rank.
 
     Each op of the schedule (F, B, W, BW of a stage and micro-batch) costs its compute —
     every op of its layers (and the head and loss on the last piece) at `roofline.op_seconds`
     with the preset's measured fractions (`ceiling` overrides the matmuls' `matmul_eff`;
-    `dropout`: GPT's dropouts, as Megatron's runs had them; recomputation repeats the forward
+    `dropout`: GPT's dropouts, as Megatron's runs had them; `block`, `mla`: `layer_ops`'s
+    GPT block and DeepSeek's latent attention; `mtp`: DeepSeek's multi-token-prediction
+    modules on the last stage; recomputation repeats the forward
     (full) or the unfused attention core (selective; a fused kernel's backward already
     recomputes it)); or, with `efficiency`, the old single constant: every matmul at
     `efficiency` × peak and the attention core too, nothing else — plus its collectives on the
@@ -272,7 +282,8 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     ops hide none. `picolib.pipeline_simulator.simulate` plays the schedule with these
     costs; each rank's idle time is the schedule's bubble, read off the simulation, not a
     formula per name. Data-parallel traffic overlaps the rank's last micro-batch backward
-    (B + W of its stages), the rest is exposed; then the optimizer's pass over the rank's
+    (B + W of its stages), the rest is exposed (`dp_overlap=False`: all of it, as Megatron-LM's
+    "local" DDP all-reduced after the last backward); then the optimizer's pass over the rank's
     shard (`_optimizer_seconds`). The step ends when the slowest rank ends.
 
     MFU = `model_flops_per_token` (6 × active parameters + causal attention) × tokens /
@@ -295,7 +306,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     if efficiency is not None:   # the old single constant: matmuls and attention only, datasheet links
         comp = {k: (*v, 0.0) for k, v in _stage_seconds(cfg, par, hw, moe, efficiency, 0.75).items()}
     else:                        # every op on the roofline, the links at NCCL's achieved fraction
-        comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout)
+        comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block, mla, mtp)
         hw = _replace(hw, levels=tuple(_replace(lv, per_gpu=lv.per_gpu * hw.link_eff, total=lv.total * hw.link_eff)
                                        for lv in hw.levels))
     full = par.recompute == "full"
@@ -354,7 +365,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     for r in range(p):
         busy = sum(parts[r].values())
         pieces = [stage_piece(par, s) for s in (sched.stages_of(r) if sched else [0])]
-        window = sum(comp[k][1] + comp[k][2] for k in pieces)          # last backward
+        window = sum(comp[k][1] + comp[k][2] for k in pieces) if dp_overlap else 0.0   # last backward
         t_dp = _dp_seconds(cfg, par, hw, moe, r)
         exposed = max(0.0, t_dp - window)
         opt = 0.0 if efficiency is not None else _optimizer_seconds(cfg, par, hw, moe, r)

@@ -17,8 +17,11 @@ Conventions converted:
   of the A100's 312 TFLOP/s, model FLOPs 72·B·s·l·h²(1 + s/6h + V/12lh) per iteration.
 - DeepSeek-V3 report, §1: 180K H800 GPU hours per trillion training tokens.
 GPT shapes (Narayanan, Korthikanti: 4h GeLU MLP, multi-head attention, vocabulary 51,200,
-2,048-token sequences, dropout) run as a Llama block of the same weights: a SwiGLU of inner size
-8h/3 (rounded to a multiple of 64) has the 8h² weights and FLOPs of the 4h GeLU MLP.
+2,048-token sequences, dropout) are counted (memory, parameters, model FLOPs) as a Llama block
+of the same weights — a SwiGLU of inner size 8h/3 (rounded to a multiple of 64) has the 8h²
+weights and FLOPs of the 4h GeLU MLP — and timed as GPT's own block (`block="gpt"` of
+`roofline.layer_ops`: LayerNorm, biases, the GeLU MLP, no RoPE). DeepSeek-V3 is counted as a
+Llama block of its hidden size and heads, timed with its latent attention (`mla`).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 
 from .model import LlamaConfig
 from .planner import MoEShape, Parallelism, LLAMA3_405B
+from .roofline import MLAShape
 
 __all__ = ["Run", "RUNS", "gpt", "published_tokens_per_s", "predict", "table", "markdown"]
 
@@ -46,7 +50,7 @@ class Run:
     published: float         # in the source's unit
     unit: str                # "TFLOP/s (causal)", "TFLOP/s (Megatron, recomputed)", "MFU (Megatron)", "GPU hours per 1e12 tokens"
     moe: MoEShape | None = None
-    options: dict = field(default_factory=dict)   # step_time's keywords (dropout, ep_nodes)
+    options: dict = field(default_factory=dict)   # step_time's keywords (block, mla, dp_overlap, ...)
 
     @property
     def gpus(self) -> int:
@@ -84,9 +88,19 @@ def predict(run: Run, **kw) -> dict:
 
 _LLAMA = dict(tp=8, pp=16, sp=True, zero=1, schedule="interleaved", chunks=2)
 _MEGATRON = dict(flash=False, zero=0, activations="korthikanti")
+_GPT = {"dropout": True, "block": "gpt"}
+# Narayanan et al.'s Table 1 as Megatron-LM's scripts rerun it (Megatron-LM code, docs/sources.md:
+# examples/sc21/run_table_1.sh): the micro-batch sizes, interleaving for 145.6B, and the DDP: "torch"
+# (the all-reduce overlaps the last backward) up to 18.4B, "local" above — train_step all-reduces
+# after the last micro-batch's backward, none of it overlapped
+_LOCAL_DDP = {**_GPT, "dp_overlap": False}
 _NARAYANAN = dict(recompute="full", seq=2048, **_MEGATRON)
 _KORTHIKANTI = dict(recompute="selective", sp=True, seq=2048, **_MEGATRON)
-_DS = LlamaConfig(vocab_size=129280, hidden=7168, n_layers=64, n_heads=128, n_kv_heads=128, ffn_hidden=18432)
+# DeepSeek-V3's config (DeepSeek-V3 report, §4.2; DeepSeek-V3 repository, config_671B.json):
+# 61 layers, the first 3 dense with an 18,432 SwiGLU (= 9 × 2,048: the FLOPs of a MoE layer's 8 routed
+# and 1 shared experts, so all 61 are timed as MoE layers), MLA with 128 heads, one MTP module (§2.2)
+_DS = LlamaConfig(vocab_size=129280, hidden=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_hidden=18432)
+_MLA = MLAShape(q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128)
 
 RUNS = (
     Run("Llama 3 405B, 8,192 GPUs, 8k", "Llama 3 report, Table 4", LLAMA3_405B,
@@ -96,36 +110,37 @@ RUNS = (
     Run("Llama 3 405B, 16,384 GPUs, 131k", "Llama 3 report, Table 4", LLAMA3_405B,
         Parallelism(dp=8, cp=16, micro_batches=16, seq=131072, **_LLAMA), "H100-SXM", 380, "TFLOP/s (causal)"),
     Run("GPT 1.7B, 32 GPUs", "Narayanan et al., Table 1", gpt(2304, 24, 24),
-        Parallelism(dp=32, micro_batches=16, **_NARAYANAN), "A100-SXM", 137,
-        "TFLOP/s (Megatron, recomputed)", options={"dropout": True}),
+        Parallelism(dp=32, micro_batch_size=16, **_NARAYANAN), "A100-SXM", 137,
+        "TFLOP/s (Megatron, recomputed)", options=_GPT),
     Run("GPT 7.5B, 128 GPUs", "Narayanan et al., Table 1", gpt(4096, 36, 32),
-        Parallelism(dp=32, tp=4, micro_batches=16, **_NARAYANAN), "A100-SXM", 142,
-        "TFLOP/s (Megatron, recomputed)", options={"dropout": True}),
+        Parallelism(dp=32, tp=4, micro_batch_size=16, **_NARAYANAN), "A100-SXM", 142,
+        "TFLOP/s (Megatron, recomputed)", options=_GPT),
     Run("GPT 18.4B, 256 GPUs", "Narayanan et al., Table 1", gpt(6144, 40, 48),
-        Parallelism(dp=32, tp=8, micro_batches=32, **_NARAYANAN), "A100-SXM", 135,
-        "TFLOP/s (Megatron, recomputed)", options={"dropout": True}),
+        Parallelism(dp=32, tp=8, micro_batch_size=8, micro_batches=4, **_NARAYANAN), "A100-SXM", 135,
+        "TFLOP/s (Megatron, recomputed)", options=_GPT),
     Run("GPT 145.6B, 1,536 GPUs", "Narayanan et al., Table 1", gpt(12288, 80, 96),
-        Parallelism(dp=24, tp=8, pp=8, micro_batches=96, **_NARAYANAN), "A100-SXM", 148,
-        "TFLOP/s (Megatron, recomputed)", options={"dropout": True}),
+        Parallelism(dp=24, tp=8, pp=8, micro_batch_size=2, micro_batches=48, schedule="interleaved", chunks=2,
+                    **_NARAYANAN), "A100-SXM", 148, "TFLOP/s (Megatron, recomputed)", options=_LOCAL_DDP),
     Run("GPT 1T, 3,072 GPUs", "Narayanan et al., Table 1", gpt(25600, 128, 160),
         Parallelism(dp=6, tp=8, pp=64, micro_batches=512, **_NARAYANAN), "A100-SXM", 163,
-        "TFLOP/s (Megatron, recomputed)", options={"dropout": True}),
+        "TFLOP/s (Megatron, recomputed)", options=_LOCAL_DDP),
     Run("GPT 22B, 8 GPUs", "Korthikanti et al., Table 5", gpt(6144, 48, 64),
         Parallelism(tp=8, micro_batch_size=4, **_KORTHIKANTI), "A100-SXM", 0.415, "MFU (Megatron)",
-        options={"dropout": True}),
+        options=_GPT),
     Run("GPT 175B, 64 GPUs", "Korthikanti et al., Table 5", gpt(12288, 96, 96),
         Parallelism(tp=8, pp=8, micro_batches=64, **_KORTHIKANTI), "A100-SXM", 0.514, "MFU (Megatron)",
-        options={"dropout": True}),
+        options=_GPT),
     Run("GPT 530B, 280 GPUs", "Korthikanti et al., Table 5", gpt(20480, 105, 128),
         Parallelism(tp=8, pp=35, micro_batches=280, **_KORTHIKANTI), "A100-SXM", 0.560, "MFU (Megatron)",
-        options={"dropout": True}),
+        options=_GPT),
     Run("GPT 1T, 512 GPUs", "Korthikanti et al., Table 5", gpt(25600, 128, 160),
         Parallelism(tp=8, pp=64, micro_batches=512, **_KORTHIKANTI), "A100-SXM", 0.563, "MFU (Megatron)",
-        options={"dropout": True}),
+        options=_GPT),
     Run("DeepSeek-V3 (MoE), 2,048 H800s", "DeepSeek-V3 report, §1", _DS,
         Parallelism(dp=128, ep=64, pp=16, micro_batches=120, seq=4096, zero=1, precision="fp8",
                     schedule="dualpipe"), "H800", 180e3, "GPU hours per 1e12 tokens",
-        moe=MoEShape(n_experts=256, top_k=8, expert_ffn=2048, shared=1), options={"ep_nodes": 4}),
+        moe=MoEShape(n_experts=256, top_k=8, expert_ffn=2048, shared=1),
+        options={"ep_nodes": 4, "mla": _MLA, "mtp": 1}),
 )
 
 

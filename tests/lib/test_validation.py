@@ -53,3 +53,128 @@ def test_the_validation_table_is_the_planners_and_the_readme_shows_it():
         assert abs(r["error"]) < 0.3                               # the table's stated range
     readme = (ROOT / "README.md").read_text()
     assert markdown(rows) in readme
+
+
+def _matmul_flops(ops, names=None):
+    return sum(op["flops"] for op in ops if op["kind"] == "matmul" and (names is None or op["name"] in names))
+
+
+def test_gpt_block_ops_count_what_a_torch_gpt_block_does():
+    # a GPT block from torch's own modules: LayerNorm, biased Linears, a GeLU MLP of 4h
+    h, heads, s, b, e = 48, 4, 16, 2, 4
+    cfg = LlamaConfig(hidden=h, n_heads=heads, n_kv_heads=heads, ffn_hidden=8 * h // 3, vocab_size=64)
+    ln1, ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+    qkv, out = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
+    up, down = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+    x = torch.randn(b, s, h)
+    with FlopCounterMode(display=False) as fc:
+        q, k, v = qkv(ln1(x)).view(b, s, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
+        att = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+        y = x + out(att.transpose(1, 2).reshape(b, s, h))
+        y = y + down(torch.nn.functional.gelu(up(ln2(y))))
+    ops = {op["name"]: op for op in layer_ops(cfg, b * s, s, flash=False, e=e, block="gpt")}
+    assert "RoPE on q and k" not in ops                       # GPT's positions are an embedding
+    assert _matmul_flops(ops.values()) == fc.get_total_flops()
+    # LayerNorm writes its output and each token's statistics (torch's own shapes)
+    t = x.reshape(b * s, h)
+    y_, mean, rstd = torch.ops.aten.native_layer_norm(t, [h], ln1.weight, ln1.bias, 1e-5)
+    assert ops["attention norm"]["bytes"] == e * (t.numel() + y_.numel()) + 4 * (mean.numel() + rstd.numel())
+    # the biases: q, k, v's added after its matmul; the MLP's fused into the GeLU (read, bias, write)
+    pre = t @ up.weight.T
+    post = torch.nn.functional.gelu(pre + up.bias)
+    assert ops["bias and GeLU"]["bytes"] == e * (pre.numel() + up.bias.numel() + post.numel())
+    n = qkv.weight.shape[0]
+    assert ops["q, k, v bias"]["bytes"] == e * (2 * b * s * n + qkv.bias.numel())
+
+
+def test_latent_attention_ops_count_what_a_torch_mla_does():
+    # DeepSeek-V3's attention, written out from its shapes (MLA: latents, rope/nope split)
+    from picolib.roofline import MLAShape
+    h, heads, s, b = 64, 4, 16, 2
+    m = MLAShape(q_lora=24, kv_lora=16, qk_nope=8, qk_rope=4, v_head=6)
+    cfg = LlamaConfig(hidden=h, n_heads=heads, n_kv_heads=heads, ffn_hidden=32, vocab_size=64)
+    lin = lambda i, o: torch.nn.Linear(i, o, bias=False)          # noqa: E731
+    q_down, q_up = lin(h, m.q_lora), lin(m.q_lora, heads * (m.qk_nope + m.qk_rope))
+    kv_down, kv_up = lin(h, m.kv_lora + m.qk_rope), lin(m.kv_lora, heads * (m.qk_nope + m.v_head))
+    out = lin(heads * m.v_head, h)
+    x = torch.randn(b, s, h)
+    with FlopCounterMode(display=False) as fc:
+        q = q_up(q_down(x)).view(b, s, heads, -1).transpose(1, 2)
+        c, k_rope = kv_down(x).split([m.kv_lora, m.qk_rope], dim=-1)
+        k_nope, v = kv_up(c).view(b, s, heads, -1).transpose(1, 2).split([m.qk_nope, m.v_head], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, None].expand(b, heads, s, m.qk_rope)], dim=-1)
+        att = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+        out(att.transpose(1, 2).reshape(b, s, -1))
+    ops = layer_ops(cfg, b * s, s, flash=False, mla=m)
+    attention = {"q down", "q up", "kv down", "kv up", "QKᵀ", "scores × V", "attention out"}
+    assert attention <= {op["name"] for op in ops}
+    assert _matmul_flops(ops, attention) == fc.get_total_flops()
+    # the fused kernel does the causal half of the unfused core's FLOPs
+    fused = next(op for op in layer_ops(cfg, b * s, s, mla=m) if op["kind"] == "attention")
+    assert 2 * fused["flops"] == _matmul_flops(ops, {"QKᵀ", "scores × V"})
+
+
+def test_the_embeddings_gradient_is_a_dense_table_priced_on_the_first_stage():
+    from picolib.hardware import hardware
+    from picolib.planner import Parallelism
+    from picolib.roofline import embedding_ops, op_seconds
+    cfg, tokens, e = LlamaConfig(vocab_size=512, hidden=32), 64, 4
+    emb = torch.nn.Embedding(cfg.vocab_size, cfg.hidden)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,))
+    for _ in range(2):                                        # the second one accumulates
+        rows = emb(ids)
+        rows.backward(torch.ones_like(rows))
+    table, grad = emb.weight.grad, rows
+    # written dense, the tokens' rows read and read-modified-written, then added to .grad
+    expected = e * table.numel() + 3 * e * grad.numel() + 3 * e * table.numel()
+    op = embedding_ops(cfg, tokens, e=e)[0]
+    assert op["backward_bytes"] == expected
+    hw = hardware("H100-SXM")
+    assert op_seconds(op, hw, backward=True)[0] == pytest.approx(
+        max(expected / (hw.hbm_bandwidth * hw.hbm_eff), hw.launch))
+    # the planner prices it on the first pipeline stage only: a larger vocabulary slows the
+    # first stage's backward by the difference of the two tables' gradients
+    from picolib.plan_search import _stage_seconds_ops
+    par = Parallelism(pp=2, micro_batches=4, seq=256)
+    first = []
+    for v in (32000, 128000):
+        big = LlamaConfig(vocab_size=v, hidden=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_hidden=512)
+        first.append(_stage_seconds_ops(big, par, hw, None, None, False)[0])
+        grad_s = op_seconds(embedding_ops(big, 256, e=2)[0], hw, backward=True)[0]
+        first[-1] = (*first[-1], grad_s)
+    assert first[1][1] - first[0][1] == pytest.approx(first[1][4] - first[0][4])
+    assert first[1][1] > first[0][1] and first[1][0] == pytest.approx(first[0][0])
+
+
+def test_a_multi_token_prediction_module_is_one_more_layer_and_head_on_the_last_stage():
+    from picolib.hardware import hardware
+    from picolib.plan_search import _stage_seconds_ops
+    from picolib.planner import Parallelism
+    from picolib.roofline import mtp_ops, op_seconds
+    cfg, tokens = LlamaConfig(hidden=64, n_heads=4, n_kv_heads=4, ffn_hidden=128, vocab_size=256, n_layers=4), 32
+    proj = torch.nn.Linear(2 * cfg.hidden, cfg.hidden, bias=False)      # DeepSeek-V3 §2.2's M
+    with FlopCounterMode(display=False) as fc:
+        proj(torch.randn(tokens, 2 * cfg.hidden))
+    assert _matmul_flops(mtp_ops(cfg, tokens)) == fc.get_total_flops()
+    hw, par = hardware("H100-SXM"), Parallelism(pp=2, micro_batches=4, seq=tokens)
+    plain = _stage_seconds_ops(cfg, par, hw, None, None, False)
+    one = _stage_seconds_ops(cfg, par, hw, None, None, False, mtp=1)
+    assert one[0] == plain[0]                                        # the first stage: unchanged
+    forward = lambda ops: sum(op_seconds(op, hw)[0] for op in ops)   # noqa: E731
+    added = (forward(layer_ops(cfg, tokens, tokens)) + forward(head_ops(cfg, tokens))
+             + forward(mtp_ops(cfg, tokens)))
+    assert one[1][0] - plain[1][0] == pytest.approx(added)
+
+
+def test_megatrons_all_reduce_after_the_backward_is_exposed_whole():
+    from picolib.hardware import hardware
+    from picolib.model import param_count
+    from picolib.planner import Parallelism
+    cfg = LlamaConfig(hidden=1024, n_heads=8, n_kv_heads=8, ffn_hidden=2816, n_layers=8, vocab_size=32000)
+    par, hw = Parallelism(dp=16, micro_batches=2, seq=1024, zero=0), hardware("A100-SXM")
+    over, after = step_time(cfg, par, "A100-SXM"), step_time(cfg, par, "A100-SXM", dp_overlap=False)
+    # a ring all-reduce of the bf16 gradients: 2(n−1)/n of them leave each rank, at NCCL's fraction
+    ring = 2 * 15 / 16 * 2 * param_count(cfg) / (hw.link(16) * hw.link_eff)
+    assert after["dp"] == pytest.approx(ring) and after["dp_exposed"] == after["dp"]
+    assert over["dp_exposed"] < after["dp_exposed"]
+    assert after["seconds"] - over["seconds"] == pytest.approx(after["dp_exposed"] - over["dp_exposed"])
