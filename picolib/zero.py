@@ -301,6 +301,12 @@ class ZeRO(GradientSyncSwitch):
         if self.stage > 1:
             self._drain(keep=1)   # at most two full gradient buckets alive at once
 
+    def in_flight(self) -> list[torch.Tensor]:
+        """The buffers of the reduce-scatters started and not yet waited for (each unit's
+        flat gradient and the shard it lands in): memory a rank holds between backward's
+        hooks and the step (lesson 10 samples it)."""
+        return [t for *_, flat, out in self._pending for t in (flat, out)]
+
     def _drain(self, keep: int):
         while len(self._pending) > keep:
             handle, t0, i, _, out = self._pending.pop(0)

@@ -63,7 +63,7 @@ def zero_under_micro_batches(variants, ms=(1, 2, 4), n_layers: int = 8, rows: in
         def sample(*_):
             held = [p.grad for p in model.parameters() if p.grad is not None]
             held += [u.grad for u in z.units] + [u.grad_full for u in z.units if u.grad_full is not None]
-            held += [t for *_, flat, buf in z._pending for t in (flat, buf)]   # in flight
+            held += z.in_flight()
             peak[0] = max(peak[0], unique_bytes(held))
 
         for p in model.parameters():           # after ZeRO's own hook on the same gradient

@@ -234,6 +234,27 @@ def test_stage3_gathers_one_block_ahead_and_frees():
         assert nxt["start"] <= f["start"]
 
 
+def test_in_flight_names_the_reduce_scatters_not_yet_waited_for():
+    """`in_flight`: the flat gradient and shard of every reduce-scatter started and not yet
+    waited for. Stage 1 lets every unit's run until the step; stage 2 waits as it goes, so at
+    most one is in flight when a gradient lands; after the step none is left."""
+    def worker(stage):
+        model = TinyLlama(CFG.replace(n_layers=4))
+        zero, seen = ZeRO(model, stage, optimizer="sgd", lr=0.1), []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda _: seen.append(len(zero.in_flight())))
+        x, y = random_tokens(1, SEQ, CFG.vocab_size)
+        model.loss(x, y).backward()
+        before_step = len(zero.in_flight())
+        zero.step()
+        return max(seen), before_step, len(zero.in_flight()), len(zero.units)
+
+    _, before_step, after, units = run(worker, 2, 1)[0]
+    assert before_step == 2 * units and after == 0        # stage 1: every unit's, until the step
+    seen, before_step, after, _ = run(worker, 2, 2)[0]
+    assert seen == 2 and before_step <= 2 and after == 0  # stage 2: one unit's at a time
+
+
 def test_shard_bounds_and_formulas():
     assert [shard_bounds(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
     assert padded_numel(10, 4) == 12 and padded_numel(12, 4) == 12
