@@ -53,6 +53,7 @@ def test_the_validation_table_is_the_planners_and_the_readme_shows_it():
         assert abs(r["error"]) < 0.3                               # the table's stated range
     readme = (ROOT / "README.md").read_text()
     assert markdown(rows) in readme
+    assert readme.count(markdown(rows).splitlines()[0]) == 1, "the README holds the table twice"
 
 
 def _matmul_flops(ops, names=None):
