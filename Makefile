@@ -13,6 +13,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NOTEBOOKS := $(wildcard notebooks/*.ipynb solutions/*.ipynb)
 NBVAL  := --nbval-lax --nbval-current-env
+# Two pytest-xdist workers: each test file (each notebook) runs whole on one, the lessons and
+# their prose checks together on one (the root conftest.py's scheduler). `make XDIST= test`
+# runs everything in one process.
+XDIST  ?= -n 2
 # JupyterLab serves the whole repository (lessons, exercises, docs), on this machine only,
 # and opens on lesson 00 (tests/repo/test_lab.py starts exactly this).
 LAB_ARGS := --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_collectives.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -29,13 +33,13 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab $(LAB_ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests $(NOTEBOOKS) $(NBVAL) -p no:cacheprovider
+	$(PY) -m pytest -q $(XDIST) tests $(NOTEBOOKS) $(NBVAL) -p no:cacheprovider
 
 test-lib: $(STAMP)
 	$(PY) -m pytest -q tests/lib
 
 test-notebooks: $(STAMP)
-	$(PY) -m pytest -q $(NOTEBOOKS) $(NBVAL)
+	$(PY) -m pytest -q $(XDIST) $(NOTEBOOKS) $(NBVAL)
 
 # The torch range picolib supports, oldest and newest; CI (.ci/run) runs every lesson and solution
 # on both besides `make test` on the pinned one. `make test-torch TORCH_VERSION=2.6.0` runs them
@@ -51,7 +55,7 @@ TORCH_PYTHON  ?= $(PYTHON)
 
 test-torch:
 	env=$$($(PYTHON) tools/torch_env.py $(TORCH_VERSION) --python $(TORCH_PYTHON)) && \
-	  PYTHONPATH=$(CURDIR) $$env/bin/python -m pytest -q $(NOTEBOOKS) $(NBVAL) -p no:cacheprovider
+	  PYTHONPATH=$(CURDIR) $$env/bin/python -m pytest -q $(XDIST) $(NOTEBOOKS) $(NBVAL) -p no:cacheprovider
 
 test-setup:
 	$(PYTHON) tools/test_setup.py $(TORCH_VERSION)

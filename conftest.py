@@ -86,19 +86,25 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's, which reads the groups set here
 def pytest_collection_modifyitems(session, config, items):
-    """The prose check reads what the lessons printed: it runs after every notebook.
-
-    Under pytest-xdist (`make test` runs two workers with `--dist loadgroup`) each group runs on
-    one worker, in this order: the lessons' cells and the prose checks form one group (the
-    checks need the outputs this process captured), each other notebook and each test module
-    one group of its own (a notebook's cells share one kernel; a module's fixtures are built
-    once)."""
+    """The prose check reads what the lessons printed: it runs after every notebook."""
     last = [it for it in items if "test_prose_numbers.py::test_every_lesson" in it.nodeid]
     items[:] = [it for it in items if it not in last] + last
-    lessons = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "notebooks"))
-    for it in items:
-        path = os.path.realpath(str(it.fspath))
-        lesson = it in last or (type(it).__name__ == "IPyNbCell" and os.path.dirname(path) == lessons)
-        it.add_marker(pytest.mark.xdist_group("lessons" if lesson else os.path.relpath(path, lessons + "/..")))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest-xdist workers. Each file's tests go to one worker (a
+    notebook's cells share one kernel, in order; a module's fixtures are built once), and the
+    lessons with the prose checks form one unit, run first and in order: the checks read
+    what that worker's lessons printed."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LessonsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if path.startswith("notebooks/") or "test_prose_numbers.py::test_every_lesson" in nodeid:
+                return "lessons"
+            return path
+
+    return LessonsTogether(config, log)

@@ -22,7 +22,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST_TOOLS = ["pytest", "nbval", "ipykernel"]        # pytest --nbval-lax, with a kernel
+TEST_TOOLS = ["pytest", "pytest-xdist", "nbval", "ipykernel"]   # pytest -n 2 --nbval-lax, with a kernel
 
 
 def cache_dir() -> Path:

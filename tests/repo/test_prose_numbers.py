@@ -196,11 +196,15 @@ def test_every_lesson_reports_issue_44s_examples_if_put_back(lesson_no, where, t
         start = next(i for i in heads if pn.section_number("".join(planted[i]["source"]).lstrip()
                                                             .split("\n")[0][3:]) == named)
         end = next((i for i in heads if i > start), len(planted))
-        printed = " ".join(shifted.get(i, "") for i in range(start, end))
+        printed = [float(p) for p in re.findall(r"(?<![\d.])\d+(?:\.\d+)?",
+                                                " ".join(shifted.get(i, "") for i in range(start, end)))]
         numbers = re.findall(r"\d+(?:\.\d+)?", text.replace(f"(§{named})", ""))
-        forms = [[n] + ([f"{float(n) / 100:.2f}"] if "%" in text else []) for n in numbers]
-        assert numbers and all(any(re.search(rf"(?<![\d.]){re.escape(f)}(?!\d)", printed) for f in fs)
-                               for fs in forms), f"{lesson.stem}: the old text was not reported: {text}"
+
+        def shown(n: str) -> bool:   # printed at the written precision (a % also as its fraction)
+            d = len(n.partition(".")[2])
+            return any(round(p, d) == float(n) or ("%" in text and round(100 * p, d) == float(n))
+                       for p in printed)
+        assert numbers and all(shown(n) for n in numbers), f"{lesson.stem}: the old text was not reported: {text}"
         return
     assert [u for u in found if u.cell == at], f"{lesson.stem}: the old text was not reported: {text}"
 
