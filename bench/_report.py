@@ -87,6 +87,16 @@ def _pipeline(data):
     t1 = _table(head, [[_PIPE_NAMES[n]] + [x for w in worlds for x in (
         f"{side[n, w]['picolib_s']:.3f} / {side[n, w]['peer_s']:.3f}", f"{side[n, w]['ratio']:.2f}")]
         for n in names])
+    repeated = [r for r in data["side_by_side"] if "pair_ratio_median" in r]
+    if repeated:
+        t1 += ("\n\nEvery row above was timed in alternating single steps (picolib, torch, picolib, ...); "
+               "the ratio of each pair:\n\n" + _table(
+                   ["schedule", "ranks", "pairs", "pair ratio: median", "smallest", "largest",
+                    "load average (1 min), before → after"],
+                   [[_PIPE_NAMES[r["name"].rsplit("_", 1)[0]], r["world_size"], r["timed_steps"],
+                     f"{r['pair_ratio_median']:.2f}", f"{r['pair_ratio_min']:.2f}",
+                     f"{r['pair_ratio_max']:.2f}",
+                     f"{r['load_avg_1min'][0]:.1f} → {r['load_avg_1min'][1]:.1f}"] for r in repeated]))
     b = data["bubble"]
     t2 = _table([f"schedule (p = {b['p']}, m = {b['m']})", "measured bubble", "simulated (as executed)",
                  "difference", "replayed (the run's op times and hop)", "difference",

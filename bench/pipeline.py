@@ -34,9 +34,17 @@ it actually ran. The script fails (exit status 1, after writing the results) whe
 schedule's measured bubble and its replay differ by more than TOLERANCE (5 %): the executor
 added waits the op lists do not have, or the simulator counts the schedule wrong.
 `--bubble-only` redoes the bubble part and keeps the side-by-side rows of the last run.
+
+    .venv/bin/python bench/pipeline.py --only dualpipev --repeat 7
+
+`--only NAME[,NAME]` redoes those side-by-side rows and keeps the others and the bubble part of
+the last run; `--repeat N` times N alternating pairs of single steps (picolib, torch, picolib,
+...) instead of ROUNDS rounds of ROUND, and a row adds the median of the N per-pair ratios, their
+smallest and largest, and the machine's one-minute load average before and after the row.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -91,13 +99,16 @@ def _timed(step):
     return time.perf_counter() - t0
 
 
-def bench_worker(p):
+def bench_worker(p, only=None, repeat=None):
     from torch.distributed import pipelining as tpp
     warnings.filterwarnings("ignore")
     rank = dist.get_rank()
     tokens, targets = random_tokens(MB * M, SEQ, CFG.vocab_size, seed=0)
     rows = []
     for name, peer_name, v in ROWS:
+        if only is not None and name not in only:
+            continue
+        load0 = os.getloadavg()[0]
         n_stages = p * v
         ids = _stage_ids(name, p, rank)
         # torch side: its own copy of the model, the same stage split
@@ -130,15 +141,21 @@ def bench_worker(p):
             pico_step()
             torch_step()
         pico, peer_t = [], []
-        for _ in range(ROUNDS):
-            pico += [_timed(pico_step) for _ in range(ROUND)]
-            peer_t += [_timed(torch_step) for _ in range(ROUND)]
+        for _ in range(repeat or ROUNDS):
+            pico += [_timed(pico_step) for _ in range(1 if repeat else ROUND)]
+            peer_t += [_timed(torch_step) for _ in range(1 if repeat else ROUND)]
         a, b = statistics.median(pico), statistics.median(peer_t)
+        extra = {}
+        if repeat:
+            pairs = [x / y for x, y in zip(pico, peer_t)]
+            extra = {"pair_ratio_median": round(statistics.median(pairs), 3),
+                     "pair_ratio_min": round(min(pairs), 3), "pair_ratio_max": round(max(pairs), 3),
+                     "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]}
         rows.append({"name": f"{name}_{p}ranks", "picolib_s": round(a, 5), "peer_s": round(b, 5),
                      "ratio": round(a / b, 3), "world_size": p, "schedule_peer": peer_name,
                      "stages": n_stages, "micro_batches": M, "timed_steps": len(pico),
                      "params": param_count(CFG), "tokens_per_step": M * MB * SEQ,
-                     "torch": torch.__version__})
+                     "torch": torch.__version__, **extra})
     return rows
 
 
@@ -202,15 +219,38 @@ def bubble_rows(p=4, m=8):
             "peer": "simulate() on ideal devices, same op lists and emulated costs", "rows": rows}
 
 
+def _option(argv, flag, convert):
+    if flag not in argv:
+        return None
+    i = argv.index(flag)
+    if i + 1 == len(argv):
+        sys.exit(f"{flag} needs a value")
+    return convert(argv[i + 1])
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if "--bubble-only" in argv:          # keep the last run's side-by-side rows, redo the bubble
+    only = _option(argv, "--only", lambda v: v.split(","))
+    repeat = _option(argv, "--repeat", int)
+    names = [name for name, _, _ in ROWS]
+    if only is not None and set(only) - set(names):
+        sys.exit(f"--only takes some of {names}, got {only}")
+    if repeat is not None and repeat < 1:
+        sys.exit(f"--repeat needs N ≥ 1, got {repeat}")
+    if "--bubble-only" in argv or only is not None:   # keep the last run's other parts
         from _report import load
-        rows = load("pipeline")["side_by_side"]
+        last = load("pipeline")
+    if "--bubble-only" in argv:
+        rows = last["side_by_side"]
     else:
         rows = []
         for p in (2, 4):
-            rows += run(bench_worker, p, p, timeout=600)[0]
+            rows += run(bench_worker, p, p, only, repeat, timeout=900)[0]
+    if only is not None:
+        new = {r["name"]: r for r in rows}
+        rows = [new.pop(r["name"], r) for r in last["side_by_side"]] + list(new.values())
+        write("pipeline", {"side_by_side": rows, "bubble": last["bubble"]})
+        return
     bubble = bubble_rows()
     write("pipeline", {"side_by_side": rows, "bubble": bubble})
     bad = [r for r in bubble["rows"] if abs(r["rel_diff_replayed"]) > TOLERANCE]

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 __all__ = ["Record", "Ledger", "NotMeasured", "measured_total", "ring_sent_bytes", "all_reduce",
            "reduce_scatter", "all_gather",
-           "broadcast", "all_to_all", "send", "recv", "isend", "exchange", "barrier",
+           "broadcast", "all_to_all", "send", "recv", "isend", "irecv", "exchange", "barrier",
            "ring_neighbours", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
@@ -346,6 +346,14 @@ def recv(tensor, src: int, group=None):
             tensors=(tensor,))
     if back:
         tensor.copy_(buf)
+
+
+def irecv(tensor, src: int, group=None):
+    """Non-blocking receive from global rank `src` into `tensor`: returns at once; `tensor`
+    holds the message after `.wait()`. Receives posted to one peer take its messages in order."""
+    buf, back = _incoming(tensor, group)
+    return _native("recv", lambda a: dist.irecv(buf, src, group), _bytes(tensor), group, True,
+                   peer=src, then=(lambda: tensor.copy_(buf)) if back else None, tensors=(tensor,))
 
 
 class _Exchange:

@@ -14,7 +14,9 @@ W = the skipped matmuls, ∂L/∂W = gᵀx, later. (The first stage has no input
 is empty and its W the whole backward.) Figures use cost emulation (picolib.timeline).
 
 Messages: sends are eager — each is posted with a non-blocking `comm.isend` in program
-order, so a rank never waits for its receiver; a receive waits. Activations and their
+order, so a rank never waits for its receiver; receives are posted ahead (`comm.irecv`, the
+next two of each sender), so a message lands as it arrives and the op that needs it waits
+only if it has not. Activations and their
 gradients have the same shape, so the messages between two ranks form one FIFO: the receiver knows the
 sender's op list and takes messages in the sender's order, keeping any that arrive before
 they are needed. With this model `pipeline_simulator.validate` predicts exactly which
@@ -33,6 +35,7 @@ executor runs an overlapped F&B pair as its two ops, one after the other.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 
 import torch
 import torch.nn as nn
@@ -212,27 +215,40 @@ def _channels(sched: Schedule, rank: int) -> dict[int, list]:
 
 class _Mailbox:
     """The messages of one rank: sends are posted at once (`comm.isend`, so compute never
-    waits for a receiver); a receive takes the sender's messages in the sender's order,
-    keeping any that come before they are needed; a message to a stage on this rank never
-    leaves it. `deliver` collects inside an op's span, `post` sends when the span ends (so
-    emulated op costs are not overlapped by the sends)."""
+    waits for a receiver); receives are posted AHEAD messages ahead on each sender's channel
+    (`comm.irecv`); a receive takes the sender's messages in the sender's order, keeping any
+    that come before they are needed; a message to a stage on this rank never leaves it.
+    `deliver` collects inside an op's span, `post` sends when the span ends (so emulated op
+    costs are not overlapped by the sends)."""
+
+    AHEAD = 2
 
     def __init__(self, sched, me, glob, group, shape, like):
         self.sched, self.me, self.glob, self.group = sched, me, glob, group
         self.shape, self.like = shape, like
         self.channels = {src: iter(msgs) for src, msgs in _channels(sched, me).items()}
+        self.posted = {src: deque() for src in self.channels}  # (key, buffer, work), in order
         self.inbox: dict = {}   # (kind, stage, mb) -> tensor that arrived early or locally
         self.outbox: list = []
         self.pending: list = []  # posted sends, with their tensors kept alive
+        for src in self.channels:
+            for _ in range(self.AHEAD):
+                self._post_recv(src)
+
+    def _post_recv(self, src):
+        key = next(self.channels[src], None)
+        if key is not None:
+            buf = torch.empty(self.shape, device=self.like.device, dtype=self.like.dtype)
+            self.posted[src].append((key, buf, comm.irecv(buf, self.glob(src), group=self.group)))
 
     def take(self, kind, stage, mb):
         key, sr = (kind, stage, mb), self.sched.stage_ranks
         src = sr[self.sched.prev_stage(stage) if kind == "act" else self.sched.next_stage(stage)]
         while key not in self.inbox:
-            nxt = next(self.channels[src])
-            buf = torch.empty(self.shape, device=self.like.device, dtype=self.like.dtype)
-            comm.recv(buf, self.glob(src), group=self.group)
-            self.inbox[nxt] = buf
+            got, buf, work = self.posted[src].popleft()
+            work.wait()
+            self.inbox[got] = buf
+            self._post_recv(src)
         return self.inbox.pop(key)
 
     def deliver(self, kind, stage, mb, tensor):

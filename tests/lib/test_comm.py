@@ -140,6 +140,28 @@ def test_isend_returns_at_once_and_keeps_order():
     assert sent == (3, 3 * 5 * 4) and received == [0.0, 1.0, 2.0]
 
 
+def irecv_ahead():
+    from picolib.comm import irecv
+    r = dist.get_rank()
+    if r == 0:
+        dist.barrier()                               # rank 1 has posted all three receives
+        for i in range(3):
+            dist.send(torch.full((5,), float(i)), 1)
+        return None
+    bufs = [torch.empty(5) for _ in range(3)]
+    with Ledger() as led:
+        works = [irecv(b, 0) for b in bufs]
+    dist.barrier()
+    for w in reversed(works):
+        w.wait()
+    return [b[0].item() for b in bufs], led.count("recv"), led.total("nbytes")
+
+
+def test_irecv_posted_ahead_takes_messages_in_order():
+    _, (got, calls, nbytes) = run(irecv_ahead, 2)
+    assert got == [0.0, 1.0, 2.0] and calls == 3 and nbytes == 3 * 5 * 4
+
+
 # ------------------------------------------- Ledger(rings=True): the traffic counted as sent
 
 def routed_collectives(n_el, sizes):
