@@ -15,6 +15,7 @@ from picolib.data_parallel import DDP, all_reduce_gradients, assign_buckets
 from picolib.launch import WorkerError, run
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.timeline import Timeline
+from picolib.tryit.lesson02 import rows, single_process   # the lesson's batch slices and one-process reference
 
 CFG = LlamaConfig(n_layers=2)
 GBS, SEQ, STEPS, LR, ATOL = 8, 16, 3, 0.1, 1e-5
@@ -25,18 +26,7 @@ def batch(step):
 
 
 def single_process_weights(steps=STEPS):
-    model = TinyLlama(CFG)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(steps):
-        model.loss(*batch(step)).backward()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def my_rows(tokens, targets, pieces, piece):
-    k = tokens.shape[0] // pieces
-    return tokens[piece * k:(piece + 1) * k], targets[piece * k:(piece + 1) * k]
+    return single_process(CFG, batch, steps, LR)
 
 
 def assert_weights_close(results, expected):
@@ -50,7 +40,7 @@ def naive_worker():
     model = TinyLlama(CFG)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
-        model.loss(*my_rows(*batch(step), n, rank)).backward()
+        model.loss(*rows(*batch(step), n, rank)).backward()
         all_reduce_gradients(model)
         opt.step()
         opt.zero_grad()
@@ -64,9 +54,9 @@ def ddp_worker(bucket_cap_bytes, grad_acc=1, set_to_none=True, overlap=True):
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     calls = []
     for step in range(STEPS):
-        tokens, targets = my_rows(*batch(step), n, rank)
+        tokens, targets = rows(*batch(step), n, rank)
         for micro in range(grad_acc):
-            x, y = my_rows(tokens, targets, grad_acc, micro)
+            x, y = rows(tokens, targets, grad_acc, micro)
             with Ledger() as ledger:
                 if micro < grad_acc - 1:
                     with ddp.no_sync():
@@ -264,7 +254,7 @@ def nan_worker(catch):
     message, untouched = None, None
     for step in range(3):
         before = [p.detach().clone() for p in model.parameters()]
-        loss = model.loss(*my_rows(*batch(step), n, rank))
+        loss = model.loss(*rows(*batch(step), n, rank))
         if step == 1 and rank == 1:
             loss = loss * float("nan")
         try:
@@ -310,7 +300,7 @@ def owned_optimizer_worker():
     model = TinyLlama(CFG)
     ddp = DDP(model, optimizer=torch.optim.AdamW, lr=1e-3)
     for step in range(STEPS):
-        model.loss(*my_rows(*batch(step), n, r)).backward()
+        model.loss(*rows(*batch(step), n, r)).backward()
         ddp.step()
         ddp.zero_grad()
     zeroed = all(p.grad is not None and not p.grad.any() for p in model.parameters())
@@ -344,7 +334,7 @@ def bf16_compute_worker():
     model = TinyLlama(CFG)
     ddp = DDP(model, optimizer=torch.optim.AdamW, lr=1e-3, param_dtype=torch.bfloat16)
     for step in range(STEPS):
-        model.loss(*my_rows(*batch(step), n, r)).backward()
+        model.loss(*rows(*batch(step), n, r)).backward()
         ddp.step()
         ddp.zero_grad()
     return ([m.detach().clone() for m in ddp.masters.values()],
@@ -366,7 +356,7 @@ def test_ddp_bf16_compute_copies_equal_one_process_with_the_same_recipe():
         p.data = p.data.to(torch.bfloat16)
     opt = torch.optim.AdamW(masters, lr=1e-3)
     for step in range(STEPS):
-        halves = [torch.autograd.grad(copy.loss(*my_rows(*batch(step), 2, piece)),
+        halves = [torch.autograd.grad(copy.loss(*rows(*batch(step), 2, piece)),
                                       list(copy.parameters())) for piece in range(2)]
         for m, g0, g1 in zip(masters, *halves):
             m.grad = (g0 / 2 + g1 / 2).float()
@@ -406,7 +396,7 @@ def autocast_worker():
     model = TinyLlama(CFG)
     DDP(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model.loss(*my_rows(*batch(0), n, r))
+        loss = model.loss(*rows(*batch(0), n, r))
     loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
@@ -418,7 +408,7 @@ def test_ddp_under_bf16_autocast_equals_one_process_under_the_same_autocast():
     model = TinyLlama(CFG)
     for piece in range(2):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model.loss(*my_rows(*batch(0), 2, piece)) / 2
+            loss = model.loss(*rows(*batch(0), 2, piece)) / 2
         loss.backward()
     want = [p.grad for p in model.parameters()]
     fp32 = TinyLlama(CFG)
