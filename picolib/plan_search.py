@@ -3,7 +3,7 @@
 What: `step_time` prices one training step of a `picolib.planner.Parallelism` on a
 `picolib.hardware` preset by playing its pipeline schedule (`pipeline_simulator.simulate`)
 with each op's cost — every operation of its layers on the roofline of the preset
-(`roofline.layer_ops`, `roofline.op_seconds`: matmuls by shape, the attention kernel, the
+(`layer_costs.layer_ops`, `layer_costs.op_seconds`: matmuls by shape, the attention kernel, the
 memory-bound norms, RoPE, activations, residual adds, softmax and loss, a launch floor a
 kernel), the collectives on the critical path (TP, CP, EP, the pipeline's sends) — and takes
 the slowest rank, plus the data-parallel traffic its last backward does not hide and the
@@ -12,8 +12,8 @@ follows (`model_flops_per_token`: 6 × active parameters + causal attention). `s
 enumerates the configurations of a model on N GPUs at a global batch, keeps those that fit
 in memory and ranks them by step time; `describe` prints one plan.
 Why: the planner's bytes (picolib/planner.py) are exact; turning bytes into seconds needs
-inputs, and they are all here, named: every op of a layer (`roofline.layer_ops`) priced by
-`roofline.op_seconds` with the preset's measured fractions (`Hardware.matmul_eff`, `hbm_eff`,
+inputs, and they are all here, named: every op of a layer (`layer_costs.layer_ops`) priced by
+`layer_costs.op_seconds` with the preset's measured fractions (`Hardware.matmul_eff`, `hbm_eff`,
 `attention_eff`, `link_eff`, `launch`: picolib/hardware.py gives each source; or one
 `efficiency` for every matmul, the old single constant), α per collective call
 (`hardware.ALPHA`, assumed), each group at its bandwidth (`Hardware.link`: NVLink inside a node,
@@ -85,7 +85,7 @@ def matmul_seconds(m: int, k: int, n: int, hw="H100-SXM", precision: str = "bf16
     its bytes — read A and B, write C, in the compute dtype — at the datasheet's HBM bandwidth.
     Arithmetic intensity 2mkn / (e(mk + kn + mn)) FLOPs per byte against the ridge peak/HBM
     (H100 bf16: 989e12 / 3.35e12 ≈ 295): a matmul of a few hundred tokens is memory-bound, one
-    of thousands compute-bound. (`step_time` prices matmuls with `roofline.op_seconds`, which
+    of thousands compute-bound. (`step_time` prices matmuls with `layer_costs.op_seconds`, which
     also takes the achieved HBM fraction and a launch floor.)"""
     hw = hardware(hw)
     ceiling = hw.matmul_eff if ceiling is None else ceiling
@@ -159,15 +159,15 @@ def _stage_seconds(cfg, par, hw, moe, eff, ceiling):
 
 def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block="llama", mla=None, mtp=0):
     """{piece: (F, B, W, core) seconds per micro-batch} on one tp rank: every op of
-    `roofline.layer_ops` (`embedding_ops` on the first piece, `head_ops` on the last; `mtp`
+    `layer_costs.layer_ops` (`embedding_ops` on the first piece, `head_ops` on the last; `mtp`
     multi-token-prediction modules on the last too: each `mtp_ops`, one more layer and the
-    head again) at `roofline.op_seconds` on `hw`;
+    head again) at `layer_costs.op_seconds` on `hw`;
     `core` is the forward of the unfused attention core (what selective recomputation
     repeats; 0 with a fused kernel, whose backward already recomputes it)."""
     from dataclasses import replace as _replace
     from .parallel_layout import pieces as _n_pieces, stage_layers
     from .planner import elem_bytes
-    from .roofline import embedding_ops, head_ops, layer_ops, mtp_ops, op_seconds
+    from .layer_costs import embedding_ops, head_ops, layer_ops, mtp_ops, op_seconds
     if ceiling is not None:
         hw = _replace(hw, matmul_eff=ceiling)
     e = 1 if par.precision == "fp8" else elem_bytes(par.precision)
@@ -265,7 +265,7 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     """Seconds of one step, its parts, tokens/s and MFU, from the slowest pipeline rank.
 
     Each op of the schedule (F, B, W, BW of a stage and micro-batch) costs its compute —
-    every op of its layers (and the head and loss on the last piece) at `roofline.op_seconds`
+    every op of its layers (and the head and loss on the last piece) at `layer_costs.op_seconds`
     with the preset's measured fractions (`ceiling` overrides the matmuls' `matmul_eff`;
     `dropout`: GPT's dropouts, as Megatron's runs had them; `block`, `mla`: `layer_ops`'s
     GPT block and DeepSeek's latent attention; `mtp`: DeepSeek's multi-token-prediction

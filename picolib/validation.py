@@ -20,7 +20,7 @@ GPT shapes (Narayanan, Korthikanti: 4h GeLU MLP, multi-head attention, vocabular
 2,048-token sequences, dropout) are counted (memory, parameters, model FLOPs) as a Llama block
 of the same weights — a SwiGLU of inner size 8h/3 (rounded to a multiple of 64) has the 8h²
 weights and FLOPs of the 4h GeLU MLP — and timed as GPT's own block (`block="gpt"` of
-`roofline.layer_ops`: LayerNorm, biases, the GeLU MLP, no RoPE). DeepSeek-V3 is counted as a
+`layer_costs.layer_ops`: LayerNorm, biases, the GeLU MLP, no RoPE). DeepSeek-V3 is counted as a
 Llama block of its hidden size and heads, timed with its latent attention (`mla`).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from .model import LlamaConfig
 from .planner import MoEShape, Parallelism, LLAMA3_405B
-from .roofline import MLAShape
+from .layer_costs import MLAShape
 
 __all__ = ["Run", "RUNS", "gpt", "published_tokens_per_s", "predict", "table", "markdown"]
 

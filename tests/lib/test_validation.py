@@ -1,5 +1,5 @@
 """The planner against published runs (picolib/validation.py), and the op list it prices
-(picolib/roofline.layer_ops) against what lesson 12 measures on a real step."""
+(picolib/layer_costs.layer_ops) against what lesson 12 measures on a real step."""
 import re
 from pathlib import Path
 
@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.plan_search import model_flops_per_token, step_time
-from picolib.roofline import GROUPS, head_ops, layer_ops
+from picolib.layer_costs import head_ops, layer_ops
+from picolib.roofline import GROUPS
 from picolib.validation import RUNS, markdown, published_tokens_per_s, table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +91,7 @@ def test_gpt_block_ops_count_what_a_torch_gpt_block_does():
 
 def test_latent_attention_ops_count_what_a_torch_mla_does():
     # DeepSeek-V3's attention, written out from its shapes (MLA: latents, rope/nope split)
-    from picolib.roofline import MLAShape
+    from picolib.layer_costs import MLAShape
     h, heads, s, b = 64, 4, 16, 2
     m = MLAShape(q_lora=24, kv_lora=16, qk_nope=8, qk_rope=4, v_head=6)
     cfg = LlamaConfig(hidden=h, n_heads=heads, n_kv_heads=heads, ffn_hidden=32, vocab_size=64)
@@ -118,7 +119,7 @@ def test_latent_attention_ops_count_what_a_torch_mla_does():
 def test_the_embeddings_gradient_is_a_dense_table_priced_on_the_first_stage():
     from picolib.hardware import hardware
     from picolib.planner import Parallelism
-    from picolib.roofline import embedding_ops, op_seconds
+    from picolib.layer_costs import embedding_ops, op_seconds
     cfg, tokens, e = LlamaConfig(vocab_size=512, hidden=32), 64, 4
     emb = torch.nn.Embedding(cfg.vocab_size, cfg.hidden)
     ids = torch.randint(0, cfg.vocab_size, (tokens,))
@@ -151,7 +152,7 @@ def test_a_multi_token_prediction_module_is_one_more_layer_and_head_on_the_last_
     from picolib.hardware import hardware
     from picolib.plan_search import _stage_seconds_ops
     from picolib.planner import Parallelism
-    from picolib.roofline import mtp_ops, op_seconds
+    from picolib.layer_costs import mtp_ops, op_seconds
     cfg, tokens = LlamaConfig(hidden=64, n_heads=4, n_kv_heads=4, ffn_hidden=128, vocab_size=256, n_layers=4), 32
     proj = torch.nn.Linear(2 * cfg.hidden, cfg.hidden, bias=False)      # DeepSeek-V3 §2.2's M
     with FlopCounterMode(display=False) as fc:
