@@ -5,7 +5,9 @@
 Prose (markdown cells and the literal text of `say(...)` calls) at 130 words a minute, code (the
 non-blank lines of code cells outside `say(...)`) at 5.9 lines a minute, one minute a figure
 (each `plt.show()`, else one for a cell that calls a figure helper: `plot_*`, `draw_*`,
-`*_figure`, `knobs`, `show*`), one minute of running. The rates were calibrated on three timed
+`*_figure`, `knobs`, `show_*`), one minute of running. The library code a lesson shows with
+`picolib.source.show(...)` is code to read: its non-blank lines count with the cells' own
+(tools/shown_core.py). The rates were calibrated on three timed
 first readings (lessons 01, 03 and 10 before they were split or trimmed: about 110, 85 and 100
 minutes). An estimate, not a measurement: it ranks the lessons and flags the long ones.
 """
@@ -14,9 +16,10 @@ from __future__ import annotations
 import json
 import re
 import sys
+from pathlib import Path
 
 WORDS_PER_MIN, LINES_PER_MIN, MIN_PER_FIGURE, RUN_MIN = 130, 5.9, 1, 1
-_FIGURE_CALL = re.compile(r"\b(plot_\w+|draw_\w+|\w+_figure|knobs|show\w*)\(")
+_FIGURE_CALL = re.compile(r"\b(plot_\w+|draw_\w+|\w+_figure|knobs|show_\w+)\(")
 
 
 def _say_spans(src: str):
@@ -65,8 +68,19 @@ def estimate(path: str) -> dict:
         lines += sum(1 for line in code.splitlines() if line.strip() and line.strip() != ")")
         shows = code.count("plt.show()")
         figures += shows or (1 if _FIGURE_CALL.search(code) else 0)
+    lines += sum(s.lines for s in _shown(path))
     minutes = words / WORDS_PER_MIN + lines / LINES_PER_MIN + figures * MIN_PER_FIGURE + RUN_MIN
     return dict(words=words, lines=lines, figures=figures, minutes=minutes)
+
+
+def _shown(path: str):
+    """What the lesson shows of picolib's source (nothing when it calls no `show`)."""
+    if "show(" not in open(path, encoding="utf-8").read():
+        return []
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import shown_core
+    return shown_core.shown(path)
 
 
 def main(paths: list[str]) -> None:
