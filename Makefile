@@ -45,7 +45,7 @@ test-notebooks: $(STAMP)
 # on both besides `make test` on the pinned one. `make test-torch TORCH_VERSION=2.6.0` runs them
 # under that release of PyPI's torch, from an environment kept outside the clone, in
 # ${XDG_CACHE_HOME:-~/.cache}/picolib/ and reused while pyproject.toml's dependencies are unchanged
-# (tools/torch_env.py; the first build downloads 2-6 GB). `make test-setup TORCH_VERSION=...`
+# (tools/torch_env.py, built by uv from its wheel cache there; the first build downloads 2-6 GB). `make test-setup TORCH_VERSION=...`
 # runs lesson 00 from its setup cell in a fresh environment that has only that torch.
 # TORCH_PYTHON picks the Python of the environment (e.g. python3.13).
 TORCH_OLDEST  ?= 2.6.0

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torch_env import ROOT, cache_dir, no_constraints  # noqa: E402
+from torch_env import ROOT, cache_dir, uv_install  # noqa: E402
 
 KERNEL = ["ipykernel", "nbclient"]          # a Jupyter's own: a kernel and what runs cells in it
 
@@ -33,8 +33,7 @@ def torch_only(version: str, python: str, py: str) -> Path:
     if not (where / ".complete").exists():
         shutil.rmtree(where, ignore_errors=True)
         print(f"building {where} (torch {version} alone)", file=sys.stderr)
-        subprocess.run([python, "-m", "pip", "install", "-q", "--progress-bar", "off", "--target",
-                        str(where), f"torch=={version}"], check=True, env=no_constraints())
+        uv_install(python, [f"torch=={version}"], target=where)   # linked from uv's cache
         (where / ".complete").touch()
     return where
 

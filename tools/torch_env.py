@@ -3,12 +3,17 @@
 Prints the environment's path. It lives outside the clone, under
 ${XDG_CACHE_HOME:-~/.cache}/picolib/, named after the torch version, the Python and a hash of
 what it installs besides torch (pyproject.toml's dependencies and the test tools), so CI reuses
-it between runs on the same machine and a change of dependencies builds a new one. It holds torch (PyPI's wheel: the CUDA build on Linux, which also runs on a
-CPU), picolib's dependencies and what pytest needs to run notebooks — not picolib itself: the
-caller puts the clone on PYTHONPATH, so one environment serves every clone.
+it between runs on the same machine and a change of dependencies builds a new one. It holds
+torch (PyPI's wheel: the CUDA build on Linux, which also runs on a CPU), picolib's dependencies
+and what pytest needs to run notebooks — not picolib itself: the caller puts the clone on
+PYTHONPATH, so one environment serves every clone.
 
-The host's pip constraints are set aside for this install (PIP_CONSTRAINT: an empty file):
-a machine may cap torch below the version asked for. A lock lets two runs share the cache.
+uv builds it (`uv venv`, `uv pip install`), with its wheel cache in the same folder: a fresh
+machine downloads each torch once, in parallel pieces, and every later environment of that torch
+(this one rebuilt, `make test-setup`'s torch-only folder) links the files from the cache in
+seconds. uv is the one on PATH, else a pinned uv that pip installs into the cache folder once.
+uv reads none of pip's configuration, so a host's pip constraints (which may cap torch below the
+version asked for) do not apply. A lock lets two runs share the cache.
 """
 import argparse
 import fcntl
@@ -23,18 +28,36 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_TOOLS = ["pytest", "pytest-xdist", "nbval", "ipykernel"]   # pytest -n 2 --nbval-lax, with a kernel
+UV = "uv==0.13.9"
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "picolib"
 
 
-def no_constraints() -> dict:
-    """The environment for a pip that ignores the host's constraints (an empty file)."""
-    empty = cache_dir() / "no-constraints.txt"
-    empty.parent.mkdir(parents=True, exist_ok=True)
-    empty.write_text("")
-    return {**os.environ, "PIP_CONSTRAINT": str(empty)}
+def uv() -> list[str]:
+    """The uv command: the one on PATH, else the pinned one, installed by pip into the cache once."""
+    found = shutil.which("uv")
+    if found:
+        return [found]
+    where = cache_dir() / UV.replace("==", "-")
+    if not (where / "bin" / "uv").exists():
+        shutil.rmtree(where, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        "--target", str(where), UV], check=True)
+    return [str(where / "bin" / "uv")]
+
+
+def uv_env() -> dict:
+    """The environment uv runs in: its wheel cache beside the environments it builds."""
+    return {**os.environ, "UV_CACHE_DIR": str(cache_dir() / "uv"), "UV_NO_PROGRESS": "1"}
+
+
+def uv_install(python: str, packages: list[str], target: Path | None = None) -> None:
+    """`uv pip install` of `packages` for the interpreter `python` (into `target` if given)."""
+    where = ["--target", str(target)] if target else []
+    subprocess.run([*uv(), "pip", "install", "-q", "--python", python, *where, *packages],
+                   check=True, env=uv_env())
 
 
 def requirements(pyproject: Path) -> list[str]:
@@ -63,10 +86,8 @@ def main() -> int:
             shutil.rmtree(env, ignore_errors=True)          # a build that was cut off
             print(f"building {env} (torch {args.version}: a download of a few GB the first time)",
                   file=sys.stderr)
-            subprocess.run([args.python, "-m", "venv", str(env)], check=True)
-            subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install", "-q",
-                            "--progress-bar", "off", f"torch=={args.version}", *wanted],
-                           check=True, env=no_constraints())
+            subprocess.run([*uv(), "venv", "-q", "--python", args.python, str(env)], check=True, env=uv_env())
+            uv_install(str(env / "bin" / "python"), [f"torch=={args.version}", *wanted])
             stamp.touch()
             for old in cache_dir().glob(f"venv-torch-{args.version}-py{py}-*"):
                 if old != env:                               # made for other requirements
