@@ -51,81 +51,102 @@ def layer_ops(cfg, tokens: int, seq: int, tp: int = 1, sp: bool = False, e: int 
     if block not in ("llama", "gpt"):
         raise ValueError(f"block must be 'llama' or 'gpt', not {block!r}")
     gpt = block == "gpt"
-    h, d, a = cfg.hidden, cfg.head_dim, cfg.n_heads // tp
-    kv = max(1, cfg.n_kv_heads // tp)
     near = tokens // tp if sp else tokens            # tokens the norms and residuals see
-    ops = []
-
-    def mm(name, m, k, n, count=1, group="matmuls"):
-        ops.append(dict(name=name, group=group, kind="matmul", shape=(m, k, n), count=count,
-                        flops=2 * m * k * n * count, bytes=e * (m * k + k * n + m * n) * count))
-
-    def mem(name, group, nbytes, count=1):
-        ops.append(dict(name=name, group=group, kind="memory", shape=None, count=count,
-                        flops=0, bytes=nbytes * count))
-
+    ops = _Ops(e)
     # x + f(x) (dropout on f(x), 1 byte a mask element; GPT: + the bias of f's last matmul)
-    residual = (3 * e + (1 if dropout else 0)) * near * h + (e * h if gpt else 0)
-    norm = 2 * e * near * h + (2 * 4 * near if gpt else 0)     # LayerNorm: + fp32 mean, 1/std
-    mem("attention norm", "norms", norm)
+    residual = (3 * e + (1 if dropout else 0)) * near * cfg.hidden + (e * cfg.hidden if gpt else 0)
+    norm = 2 * e * near * cfg.hidden + (2 * 4 * near if gpt else 0)     # LayerNorm: + fp32 mean, 1/std
+    ops.mem("attention norm", "norms", norm)
+    _attention_ops(ops, cfg, tokens, seq, tp, flash, dropout, gpt, mla)
+    ops.mem("residual add (attention)", "residual adds", residual)
+    ops.mem("MLP norm", "norms", norm)
+    _mlp_ops(ops, cfg, tokens, near, tp, moe, ep, gpt)
+    ops.mem("residual add (MLP)", "residual adds", residual)
+    return list(ops)
+
+
+class _Ops(list):
+    """The op list `layer_ops` builds: a matmul's FLOPs and bytes follow from its shape, a
+    memory-bound op's from its bytes (at `e` bytes a value)."""
+
+    def __init__(self, e: int):
+        super().__init__()
+        self.e = e
+
+    def mm(self, name, m, k, n, count=1, group="matmuls"):
+        self.append(dict(name=name, group=group, kind="matmul", shape=(m, k, n), count=count,
+                         flops=2 * m * k * n * count, bytes=self.e * (m * k + k * n + m * n) * count))
+
+    def mem(self, name, group, nbytes, count=1):
+        self.append(dict(name=name, group=group, kind="memory", shape=None, count=count,
+                         flops=0, bytes=nbytes * count))
+
+
+def _attention_ops(ops, cfg, tokens, seq, tp, flash, dropout, gpt, mla):
+    """The projections (GQA's q, k, v or MLA's latent ones), the core (fused, or Megatron's
+    unfused QKᵀ, softmax and weighted sum) and the output projection, into `ops`."""
+    e, h, a = ops.e, cfg.hidden, cfg.n_heads // tp
+    kv = max(1, cfg.n_kv_heads // tp)
     if mla is None:
-        dq = dk = dv = d
-        mm("q, k, v", tokens, h, (a + 2 * kv) * d)
+        dq = dk = dv = cfg.head_dim
+        ops.mm("q, k, v", tokens, h, (a + 2 * kv) * dq)
         if gpt:
-            n = (a + 2 * kv) * d
-            mem("q, k, v bias", "residual adds", e * (2 * tokens * n + n))
+            n = (a + 2 * kv) * dq
+            ops.mem("q, k, v bias", "residual adds", e * (2 * tokens * n + n))
         else:
-            mem("RoPE on q and k", "RoPE and reshapes", 2 * e * tokens * (a + kv) * d)
+            ops.mem("RoPE on q and k", "RoPE and reshapes", 2 * e * tokens * (a + kv) * dq)
     else:
         dq = dk = mla.qk_nope + mla.qk_rope
         dv, kv = mla.v_head, a
-        mm("q down", tokens, h, mla.q_lora)
-        mem("q latent norm", "norms", 2 * e * tokens * mla.q_lora)
-        mm("q up", tokens, mla.q_lora, a * dq)
-        mm("kv down", tokens, h, mla.kv_lora + mla.qk_rope)
-        mem("kv latent norm", "norms", 2 * e * tokens * mla.kv_lora)
-        mm("kv up", tokens, mla.kv_lora, a * (mla.qk_nope + dv))
-        mem("RoPE on q and k", "RoPE and reshapes", 2 * e * tokens * (a + 1) * mla.qk_rope)
+        ops.mm("q down", tokens, h, mla.q_lora)
+        ops.mem("q latent norm", "norms", 2 * e * tokens * mla.q_lora)
+        ops.mm("q up", tokens, mla.q_lora, a * dq)
+        ops.mm("kv down", tokens, h, mla.kv_lora + mla.qk_rope)
+        ops.mem("kv latent norm", "norms", 2 * e * tokens * mla.kv_lora)
+        ops.mm("kv up", tokens, mla.kv_lora, a * (mla.qk_nope + dv))
+        ops.mem("RoPE on q and k", "RoPE and reshapes", 2 * e * tokens * (a + 1) * mla.qk_rope)
     if flash:
         ops.append(dict(name="attention (fused kernel)", group="softmax and mask", kind="attention",
                         shape=None, count=1, flops=tokens * seq * a * (dq + dv),
                         bytes=e * tokens * (a * dq + kv * (dk + dv) + a * dv)))
     else:
         b_seqs = max(1, tokens // seq)
-        mm("QKᵀ", seq, dq, seq, count=b_seqs * a)
-        mem("scale, mask, softmax", "softmax and mask", 2 * e * b_seqs * a * seq * seq)
+        ops.mm("QKᵀ", seq, dq, seq, count=b_seqs * a)
+        ops.mem("scale, mask, softmax", "softmax and mask", 2 * e * b_seqs * a * seq * seq)
         if dropout:
-            mem("attention dropout", "softmax and mask", (2 * e + 1) * b_seqs * a * seq * seq)
-        mm("scores × V", seq, seq, dv, count=b_seqs * a)
-    mm("attention out", tokens, a * dv, h)
-    mem("residual add (attention)", "residual adds", residual)
-    mem("MLP norm", "norms", norm)
+            ops.mem("attention dropout", "softmax and mask", (2 * e + 1) * b_seqs * a * seq * seq)
+        ops.mm("scores × V", seq, seq, dv, count=b_seqs * a)
+    ops.mm("attention out", tokens, a * dv, h)
+
+
+def _mlp_ops(ops, cfg, tokens, near, tp, moe, ep, gpt):
+    """The MLP into `ops`: GPT's GeLU MLP, Llama's SwiGLU, or a MoE layer (router, permutation
+    to the experts and back, the local experts, the shared ones)."""
+    e, h = ops.e, cfg.hidden
     if moe is None and gpt:
         f = 4 * h // tp
-        mm("up", tokens, h, f)
-        mem("bias and GeLU", "SwiGLU elementwise", e * (2 * tokens * f + f))
-        mm("down", tokens, f, h)
+        ops.mm("up", tokens, h, f)
+        ops.mem("bias and GeLU", "SwiGLU elementwise", e * (2 * tokens * f + f))
+        ops.mm("down", tokens, f, h)
     elif moe is None:
         f = cfg.ffn_hidden // tp
-        mm("gate and up", tokens, h, 2 * f)
-        mem("SwiGLU", "SwiGLU elementwise", 3 * e * tokens * f)
-        mm("down", tokens, f, h)
+        ops.mm("gate and up", tokens, h, 2 * f)
+        ops.mem("SwiGLU", "SwiGLU elementwise", 3 * e * tokens * f)
+        ops.mm("down", tokens, f, h)
     else:
         routed = near * moe.top_k
         per_expert = max(1, ep * routed // moe.n_experts)
         local = moe.n_experts // ep
-        mm("router", near, h, moe.n_experts)
-        mem("permute to experts and back", "RoPE and reshapes", 2 * 2 * e * routed * h)
-        mm("expert gate and up", per_expert, h, 2 * moe.expert_ffn, count=local)
-        mem("expert SwiGLU", "SwiGLU elementwise", 3 * e * per_expert * moe.expert_ffn, count=local)
-        mm("expert down", per_expert, moe.expert_ffn, h, count=local)
+        ops.mm("router", near, h, moe.n_experts)
+        ops.mem("permute to experts and back", "RoPE and reshapes", 2 * 2 * e * routed * h)
+        ops.mm("expert gate and up", per_expert, h, 2 * moe.expert_ffn, count=local)
+        ops.mem("expert SwiGLU", "SwiGLU elementwise", 3 * e * per_expert * moe.expert_ffn, count=local)
+        ops.mm("expert down", per_expert, moe.expert_ffn, h, count=local)
         if moe.shared:
             f = moe.shared * moe.expert_ffn // tp
-            mm("shared gate and up", tokens, h, 2 * f)
-            mem("shared SwiGLU", "SwiGLU elementwise", 3 * e * tokens * f)
-            mm("shared down", tokens, f, h)
-    mem("residual add (MLP)", "residual adds", residual)
-    return ops
+            ops.mm("shared gate and up", tokens, h, 2 * f)
+            ops.mem("shared SwiGLU", "SwiGLU elementwise", 3 * e * tokens * f)
+            ops.mm("shared down", tokens, f, h)
 
 
 def embedding_ops(cfg, tokens: int, tp: int = 1, e: int = 2, block: str = "llama") -> list[dict]:

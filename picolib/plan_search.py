@@ -290,10 +290,6 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     (seconds × GPUs × dense peak). Returns {"seconds", "compute", "bubble", "tp", "cp",
     "ep", "pp", "dp", "dp_exposed", "optimizer"} of the slowest rank, "tokens_per_s", "mfu",
     "slowest" (its pipeline rank) and "ranks" (the same parts for every pipeline rank)."""
-    from .pipeline_simulator import simulate
-    from dataclasses import replace as _replace
-    from .parallel_layout import pieces as n_pieces_of, stage_layers
-    from .planner import cached_schedule, moe_of, stage_piece, traffic
     hw = hardware(hw)
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
@@ -301,24 +297,48 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
         raise ValueError(f"ceiling must be in (0, 1] and ep_overlap in [0, 1]; got {ceiling}, {ep_overlap}")
     if ep_nodes is not None and ep_nodes < 1:
         raise ValueError(f"ep_nodes must be ≥ 1, not {ep_nodes}")
+    from .planner import cached_schedule, moe_of
     moe = moe_of(cfg, par, moe)            # the layout's experts where no MoEShape is given
-    m, p = par.micro_batches, par.pp
-    if efficiency is not None:   # the old single constant: matmuls and attention only, datasheet links
-        comp = {k: (*v, 0.0) for k, v in _stage_seconds(cfg, par, hw, moe, efficiency, 0.75).items()}
-    else:                        # every op on the roofline, the links at NCCL's achieved fraction
-        comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block, mla, mtp)
-        hw = _replace(hw, levels=tuple(_replace(lv, per_gpu=lv.per_gpu * hw.link_eff, total=lv.total * hw.link_eff)
-                                       for lv in hw.levels))
-    full = par.recompute == "full"
-    selective = par.recompute == "selective"
-    sched = cached_schedule(par.schedule, p, m, par.v) if p > 1 else None
-    n_pieces = n_pieces_of(par)
+    comp, hw = _compute_seconds(cfg, par, hw, moe, efficiency, ceiling, dropout, block, mla, mtp)
+    sched = cached_schedule(par.schedule, par.pp, par.micro_batches, par.v) if par.pp > 1 else None
+    parts, cost = _op_costs(cfg, par, hw, moe, sched, comp, alpha, ep_nodes, ep_overlap)
+    span = _play(sched, cost, par.micro_batches, par.pp)
+    ranks = [_rank_totals(cfg, par, hw, moe, sched, comp, parts[r], span, r, efficiency is None, dp_overlap)
+             for r in range(par.pp)]
+    # the slowest rank: the last to finish; of those (a pipeline ends together), the busiest
+    slowest = max(range(par.pp), key=lambda r: (ranks[r]["seconds"], span - ranks[r]["bubble"]))
+    out = dict(ranks[slowest])
+    tokens = par.dp * par.micro_batches * par.micro_batch_size * par.seq
+    out.update(tokens_per_s=tokens / out["seconds"], slowest=slowest, ranks=ranks,
+               mfu=model_flops_per_token(cfg, par.seq, moe, causal) * tokens
+               / (out["seconds"] * par.n_gpus * hw.peak(par.precision)))
+    return out
+
+
+def _compute_seconds(cfg, par, hw, moe, efficiency, ceiling, dropout, block, mla, mtp):
+    """({piece: (F, B, W, core)} seconds per micro-batch, the hardware the links are priced on):
+    every op on the roofline with the links at NCCL's achieved fraction, or, with `efficiency`,
+    the old single constant (matmuls and attention only, datasheet links)."""
+    from dataclasses import replace as _replace
+    if efficiency is not None:
+        return {k: (*v, 0.0) for k, v in _stage_seconds(cfg, par, hw, moe, efficiency, 0.75).items()}, hw
+    comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block, mla, mtp)
+    return comp, _replace(hw, levels=tuple(_replace(lv, per_gpu=lv.per_gpu * hw.link_eff, total=lv.total * hw.link_eff)
+                                           for lv in hw.levels))
+
+
+def _comm_per_op(cfg, par, hw, moe, sched, alpha, ep_nodes):
+    """(per pipeline rank {"tp", "cp", "ep"}: seconds of those collectives per F or B op, the
+    seconds of one pipeline send of an activation)."""
+    from .parallel_layout import pieces as n_pieces_of, stage_layers
+    from .planner import stage_piece
+    p, m = par.pp, par.micro_batches
     sent = [traffic(cfg, par, r, moe) for r in range(p)]
     e = 4 if par.precision == "fp32" else 2
     act = par.micro_batch_size * (par.seq // par.cp // (par.tp if par.sp else 1)) * cfg.hidden * e
     t_send = act / hw.link(2, stride=par.tp * par.cp * par.dp) if p > 1 else 0.0
+    counts = stage_layers(cfg.n_layers, n_pieces_of(par))
     per_rank = []
-    counts = stage_layers(cfg.n_layers, n_pieces)
     for r in range(p):
         pieces = [stage_piece(par, st) for st in (sched.stages_of(r) if sched else [0])]
         ops = m * len(pieces) // (len(sched.pipes) if sched else 1)   # forwards on this rank
@@ -326,13 +346,23 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
         per_rank.append({"tp": (sent[r]["tp"] / hw.link(par.tp) + calls * alpha) / ops / 2,
                          "cp": sent[r]["cp"] / hw.link(par.cp, stride=par.tp) / ops / 2,
                          "ep": _ep_seconds(cfg, par, hw, moe, sent[r]["ep"], ep_nodes) / ops / 2})
+    return per_rank, t_send
+
+
+def _op_costs(cfg, par, hw, moe, sched, comp, alpha, ep_nodes, ep_overlap):
+    """(each pipeline rank's seconds by part, filled in as ops are priced; the cost of one
+    schedule op): compute (recomputation repeats the forward or the attention core), its
+    collectives (an expert all-to-all paired with an op of the other direction hides behind
+    it), and the pipeline send of its output."""
+    from .planner import stage_piece
+    per_rank, t_send = _comm_per_op(cfg, par, hw, moe, sched, alpha, ep_nodes)
+    full, selective = par.recompute == "full", par.recompute == "selective"
     paired = set()
     if sched:
         for r, ops in enumerate(sched.ops):
             for i in sched.overlap[r]:
                 paired.update({ops[i], ops[i + 1]})
-    parts = [dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0) for _ in range(p)]
-
+    parts = [dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0) for _ in range(par.pp)]
     piece = {st: stage_piece(par, st) for st in range(len(sched.stage_ranks))} if sched else {0: 0}
     rank_of = sched.stage_ranks if sched else (0,)
     firsts = {st for st in piece if not sched or sched.is_first(st)}
@@ -343,43 +373,43 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
         f, b, w, core = comp[piece[op.stage]]
         again = f if full else core if selective else 0.0           # what recomputation repeats
         c = {"F": f, "B": b + again, "W": w, "BW": b + w + again}[op.kind]
-        x = per_rank[r]
-        comm = {k: (x[k] if op.kind != "W" else 0.0) for k in ("tp", "cp", "ep")}
+        comm = {k: (per_rank[r][k] if op.kind != "W" else 0.0) for k in ("tp", "cp", "ep")}
         if op in paired:
             comm["ep"] -= min(ep_overlap * comm["ep"], c)
-        last = (op.kind == "F" and op.stage not in lasts) or \
+        sends = (op.kind == "F" and op.stage not in lasts) or \
             (op.kind in ("B", "BW") and op.stage not in firsts)
-        pp_t = t_send if last else 0.0
+        pp_t = t_send if sends else 0.0
         for k, v in (("compute", c), ("pp", pp_t), *comm.items()):
             parts[r][k] += v
         return c + pp_t + sum(comm.values())
 
-    if sched:
-        events = simulate(sched, cost=cost, check=False)
-        ends = [max((ev["end"] for ev in events if ev["rank"] == r), default=0.0) for r in range(p)]
-    else:
-        from .pipeline_schedules import Op
-        ends = [sum(cost(Op(k, 0, i)) for i in range(m) for k in ("F", "BW"))]
-    span = max(ends)
-    ranks = []
-    for r in range(p):
-        busy = sum(parts[r].values())
-        pieces = [stage_piece(par, s) for s in (sched.stages_of(r) if sched else [0])]
-        window = sum(comp[k][1] + comp[k][2] for k in pieces) if dp_overlap else 0.0   # last backward
-        t_dp = _dp_seconds(cfg, par, hw, moe, r)
-        exposed = max(0.0, t_dp - window)
-        opt = 0.0 if efficiency is not None else _optimizer_seconds(cfg, par, hw, moe, r)
-        ranks.append({**parts[r], "bubble": span - busy, "dp": t_dp, "dp_exposed": exposed,
-                      "optimizer": opt, "seconds": span + exposed + opt})
-    # the slowest rank: the last to finish; of those (a pipeline ends together), the busiest
-    slowest = max(range(p), key=lambda r: (ranks[r]["seconds"], span - ranks[r]["bubble"]))
-    out = dict(ranks[slowest])
-    tokens = par.dp * m * par.micro_batch_size * par.seq
-    peak = hw.peak(par.precision)
-    out.update(tokens_per_s=tokens / out["seconds"], slowest=slowest, ranks=ranks,
-               mfu=model_flops_per_token(cfg, par.seq, moe, causal) * tokens
-               / (out["seconds"] * par.n_gpus * peak))
-    return out
+    return parts, cost
+
+
+def _play(sched, cost, m, p):
+    """Seconds until the last rank ends: the schedule simulated with `cost` per op (one rank
+    without a pipeline: its m forwards and backwards in a row)."""
+    from .pipeline_schedules import Op
+    from .pipeline_simulator import simulate
+    if sched is None:
+        return sum(cost(Op(k, 0, i)) for i in range(m) for k in ("F", "BW"))
+    events = simulate(sched, cost=cost, check=False)
+    return max(max((ev["end"] for ev in events if ev["rank"] == r), default=0.0) for r in range(p))
+
+
+def _rank_totals(cfg, par, hw, moe, sched, comp, parts, span, r, optimizer, dp_overlap):
+    """One pipeline rank's parts of the step: its idle time in the schedule (the bubble), its
+    data-parallel traffic and what of it the last backward (B + W of its stages) does not hide,
+    the optimizer's pass (`optimizer`: priced, else 0)."""
+    from .planner import stage_piece
+    busy = sum(parts.values())
+    pieces = [stage_piece(par, s) for s in (sched.stages_of(r) if sched else [0])]
+    window = sum(comp[k][1] + comp[k][2] for k in pieces) if dp_overlap else 0.0   # last backward
+    t_dp = _dp_seconds(cfg, par, hw, moe, r)
+    exposed = max(0.0, t_dp - window)
+    opt = _optimizer_seconds(cfg, par, hw, moe, r) if optimizer else 0.0
+    return {**parts, "bubble": span - busy, "dp": t_dp, "dp_exposed": exposed,
+            "optimizer": opt, "seconds": span + exposed + opt}
 
 
 # Ways to save memory, the cheapest first in this cost model: ZeRO-1/2 and selective

@@ -218,36 +218,18 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
     mesh = Mesh(device().type, device=device(),     # the rank's device, from here on the mesh's
                 **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
     stages, wrappers, optimizers, sched, _ = build(cfg, mesh)
-    resumed = {"data_position": 0}
-    start = checkpoint.load_into(checkpoint.latest(cfg.resume), cfg, stages, wrappers,
-                                 optimizers, into=resumed) if cfg.resume else 0
-    if cfg.save and dist.get_rank() == 0 and os.path.isdir(cfg.save):
-        checkpoint.tidy(cfg.save)     # what a killed run's last save left behind
-    # where this run is in its data: global batch number `position + (step - start)`
-    data_at = resumed["data_position"] - start
+    start, data_at = _resume(cfg, stages, wrappers, optimizers)
     # the learning rate of each step, on every wrapper's torch optimizer (all its groups)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(w.optimizer, lambda s: lr_factor(cfg, s + start))
                   for w in wrappers.values()]
     data, held_out = open_data(cfg, check=False)
-    val = None
-    if cfg.eval_every:                 # this rank's rows and positions, read once
-        val = [tuple(t.to(mesh.device) for t in b) for b in held_out.val_batches(
-            cfg.eval_batches, cfg.batch, cfg.seq, mesh.coordinate("dp"), cfg.dp, _columns(cfg, mesh))]
+    val = _val_batches(cfg, held_out, mesh) if cfg.eval_every else None
     peak, peak_text = _peak_flops(cfg, mesh.device)
-    n_params, tokens_per_step = param_count(cfg.model_config()), cfg.batch * cfg.seq
-    model_flops = model_flops_per_token(cfg.model_config(), cfg.seq, _moe_shape(cfg)) * tokens_per_step
-    # full recomputation runs each forward (a third of the model FLOPs) twice
-    hardware_flops = model_flops * (4 / 3 if cfg.recompute == "full" else 1)
+    tokens_per_step = cfg.batch * cfg.seq
+    model_flops, hardware_flops = _step_flops(cfg)
     rank0 = dist.get_rank() == 0
-    bar = report = None
-    if rank0 and cfg.progress and progress_to:
-        report = open(progress_to, "a")
-        report.write(json.dumps({"start": start}) + "\n")
-        report.flush()
-    elif rank0 and cfg.progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=cfg.steps, initial=start, desc=_describe(cfg), file=sys.stdout)
-    records, log, kinds = [], open(cfg.log, "w") if rank0 and cfg.log else None, {}
+    bar, report, log = _outputs(cfg, start, progress_to) if rank0 else (None, None, None)
+    records, kinds = [], {}
     try:
         for step in range(start, cfg.steps):
             tokens, targets = _batch(cfg, data, data_at + step, mesh)
@@ -269,36 +251,15 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
                 opt.zero_grad()
             for s in schedulers:
                 s.step()
-            total = torch.zeros(2, dtype=torch.float64, device=mesh.device)
-            if loss is not None:
-                total = torch.stack([loss.double(), torch.ones_like(total[0])])
-            dist.all_reduce(total)
-            # the logged values, read once: the loss summed over ranks, its count, the norm
-            loss_sum, count, grad_norm = torch.cat([total, grad_norm.view(1).double()]).tolist()
-            if not math.isfinite(loss_sum):          # the same sum on every rank
-                raise _not_finite(step, f"the loss is {loss_sum}", cfg)
-            sent = {op: s["sent_bytes"] for op, s in led.summary().items()}
-            by_kind = sent_by_kind(led, mesh, kinds)
-            busiest = _max_over_ranks([seconds, state, act.peak] + [sent.get(op, 0) for op in OPS]
-                                      + [by_kind.get(k, 0) for k in KINDS])
-            rec = {"step": step, "loss": loss_sum / count, "lr": lr,
-                   "grad_norm": grad_norm,
-                   "seconds": busiest[0],
-                   "tokens_per_s": tokens_per_step / busiest[0],
-                   "mfu": model_flops / (busiest[0] * cfg.world_size * peak),
-                   "hfu": hardware_flops / (busiest[0] * cfg.world_size * peak),
-                   "state_bytes": int(busiest[1]), "activation_bytes": int(busiest[2]),
-                   "sent_bytes": {op: int(b) for op, b in zip(OPS, busiest[3:3 + len(OPS)]) if b},
-                   "sent_bytes_by_kind": {k: int(b) for k, b in zip(KINDS, busiest[3 + len(OPS):]) if b}}
+            rec = _record(cfg, mesh, step, loss, grad_norm, lr, [seconds, state, act.peak], led, kinds,
+                          tokens_per_step, model_flops, hardware_flops, peak)
             if val is not None and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
                 rec["val_loss"] = _evaluate(cfg, stages, sched, mesh, val)   # after this update
             records.append(rec)
-            if log:
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
-            if report:
-                report.write(json.dumps(rec) + "\n")
-                report.flush()
+            for out in (log, report):
+                if out:
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
             if bar:
                 bar.set_postfix(_postfix(rec))
                 bar.update()
@@ -306,9 +267,7 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
                 checkpoint.save(cfg.save, cfg, stages, wrappers, optimizers, step + 1, keep=cfg.keep,
                                 data_position=data_at + step + 1)
             if tl is not None:
-                events = gather(tl)
-                if rank0:
-                    to_chrome_trace(events, cfg.trace)
+                _write_trace(tl, cfg.trace, rank0)
     finally:
         if bar:
             bar.close()
@@ -317,16 +276,90 @@ def train(cfg: TrainConfig, progress_to: str | None = None) -> list[dict]:
         if report and not records:
             report.close()
     if rank0 and cfg.progress and records:
-        last = records[-1]
-        summary = (f"{n_params:,} parameters; peak {peak_text}; last step: loss {last['loss']:.4f}, "
-                   + (f"val_loss {last['val_loss']:.4f}, " if "val_loss" in last else "")
-                   + f"{last['tokens_per_s']:,.0f} tokens/s, MFU {last['mfu']:.3f}, HFU {last['hfu']:.3f}")
+        summary = _summary(cfg, records[-1], peak_text)
         if report:
             report.write(json.dumps({"summary": summary}) + "\n")
             report.close()
         else:
             print(summary, flush=True)
     return records
+
+
+def _resume(cfg: TrainConfig, stages, wrappers, optimizers) -> tuple[int, int]:
+    """(the first step to run, where the data stands: step `step` reads global batch
+    `data_at + step`), after loading `cfg.resume`'s latest checkpoint if given."""
+    resumed = {"data_position": 0}
+    start = checkpoint.load_into(checkpoint.latest(cfg.resume), cfg, stages, wrappers,
+                                 optimizers, into=resumed) if cfg.resume else 0
+    if cfg.save and dist.get_rank() == 0 and os.path.isdir(cfg.save):
+        checkpoint.tidy(cfg.save)     # what a killed run's last save left behind
+    return start, resumed["data_position"] - start
+
+
+def _val_batches(cfg: TrainConfig, held_out, mesh) -> list:
+    """This rank's rows and positions of the held-out batches, read once."""
+    return [tuple(t.to(mesh.device) for t in b) for b in held_out.val_batches(
+        cfg.eval_batches, cfg.batch, cfg.seq, mesh.coordinate("dp"), cfg.dp, _columns(cfg, mesh))]
+
+
+def _step_flops(cfg: TrainConfig) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one step: full recomputation runs each forward (a third
+    of the model FLOPs) twice."""
+    model_flops = model_flops_per_token(cfg.model_config(), cfg.seq, _moe_shape(cfg)) * cfg.batch * cfg.seq
+    return model_flops, model_flops * (4 / 3 if cfg.recompute == "full" else 1)
+
+
+def _write_trace(tl, path: str, rank0: bool) -> None:
+    """Every rank's spans of the traced step, gathered; rank 0 writes them as a Chrome trace."""
+    events = gather(tl)
+    if rank0:
+        to_chrome_trace(events, path)
+
+
+def _summary(cfg: TrainConfig, last: dict, peak_text: str) -> str:
+    """The line rank 0 prints after the run."""
+    return (f"{param_count(cfg.model_config()):,} parameters; peak {peak_text}; last step: "
+            f"loss {last['loss']:.4f}, " + (f"val_loss {last['val_loss']:.4f}, " if "val_loss" in last else "")
+            + f"{last['tokens_per_s']:,.0f} tokens/s, MFU {last['mfu']:.3f}, HFU {last['hfu']:.3f}")
+
+
+def _outputs(cfg: TrainConfig, start: int, progress_to: str | None):
+    """Rank 0's (progress bar, progress file, log file), each None where not asked for."""
+    bar = report = None
+    if cfg.progress and progress_to:
+        report = open(progress_to, "a")
+        report.write(json.dumps({"start": start}) + "\n")
+        report.flush()
+    elif cfg.progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=cfg.steps, initial=start, desc=_describe(cfg), file=sys.stdout)
+    return bar, report, open(cfg.log, "w") if cfg.log else None
+
+
+def _record(cfg, mesh, step, loss, grad_norm, lr, measured, led, kinds, tokens_per_step,
+            model_flops, hardware_flops, peak) -> dict:
+    """One step's record, the same on every rank: the global mean loss (ranks without a loss,
+    pipeline stages before the last, add nothing), and of `measured` (seconds, state bytes,
+    activation bytes) and the bytes sent, the busiest rank's."""
+    total = torch.zeros(2, dtype=torch.float64, device=mesh.device)
+    if loss is not None:
+        total = torch.stack([loss.double(), torch.ones_like(total[0])])
+    dist.all_reduce(total)
+    # the logged values, read once: the loss summed over ranks, its count, the norm
+    loss_sum, count, grad_norm = torch.cat([total, grad_norm.view(1).double()]).tolist()
+    if not math.isfinite(loss_sum):          # the same sum on every rank
+        raise _not_finite(step, f"the loss is {loss_sum}", cfg)
+    sent = {op: s["sent_bytes"] for op, s in led.summary().items()}
+    by_kind = sent_by_kind(led, mesh, kinds)
+    busiest = _max_over_ranks(measured + [sent.get(op, 0) for op in OPS] + [by_kind.get(k, 0) for k in KINDS])
+    return {"step": step, "loss": loss_sum / count, "lr": lr, "grad_norm": grad_norm,
+            "seconds": busiest[0],
+            "tokens_per_s": tokens_per_step / busiest[0],
+            "mfu": model_flops / (busiest[0] * cfg.world_size * peak),
+            "hfu": hardware_flops / (busiest[0] * cfg.world_size * peak),
+            "state_bytes": int(busiest[1]), "activation_bytes": int(busiest[2]),
+            "sent_bytes": {op: int(b) for op, b in zip(OPS, busiest[3:3 + len(OPS)]) if b},
+            "sent_bytes_by_kind": {k: int(b) for k, b in zip(KINDS, busiest[3 + len(OPS):]) if b}}
 
 
 def _postfix(rec: dict) -> dict:
