@@ -42,7 +42,8 @@ test-notebooks: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) $(NOTEBOOKS) $(NBVAL)
 
 # The torch range picolib supports, oldest and newest; CI (.ci/run) runs every lesson and solution
-# on both besides `make test` on the pinned one. `make test-torch TORCH_VERSION=2.6.0` runs them
+# on both besides `make test` on the pinned one, and the wrappers of PyTorch's private APIs
+# (tests/lib/test_torch_compat.py). `make test-torch TORCH_VERSION=2.6.0` runs them
 # under that release of PyPI's torch, from an environment kept outside the clone, in
 # ${XDG_CACHE_HOME:-~/.cache}/picolib/ and reused while pyproject.toml's dependencies are unchanged
 # (tools/torch_env.py, built by uv from its wheel cache there; the first build downloads 2-6 GB). `make test-setup TORCH_VERSION=...`
@@ -55,7 +56,7 @@ TORCH_PYTHON  ?= $(PYTHON)
 
 test-torch:
 	env=$$($(PYTHON) tools/torch_env.py $(TORCH_VERSION) --python $(TORCH_PYTHON)) && \
-	  PYTHONPATH=$(CURDIR) $$env/bin/python -m pytest -q $(XDIST) $(NOTEBOOKS) $(NBVAL) -p no:cacheprovider
+	  PYTHONPATH=$(CURDIR) $$env/bin/python -m pytest -q $(XDIST) $(NOTEBOOKS) tests/lib/test_torch_compat.py $(NBVAL) -p no:cacheprovider
 
 test-setup:
 	$(PYTHON) tools/test_setup.py $(TORCH_VERSION)

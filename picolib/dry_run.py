@@ -123,18 +123,17 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
     import resource
 
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from .comm import Ledger
     from .compose import build
     from .memory import SavedActivations
     from .mesh import Mesh
     from .meta import fast_arithmetic
     from .step import forward_backward, sent_by_kind
+    from .torch_compat import fake_store
     cfg = cfg if isinstance(cfg, TrainConfig) else TrainConfig(**cfg)
     check_config(cfg, world)
     torch.set_num_threads(1)
-    dist.init_process_group("cpu:fake,meta:fake", rank=rank, world_size=world, store=FakeStore())
+    dist.init_process_group("cpu:fake,meta:fake", rank=rank, world_size=world, store=fake_store())
     refuse(cfg)
     shape_rules = fast_arithmetic()  # noqa: F841 — held for this process's life
     meta = torch.device("meta")

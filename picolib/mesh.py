@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .torch_compat import flatten, unflatten
+
 __all__ = ["DIMS", "EXPERT_DIMS", "PAIR_DIM", "Mesh", "check_mesh", "dim_group"]
 
 DIMS = ("pp", "dp", "cp", "tp")  # outermost → innermost
@@ -133,7 +135,7 @@ class Mesh:
         if len(names) == 1:
             return self.device_mesh.get_group(names[0])
         if names not in self._flat:  # collective: every rank asks for it, in the same order
-            self._flat[names] = self.device_mesh[names]._flatten("_".join(names))
+            self._flat[names] = flatten(self.device_mesh[names], "_".join(names))
         return self._flat[names].get_group()
 
     def peers(self, name: str) -> list[int]:
@@ -155,7 +157,7 @@ class Mesh:
         if self.ep is None:
             view = _split_dp(self.device_mesh, ep)      # (pp, ep_block, ep, cp, tp)
             self._expert = {"ep": view.get_group("ep"),
-                            "edp": view["ep_block", "cp"]._flatten("edp").get_group()}
+                            "edp": flatten(view["ep_block", "cp"], "edp").get_group()}
             self.ep = ep
         return self._expert["ep"], self._expert["edp"]
 
@@ -186,7 +188,7 @@ class Mesh:
         if not rest:
             return self._pairs.get_group(PAIR_DIM)
         if key not in self._flat:   # collective: every rank asks for it, in the same order
-            self._flat[key] = self._pairs[key]._flatten("_".join(key))
+            self._flat[key] = flatten(self._pairs[key], "_".join(key))
         return self._flat[key].get_group()
 
     def layout(self) -> dict[str, list[int]]:
@@ -219,16 +221,14 @@ class Mesh:
 
 
 def _split_dp(device_mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The grid with dp unflattened into (ep_block, ep). PyTorch's `_unflatten` (recent torch)
-    reuses the mesh's backend; before it, a second DeviceMesh over the same ranks reshaped."""
+    """The grid with dp unflattened into (ep_block, ep): PyTorch's own (`torch_compat.unflatten`,
+    recent torch) reuses the mesh's backend; before it, a second DeviceMesh over the same ranks
+    reshaped."""
     dp = device_mesh.size(DIMS.index("dp"))
     names = ("pp", "ep_block", "ep", "cp", "tp")
-    if hasattr(device_mesh, "_unflatten"):
-        for dim in ("dp", DIMS.index("dp")):      # torch 2.11 takes the index, 2.13 the name
-            try:
-                return device_mesh._unflatten(dim, (dp // ep, ep), names[1:3])
-            except (ValueError, TypeError):       # refused before any group is made
-                pass
+    split = unflatten(device_mesh, "dp", DIMS.index("dp"), (dp // ep, ep), names[1:3])
+    if split is not None:
+        return split
     grid = device_mesh.mesh
     shape = (grid.shape[0], dp // ep, ep, *grid.shape[2:])
     return DeviceMesh(device_mesh.device_type, grid.reshape(shape), mesh_dim_names=names)

@@ -39,9 +39,10 @@ from contextlib import contextmanager
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
+
+from .torch_compat import TorchDispatchMode, current_autograd_node
 
 __all__ = ["attainable", "op_time", "ridge", "measure_peak", "measure_bandwidth", "GROUPS",
            "StepProfile", "profile_step", "draw_roofline", "CHIPS", "tensor_peak"]
@@ -168,7 +169,7 @@ class StepProfile(TorchDispatchMode):
         if not self.recording:
             return func(*args, **kwargs)
         op = func._overloadpacket.__name__
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         module = self.nodes.get(node, "") if node is not None else max(self.tracker.parents, key=len, default="")
         group = group_of(op, module, self.optimizer)
         if self.device.type == "cuda":
