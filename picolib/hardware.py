@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .comm import ring_sent_bytes
 
-__all__ = ["Level", "Hardware", "GPUS", "PRESETS", "hardware", "ring_time", "tree_all_reduce_time",
+__all__ = ["Level", "Hardware", "GPUS", "PRESETS", "hardware", "calibrated", "ring_time", "tree_all_reduce_time",
            "sharp_all_reduce_time", "all_reduce_bandwidth", "hierarchical_all_reduce_time",
            "critical_tokens_dp", "critical_tokens_moe", "tp_ffn_threshold", "max_tp_degree",
            "pp_min_stage_params", "ALPHA", "superpod_levels", "ring_all_reduce_levels"]
@@ -158,6 +158,22 @@ CPU_MEASURED = {"peak": 85.7e9, "bandwidth": 23.4e9, "launch": 1.01e-6, "gloo_bu
 PRESETS["CPU"] = Hardware("CPU", CPU_MEASURED["peak"], CPU_MEASURED["peak"], 24e9, CPU_MEASURED["bandwidth"],
                           (Level("node", 2, CPU_MEASURED["gloo_busbw"], 2 * CPU_MEASURED["gloo_busbw"]),),
                           launch=CPU_MEASURED["launch"])
+
+
+def calibrated(base: "str | Hardware", results) -> Hardware:
+    """The preset `base` with the fractions `bench/gpu_calibrate.py` measured (`results`: its
+    JSON file's path or its dict) in place of the cited ones; the datasheet figures stay."""
+    import json
+    from dataclasses import replace
+    if not isinstance(results, dict):
+        with open(results, encoding="utf-8") as f:
+            results = json.load(f)
+    hw = hardware(base)
+    terms = results["terms"]
+    unknown = set(terms) - {"matmul_eff", "hbm_eff", "attention_eff", "link_eff", "launch"}
+    if unknown:
+        raise ValueError(f"calibration terms {sorted(unknown)} are not fractions of a Hardware")
+    return replace(hw, name=f"{hw.name} (calibrated on {results.get('device', '?')})", **terms)
 
 
 def hardware(name: "str | Hardware") -> Hardware:
