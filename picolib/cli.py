@@ -10,6 +10,7 @@ from dataclasses import fields
 
 from .compose import LR_SCHEDULES, MODEL_PRESETS, TrainConfig
 from .context_parallel import ALGORITHMS, LAYOUTS
+from .parallel_layout import PRECISIONS
 from .pipeline_schedules import SCHEDULES
 from .planner import Plan
 
@@ -72,7 +73,7 @@ HELP = {
 
 # the enumerated options: argparse refuses anything else and --help lists them
 CHOICES = {"schedule": list(SCHEDULES), "recompute": ["none", "selective", "full"],
-           "precision": ["fp32", "bf16"], "cp_algorithm": list(ALGORITHMS),
+           "precision": list(PRECISIONS), "cp_algorithm": list(ALGORITHMS),
            "cp_layout": list(LAYOUTS), "preset": list(MODEL_PRESETS),
            "lr_schedule": list(LR_SCHEDULES),
            "zero": [0, 1, 2, 3]}

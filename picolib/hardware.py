@@ -65,8 +65,9 @@ class Hardware:
 
     def peak(self, precision: str) -> float:
         """Dense peak for the matmul precision: "bf16" (also fp32 mixed with bf16 compute) or "fp8"."""
-        if precision not in ("bf16", "fp8", "fp32"):
-            raise ValueError(f"precision must be 'bf16', 'fp8' or 'fp32', not {precision!r}")
+        from .parallel_layout import PLANNED_PRECISIONS
+        if precision not in PLANNED_PRECISIONS:
+            raise ValueError(f"precision must be one of {PLANNED_PRECISIONS}, not {precision!r}")
         return self.fp8 if precision == "fp8" else self.bf16
 
     def link(self, n_gpus: int, stride: int = 1) -> float:

@@ -28,7 +28,8 @@ from .tensor_parallel import check_tensor_parallel
 __all__ = ["Layout", "layout_of", "check_layout", "stage_layers", "stage_ranges", "pieces",
            "coordinates", "rank_at", "ZERO3_PIPELINE", "DIMS"]
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16")            # what the trainer runs
+PLANNED_PRECISIONS = PRECISIONS + ("fp8",)   # what the planner also prices
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -160,7 +161,7 @@ def check_layout(layout: Layout, model, world_size: int | None = None, *, fp8: b
         check_mesh(world_size, **{d: getattr(layout, d) for d in DIMS})
     if layout.zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0 (DDP), 1, 2 or 3, not {layout.zero!r}")
-    precisions = PRECISIONS + (("fp8",) if fp8 else ())
+    precisions = PLANNED_PRECISIONS if fp8 else PRECISIONS
     if layout.precision not in precisions:
         raise ValueError(f"precision must be {' or '.join(precisions)}, not {layout.precision!r}")
     if layout.recompute not in RECOMPUTE:

@@ -27,6 +27,7 @@ import itertools
 
 from .hardware import ALPHA, hardware
 from .model import LlamaConfig, param_count
+from .parallel_layout import PRECISIONS
 from .planner import MoEShape, Parallelism, Plan, layer_numel, memory, traffic
 
 __all__ = ["active_params", "tp_comm_ratio", "step_time", "search", "trainer_refuses", "describe",
@@ -530,7 +531,7 @@ def build_parser():
     p.add_argument("--experts", type=int, default=0, help="a mixture of this many experts per MLP "
                    "(the preset's MLP each, as the trainer builds them); 0: dense")
     p.add_argument("--top-k", type=int, default=1, help="experts per token")
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     p.add_argument("--activations", default="korthikanti", choices=["korthikanti", "picolib"],
                    help="the planner's count of saved activations")
     p.add_argument("--max-pp", type=int, default=32, help="the most pipeline stages tried")

@@ -37,7 +37,7 @@ from functools import lru_cache
 from .comm import ring_sent_bytes
 from .memory import bytes_per_param
 from .model import LlamaConfig
-from .parallel_layout import Layout, check_layout, layout_of, pieces, stage_layers
+from .parallel_layout import PLANNED_PRECISIONS, Layout, check_layout, layout_of, pieces, stage_layers
 from .pipeline_schedules import make_schedule
 from .sequence_parallel import activation_bytes_per_layer, korthikanti_bytes_per_layer
 from .sharded_optim import optimizer_state_factor, zero_memory_bytes, zero_traffic_bytes
@@ -181,8 +181,8 @@ def check(cfg: LlamaConfig, par: Parallelism, moe: MoEShape | None = None) -> No
 
 def elem_bytes(precision: str) -> int:
     """Bytes of one activation / compute-dtype value."""
-    if precision not in ("fp32", "bf16", "fp8"):
-        raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp8', not {precision!r}")
+    if precision not in PLANNED_PRECISIONS:
+        raise ValueError(f"precision must be one of {PLANNED_PRECISIONS}, not {precision!r}")
     return 4 if precision == "fp32" else 2
 
 
