@@ -327,7 +327,7 @@ def draw_nic_traffic(ax, traffic: list, per_node: int, nbytes: int, seen: dict) 
     ax.set_xticks(range(len(ways)), [under.get(w, w) for w in ways])
     ax.set_ylim(0, top * 1.5)
     ax.set(ylabel="bytes through the NIC / B",
-           title=f"All-reduce of B = {nbytes // 2**10} KiB on 2 nodes × {per_node} GPUs: what each NIC of node 0 "
+           title=f"All-reduce of B = {nbytes / 2**10:g} KiB on 2 nodes × {per_node} GPUs: what each NIC of node 0 "
                  "sends (bytes measured)")
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
 
