@@ -109,14 +109,46 @@ def _per_n(n: int, per_rank: dict[int, list[str]], label: str | None = None) -> 
     return out
 
 
+# How many chunks of B/N a rank sent, explained for every N at once: a count that fits one of
+# these at N = 3 (2 chunks: one step per pass, or one pass of N−1 steps) may fit another at N = 4,
+# so a hint is given only when its rule holds on every N where the count is wrong.
+STEP_HINTS = [
+    (lambda c, n: c == n - 1,
+     "N−1 chunks, half a ring all-reduce: one of the two passes (reduce-scatter, then all-gather) "
+     "is missing"),
+    (lambda c, n: c == 2,
+     "2 chunks at every N: one step per pass; each pass (reduce-scatter, then all-gather) takes "
+     "N−1 steps"),
+    (lambda c, n: c == 2 * n - 3,
+     "2(N−1) − 1 chunks: one step short; each pass takes N−1 steps (check the range of a loop)"),
+]
+
+
+def _step_hint(chunks_by_n: dict[int, float]) -> str:
+    """The hint of `STEP_HINTS` whose rule fits the chunk count of every N where it is wrong
+    ("" if none, or if several do)."""
+    wrong = {n: c for n, c in chunks_by_n.items() if c != 2 * (n - 1)}
+    fitting = [msg for rule, msg in STEP_HINTS if wrong and all(rule(c, n) for n, c in wrong.items())]
+    return fitting[0] if len(fitting) == 1 else ""
+
+
 def check_ring_all_reduce(fn, timeout: float | None = None) -> None:
     """Sum over 2, 3 and 4 ranks and over two groups of 2 out of 4, and the traffic of a
     ring: 2(N−1)/N · B per rank, sent through picolib.comm (send / exchange), so that the
     Ledger sees it. `timeout`: seconds before the ranks count as stuck."""
-    problems, checks = [], 0
+    problems, checks, runs = [], 0, []
     for label, size, inputs, expected, n, split in _cases(lambda k: _inputs(k, 12, seed=k),
                                                           (2, 3, 4)):
         results = _run(fn, size, inputs, "ring_all_reduce", split, timeout)
+        runs.append((label, size, inputs, expected, n, split, results))
+    chunks_by_n = {}
+    for label, size, inputs, expected, n, split, results in runs:
+        nbytes = inputs[0].numel() * inputs[0].element_size()
+        for _, summary in results:
+            sent = summary.get("send", {}).get("sent_bytes", 0)
+            chunks_by_n[n] = chunks_by_n.get(n, sent / (nbytes / n))
+    step_hint = _step_hint(chunks_by_n)
+    for label, size, inputs, expected, n, split, results in runs:
         nbytes = inputs[0].numel() * inputs[0].element_size()
         want = ring_sent_bytes("all_reduce", nbytes, n)
         world = torch.stack(inputs).sum(0)
@@ -124,6 +156,7 @@ def check_ring_all_reduce(fn, timeout: float | None = None) -> None:
         for rank, (out, summary) in enumerate(results):
             checks += 2
             ring = [inputs[m] for m in (members(rank) if split else range(size))]
+            sent = summary.get("send", {}).get("sent_bytes", 0)
             mine = compare("result", out, expected[rank], atol=1e-5)
             if mine and isinstance(out, torch.Tensor) and out.shape == world.shape and \
                     torch.allclose(out, inputs[rank], atol=1e-5):
@@ -132,17 +165,16 @@ def check_ring_all_reduce(fn, timeout: float | None = None) -> None:
             elif mine and split and isinstance(out, torch.Tensor) and out.shape == world.shape \
                     and torch.allclose(out, world, atol=1e-5):
                 mine = [on_world_not_group("result")]
-            elif mine:
+            elif mine and sent == want:    # the right steps: a partial sum is a chunk index's fault
                 story = _chunk_story(out, inputs, ring, n)
                 mine = [mine[0] + (f" — {story}" if story else "")]
-            sent = summary.get("send", {}).get("sent_bytes", 0)
             if sent != want:
                 why = ("the whole tensor each step instead of one chunk of B/N"
                        if sent == 2 * (n - 1) * nbytes else
                        "(N−1)·B, the whole tensor to every other rank; a ring passes chunks of "
                        "B/N to one neighbour" if sent == (n - 1) * nbytes else
-                       "only half: the all-gather steps are missing" if 2 * sent == want else
                        "nothing through comm.send/comm.exchange" if not sent else
+                       step_hint or
                        f"{sent / (nbytes / n):g} chunks of B/N instead of 2(N−1) = {2 * (n - 1)}")
                 mine.append(f"sent {sent} bytes, a ring sends 2(N−1)/N·B = {want} "
                             f"(B = {nbytes}): {why}")
@@ -224,6 +256,8 @@ def _one_line_per_op(op: str, cases: list[dict], got: list, expected: list, hint
         return [f"{op}: expected a number ({example})"]
     hint = diagnose(grid, torch.tensor([float(e) for e in expected], dtype=torch.float64),
                     atol=1e-12, rtol=1e-6)
+    if "a sum where a mean" in hint:     # no mean in these formulas: say the factor, not a cause
+        hint = hint.split(":")[0]
     return [f"{op}: {len(wrong)} of {len(cases)} cases wrong, {example}" + (f" — {hint}" if hint else "")]
 
 
@@ -505,6 +539,8 @@ AG_HINTS = [
      "all of B; each GPU already holds its own 1/N, so it receives (N−1)/N·B"),
     (lambda g, c: _close(g * c["itemsize"], c["_want"]),
      "elements, not bytes: multiply by the bytes per element"),
+    (lambda g, c: _close(g, 8 * c["_want"]),
+     "8× the answer at every N: bits, not bytes — itemsize and per_gpu are both in bytes"),
     (lambda g, c: _close(g, c["_want"] * 1e6) or _close(g, c["_want"] * 1e3),
      "seconds, please (not µs or ms)"),
 ]

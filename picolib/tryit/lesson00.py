@@ -260,6 +260,78 @@ def fit_alpha_beta(seconds: dict[int, float], n: int = 2) -> tuple[float, float]
     return intercept / (2 * (n - 1)), per_byte
 
 
+# ---------------------------------------------------------------- §7: a group that spans nodes
+
+def nic_bytes(ledger, per_node: int) -> int:
+    """Bytes this rank's ring sends went to a rank in another node, i.e. through its NIC:
+    in each ring record of `ledger` (picolib's rings, `ranks` = the ring's global ranks in
+    order) this rank sends everything to its right neighbour."""
+    import torch.distributed as dist
+
+    me, sent = dist.get_rank(), 0
+    for rec in ledger.records:
+        if rec.meta.get("algorithm") == "ring" and len(rec.ranks) > 1:
+            right = rec.ranks[(rec.ranks.index(me) + 1) % len(rec.ranks)]
+            sent += rec.sent_bytes if right // per_node != me // per_node else 0
+    return sent
+
+
+def nic_traffic(hierarchical, per_node: int, numel: int) -> dict:
+    """Run on every rank of a world of whole nodes of `per_node` ranks: an all-reduce of this
+    rank's buffer three ways — `hierarchical(x, per_node)` (the lesson's), one flat ring over
+    the world in rank order, and one ring per GPU position across the nodes (a group with one
+    GPU per node, each rank all-reducing its own buffer in its own group). Returns this rank's
+    buffer and, per way, (result, {op: bytes this rank sent}, bytes through this rank's NIC)."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..comm import Ledger
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    across = [dist.new_group(list(range(j, n, per_node))) for j in range(per_node)][me % per_node]
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(me))
+    ways = {"hierarchical": lambda t: hierarchical(t, per_node), "flat ring": comm.ring_all_reduce,
+            "one GPU per node": lambda t: comm.ring_all_reduce(t, group=across)}
+    out = {}
+    for way, fn in ways.items():
+        with Ledger() as led:
+            y = fn(x.clone())
+        assert all(rec.measured for rec in led.records)
+        sent = {}
+        for rec in led.records:
+            sent[rec.op] = sent.get(rec.op, 0) + rec.sent_bytes
+        out[way] = (y, sent, nic_bytes(led, per_node))
+    return x, out
+
+
+def draw_nic_traffic(ax, traffic: list, per_node: int, nbytes: int, seen: dict) -> None:
+    """Bars: the bytes each GPU of node 0 sent through its own NIC (in units of B), one group
+    per way of `nic_traffic` (`traffic`: `run`'s per-rank results); above each group, the
+    per-GPU bandwidth `seen[way]` (bytes/s) its cross-node part runs at."""
+    from ..style import RANKS
+
+    ways = list(traffic[0])
+    width = 0.8 / per_node
+    top = max(r[w][2] for r in traffic for w in ways) / nbytes
+    for k, way in enumerate(ways):
+        nic = [traffic[g][way][2] / nbytes for g in range(per_node)]
+        for g, v in enumerate(nic):
+            ax.bar(k + (g - (per_node - 1) / 2) * width, v, width * 0.9, color=RANKS[g],
+                   label=f"GPU {g}'s NIC" if k == 0 else None)
+        ax.text(k, top * 1.08, f"busiest NIC: {max(nic):.2f} B\nthe all-reduce sees {seen[way] / 1e9:.0f} GB/s",
+                ha="center", va="bottom", fontsize=9)
+    under = {"hierarchical": f"hierarchical\n(one buffer, split over {per_node} NICs)",
+             "flat ring": "flat ring over all ranks\n(one buffer; one NIC crosses)",
+             "one GPU per node": f"one GPU per node\n({per_node} groups, each its own buffer)"}
+    ax.set_xticks(range(len(ways)), [under.get(w, w) for w in ways])
+    ax.set_ylim(0, top * 1.5)
+    ax.set(ylabel="bytes through the NIC / B",
+           title=f"All-reduce of B = {nbytes / 2**10:g} KiB on 2 nodes × {per_node} GPUs: what each NIC of node 0 "
+                 "sends (bytes measured)")
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
 # ---------------------------------------------------------------- three ways a run goes wrong
 # (each runs on every rank of a group; `three_failures` runs them)
 

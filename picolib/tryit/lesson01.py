@@ -7,45 +7,79 @@
 
 `step_trace` (lesson 01): two Adam steps, each over `micro_batches` micro-batches (gradient
 accumulation), traced by `MemoryTrace`; it returns the peak of the second step.
-`memory_bars` (lesson 01b): one fp32 Adam step on `TinyLlama(LlamaConfig(max_seq=...))`;
-parameters, gradients and optimizer state come from picolib.memory's storage counts,
-activations from `SavedActivations` (bytes autograd saved for backward during the forward)."""
+`memory_bars` (lesson 01b): two fp32 Adam steps on `TinyLlama(LlamaConfig(max_seq=...))`
+traced by `MemoryTrace` (`step_peak`): the memory the second step holds at its peak, beside the
+sum of each kind's own maximum — an upper bound that no moment of the step holds."""
 from __future__ import annotations
 
 import torch
 
-from ..memory import Breakdown, MemoryTrace, SavedActivations, measure, plot_breakdown
+from ..memory import Breakdown, MemoryTrace
 from ..model import LlamaConfig, TinyLlama, random_tokens
 
 RECOMPUTE = ("none", "selective", "full")
 
 
+def step_peak(cfg: LlamaConfig, batch: int, seq: int, steps: int = 2, seed: int = 0):
+    """`steps` fp32 Adam steps of `TinyLlama(cfg)` on one batch under `MemoryTrace`. Returns
+    (peak, bound): the sample with the most live bytes from step 2 on (Adam's moments exist),
+    i.e. what the step holds at its peak, and the Breakdown of each kind's own maximum over
+    the same samples — their sum is an upper bound that no moment of the step holds."""
+    if steps < 2:
+        raise ValueError(f"steps must be at least 2 (the peak is read from step 2 on), not {steps}")
+    model = TinyLlama(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = random_tokens(batch, seq, cfg.vocab_size, seed=seed)
+    with MemoryTrace(model, opt) as trace:
+        for _ in range(steps):
+            model.loss(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    events = [s.event for s in trace.samples]
+    later = trace.samples[events.index("zero_grad") + 1:]
+    bound = Breakdown(*(max(getattr(s, k) for s in later) for k in ("params", "grads", "optimizer", "activations")))
+    return max(later, key=lambda s: s.total), bound
+
+
+def plot_peaks(rows: dict, ax=None, title: str = "memory at the step's peak"):
+    """One stacked bar per {label: (peak, bound)} of `step_peak`: the kinds of memory the step
+    holds at its peak; a dashed outline up to the sum of each kind's maximum (the bound)."""
+    import matplotlib.pyplot as plt
+    from ..style import MEMORY
+    ax = ax or plt.subplots(figsize=(max(7.0, 2.6 + 1.2 * len(rows)), 3.8))[1]
+    labels, mib = list(rows), 2**20
+    bottom = [0.0] * len(rows)
+    for kind, color in MEMORY.items():
+        vals = [getattr(peak, kind) / mib for peak, _ in rows.values()]
+        ax.bar(labels, vals, bottom=bottom, color=color,
+               label=f"{kind} at the peak" + (": none" if not any(vals) else ""))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.bar(labels, [(bound.total - peak.total) / mib for peak, bound in rows.values()], bottom=bottom,
+           fill=False, ls="--", edgecolor="0.3", label="sum of each kind's maximum:\nheld at no moment")
+    ax.set(ylabel="MiB", title=title)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return ax
+
+
 def memory_bars(batch: int = 1, seq: int = 64, recompute: str = "none", attn_impl: str = "eager",
-                plot: bool = True) -> Breakdown:
-    """Measure one training step of the tiny Llama (h=64, L=4) at micro-batch `batch` and
-    sequence length `seq` with `recompute` ∈ none/selective/full; draw one bar per kind of
-    memory. Returns the Breakdown (bytes)."""
+                plot: bool = True):
+    """The memory two fp32 Adam steps of the tiny Llama (h=64, L=4) hold at the second step's
+    peak, at micro-batch `batch`, sequence length `seq`, `recompute` ∈ none/selective/full
+    (`step_peak`); draws the peak as a stacked bar with the bound outlined. Returns the peak
+    sample (a Breakdown, bytes)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
     batch, seq = int(batch), int(seq)
     cfg = LlamaConfig(max_seq=max(seq, 256), recompute=recompute, attn_impl=attn_impl)
-    model = TinyLlama(cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x, y = random_tokens(batch, seq, cfg.vocab_size)
-    with SavedActivations(model) as act:
-        loss = model.loss(x, y)
-    loss.backward()
-    opt.step()
-    bd = measure(model, opt, act)
+    peak, bound = step_peak(cfg, batch, seq)
     if plot:
         import matplotlib.pyplot as plt
-        rows = {kind: Breakdown(**{kind: getattr(bd, kind)})
-                for kind in ("params", "grads", "optimizer", "activations")}
-        ax = plot_breakdown(rows, title=f"b={batch}, s={seq}, recompute={recompute}: "
-                                        f"{bd.total / 2**20:.2f} MiB")
-        ax.get_legend().remove()
+        ax = plot_peaks({f"recompute={recompute}": (peak, bound)},
+                        title=f"b={batch}, s={seq}: peak {peak.total / 2**20:.2f} MiB, in the {peak.event}")
+        ax.set_xlim(-1.5, 1.5)
+        ax.figure.tight_layout()
         plt.show()
-    return bd
+    return peak
 
 
 def step_trace(batch: int = 8, micro_batches: int = 1, seq: int = 64, steps: int = 2,

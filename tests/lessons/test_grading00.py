@@ -7,12 +7,13 @@ import torch.distributed as dist
 
 from picolib import comm
 from picolib.grading import _core as grading_core
+from picolib.grading import lesson00 as grading_lesson00
 from picolib.grading import (ExerciseFailed, check_all_reduce_from_rs_ag, check_ring_all_reduce,
                              check_ring_bytes, check_ring_time)
 
 
 def ring_all_reduce(tensor, group=None, skip_last_step=False, world=False, copy_back=True,
-                    gather_start=1):
+                    gather_start=1, steps_per_pass=None, gather=True):
     if world:  # the classic slip: the world's ring whatever `group` says
         n, me = dist.get_world_size(), dist.get_rank()
         right, left, group = (me + 1) % n, (me - 1) % n, None
@@ -21,11 +22,13 @@ def ring_all_reduce(tensor, group=None, skip_last_step=False, world=False, copy_
     chunks = list(tensor.view(-1).chunk(n))
     incoming = torch.empty_like(chunks[0])
     steps = n - 2 if skip_last_step else n - 1
+    if steps_per_pass is not None:
+        steps = steps_per_pass
     for k in range(steps):  # reduce-scatter
         comm.exchange(sends=[(chunks[(me - k) % n].clone(), right)], recvs=[(incoming, left)],
                       group=group)
         chunks[(me - k - 1) % n] += incoming
-    for k in range(n - 1):  # all-gather
+    for k in range((n - 1 if steps_per_pass is None else steps_per_pass) if gather else 0):  # all-gather
         into = chunks[(me - k + gather_start - 1) % n]
         comm.exchange(sends=[(chunks[(me - k + gather_start) % n].clone(), right)],
                       recvs=[(into if copy_back else into.clone(), left)], group=group)
@@ -94,15 +97,26 @@ def test_ring_all_reduce_accepts_a_ring_on_the_world_and_on_a_sub_group():
     (lambda t, group=None: ring_all_reduce(t, group, world=True),
      r"group of 2 in \[\[0, 2\], \[1, 3\]\], every rank: result is that of all 4 ranks, not of `group`"),
     (lambda t, group=None: ring_all_reduce(t, group, skip_last_step=True),
-     "N=2, every rank: sent 24 bytes.*all-gather steps are missing"),
+     "N=2, every rank: sent 24 bytes.*one step short"),
+    (lambda t, group=None: ring_all_reduce(t, group, steps_per_pass=1),
+     "N=4, every rank: sent 24 bytes.*one step per pass"),
+    (lambda t, group=None: ring_all_reduce(t, group, gather=False),
+     "N=4, every rank: sent 36 bytes.*one of the two passes .* is missing"),
     (all_to_everyone, "N=3, every rank: sent 96 bytes.*the whole tensor to every other rank"),
     (lambda t, group=None: ring_all_reduce(t, group, copy_back=False),
      "holds the sum of 1 of the 2 inputs.*never written into the tensor"),
     (lambda t, group=None: ring_all_reduce(t, group, gather_start=0),
      "chunk index is off by one"),
-], ids=["ignores group", "missing step", "not a ring", "not written back", "off by one"])
+], ids=["ignores group", "missing step", "one step per pass", "no all-gather", "not a ring",
+        "not written back", "off by one"])
 def test_ring_all_reduce_names_each_wrong_answer(wrong, diagnosis):
-    assert re.search(diagnosis, failure(check_ring_all_reduce, wrong))
+    text = failure(check_ring_all_reduce, wrong)
+    assert re.search(diagnosis, text), text
+    if re.search("step|pass", diagnosis):     # too few steps: no chunk-index story beside it
+        assert "off by one" not in text and "never written" not in text, text
+        others = [h for _, h in grading_lesson00.STEP_HINTS if not re.search(diagnosis.split(".*", 1)[1], h)]
+        assert len(others) == len(grading_lesson00.STEP_HINTS) - 1
+        assert not any(h in text for h in others), text    # one explanation, not two
 
 
 def test_ring_all_reduce_turns_a_deadlock_into_a_failure_naming_the_line(no_leftover_workers):
@@ -250,10 +264,26 @@ def _elements(shape):
     (lambda shape, itemsize, n, per_gpu: _elements(shape) * itemsize / per_gpu, "all of B"),
     (lambda shape, itemsize, n, per_gpu: (n - 1) / n * _elements(shape) / per_gpu, "elements, not bytes"),
     (lambda shape, itemsize, n, per_gpu: 1e6 * ref.all_gather_seconds(shape, itemsize, n, per_gpu), "seconds"),
-], ids=["B/(NW)", "B/W", "elements", "µs"])
+    (lambda shape, itemsize, n, per_gpu: 8 * ref.all_gather_seconds(shape, itemsize, n, per_gpu), "bits, not bytes"),
+], ids=["B/(NW)", "B/W", "elements", "µs", "bits"])
 def test_all_gather_seconds_names_each_mistake(wrong, diagnosis):
     lines = _one_line(check_all_gather_seconds, wrong)
     assert len(lines) == 1 and diagnosis in lines[0], lines
+    assert "a sum where a mean" not in lines[0], lines          # no mean in this formula
+
+
+def test_all_gather_seconds_right_written_differently():
+    def by_chunks(shape, itemsize, n, per_gpu):
+        """Right: N−1 chunks of B/N arrive through the GPU's own port, one per step."""
+        nbytes = itemsize * _elements(shape)
+        return sum(nbytes / n for _ in range(n - 1)) / per_gpu
+    check_all_gather_seconds(by_chunks)
+
+
+def test_an_unexplained_factor_is_named_without_a_cause():
+    lines = _one_line(check_all_gather_seconds,
+                      lambda shape, itemsize, n, per_gpu: 3 * ref.all_gather_seconds(shape, itemsize, n, per_gpu))
+    assert len(lines) == 1 and "3× too large" in lines[0] and "mean" not in lines[0], lines
 
 
 def _su(change):

@@ -129,3 +129,52 @@ def test_the_traffic_table_prints_rank_0s_counts_and_their_sum():
     assert "32 KiB" in head and len(rows) == 2
     for n, row in zip((2, 4), rows):
         assert [int(c) for c in row.split("|")] == [n, 10 * n, 100 * n, 1000 * n, 110 * n, 7 * n]   # rank 0's
+
+
+def _hierarchical(x, per_node):
+    """The lesson's hierarchical all-reduce (00 §7), written again for the test."""
+    me, n = dist.get_rank(), dist.get_world_size()
+    nodes = [dist.new_group(list(range(k, k + per_node))) for k in range(0, n, per_node)]
+    across = [dist.new_group(list(range(j, n, per_node))) for j in range(per_node)]
+    shard = comm.ring_reduce_scatter(x, group=nodes[me // per_node])
+    comm.ring_all_reduce(shard, group=across[me % per_node])
+    return comm.ring_all_gather(shard, group=nodes[me // per_node])
+
+
+def _inside_only(x, per_node):
+    """Wrong on purpose: an all-reduce inside each node only (its rings never leave the node)."""
+    me = dist.get_rank()
+    nodes = [dist.new_group(list(range(k, k + per_node))) for k in range(0, dist.get_world_size(), per_node)]
+    dist.new_group(list(range(0, dist.get_world_size(), per_node)))   # the same number of groups on every rank
+    return comm.ring_all_reduce(x, group=nodes[me // per_node])
+
+
+def test_nic_traffic_counts_what_crosses_nodes_on_each_rank():
+    """2 nodes × 2 ranks, B = 4·numel: the hierarchical all-reduce puts B/2 on every NIC, a flat
+    ring 2·3/4·B on the last rank of each node only, one GPU per node B on every NIC; a ring
+    that stays in its node puts nothing on a NIC."""
+    from picolib.tryit.lesson00 import nic_traffic
+    numel, per_node = 16, 2
+    b = 4 * numel
+    res = run(nic_traffic, 4, _hierarchical, per_node, numel)
+    xs = [x for x, _ in res]
+    for r, (_, ways) in enumerate(res):
+        assert torch.allclose(ways["hierarchical"][0], sum(xs), atol=1e-5)
+        assert ways["hierarchical"][2] == b // 2 == ways["hierarchical"][1]["all_reduce"]
+        assert ways["flat ring"][2] == (2 * 3 * b // 4 if r % per_node == per_node - 1 else 0)
+        assert ways["one GPU per node"][2] == b
+    inside = run(nic_traffic, 4, _inside_only, per_node, numel)
+    assert all(ways["hierarchical"][2] == 0 for _, ways in inside)
+
+
+def test_the_nic_figure_draws_one_bar_per_nic_and_way():
+    import matplotlib.pyplot as plt
+    from picolib.tryit.lesson00 import draw_nic_traffic
+    fake = [(None, {w: (None, {}, nic) for w, nic in
+                    (("hierarchical", 16), ("flat ring", 48 if g == 1 else 0), ("one GPU per node", 64))})[1]
+            for g in range(2)]
+    fig, ax = plt.subplots()
+    draw_nic_traffic(ax, fake, 2, 64, {"hierarchical": 100e9, "flat ring": 50e9, "one GPU per node": 50e9})
+    assert len(ax.patches) == 6 and sorted(p.get_height() for p in ax.patches) == [0, 0.25, 0.25, 0.75, 1, 1]
+    assert "sees 100 GB/s" in " ".join(t.get_text() for t in ax.texts)
+    plt.close(fig)

@@ -35,10 +35,21 @@ def test_the_trace_refuses_micro_batches_that_do_not_divide_the_batch_and_draws(
     plt.close("all")
 
 
-def test_model_state_is_16_bytes_per_counted_parameter():
+def test_the_peak_holds_weights_and_moments_but_no_gradient_and_the_bound_adds_them():
+    """Lesson 01b's bars: the step's peak (end of the forward) holds 12 bytes a counted parameter
+    and no gradient; the sum of each kind's maximum adds the 4 bytes of gradients."""
+    from picolib.tryit.lesson01 import step_peak
     n = param_count(LlamaConfig())
-    bd = memory_bars(1, 32, plot=False)
-    assert (bd.params, bd.grads, bd.optimizer) == (4 * n, 4 * n, 8 * n)
+    bd = memory_bars(2, 64, plot=False)
+    assert (bd.params, bd.grads, bd.optimizer) == (4 * n, 0, 8 * n) and bd.event == "forward"
+    peak, bound = step_peak(LlamaConfig(), 2, 64)
+    assert (bound.params, bound.grads, bound.optimizer) == (4 * n, 4 * n, 8 * n)
+    assert bound.activations == peak.activations == bd.activations > 0
+    assert bound.total == peak.total + 4 * n
+    small = memory_bars(1, 32, plot=False)          # activations small: the peak moves into the backward
+    assert small.event == "backward" and 0 < small.grads < 4 * n
+    with pytest.raises(ValueError, match="steps"):
+        step_peak(LlamaConfig(), 1, 32, steps=1)
 
 
 def test_activations_grow_linearly_in_batch_and_recomputation_cuts_them():
