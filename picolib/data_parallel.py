@@ -286,7 +286,8 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
     def _wait_on_timeline(self):
         """Wait for every all-reduce, recorded on the timeline from the moment the last rank
         issued it (measured: to the first moment it was seen done; emulated: the link's slot)."""
-        issued = torch.tensor([b.issued for b in self.buckets], dtype=torch.float64)
+        issued = torch.tensor([b.issued for b in self.buckets], dtype=torch.float64,
+                              device=self.buckets[0].buffer.device)    # NCCL: on the GPU
         with comm.tagged(purpose="timeline"):
             comm.all_reduce(issued, op="max", group=self.group)
         for b, last in zip(self.buckets, issued.tolist()):
