@@ -57,122 +57,123 @@ __all__ = ["all_reduce_gradients", "assign_buckets", "DistributedDataParallel", 
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20  # torch's default bucket_cap_mb=25
 
+# The core, read in lesson 02: naive DP, then DDP's hook, launch and wait. The machinery
+# (constructing the buckets, no_sync, NaN checks, the timeline, the owned optimizer) follows.
+
 
 # --------------------------------------------------------------------------- naive DP
 
 def all_reduce_gradients(model: nn.Module, group=None) -> None:
-    """Naive DP: after backward, replace every gradient by its mean over the group.
-
-    One all-reduce per parameter, none of them overlapped with compute. Parameters
-    without a gradient take part with zeros, so every rank calls the same collectives."""
+    """Naive DP: after backward, replace every gradient by its mean over the group, one
+    all-reduce per parameter, none of them overlapped with compute."""
     n = group_size(group)
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        if p.grad is None:
+        if p.grad is None:       # take part with zeros: every rank calls the same collectives
             p.grad = torch.zeros_like(p)
         p.grad.div_(n)
         with comm.tagged(purpose="gradients"):
             comm.all_reduce(p.grad, group=group)
 
 
-# --------------------------------------------------------------------------- buckets
-
-def assign_buckets(nbytes: list[int], cap: int) -> list[list[int]]:
-    """Split tensors of `nbytes` (in the order given) into consecutive buckets of at most
-    `cap` bytes. A bucket closes when the next tensor would push it past the cap; a tensor
-    larger than the cap gets a bucket of its own. Returns lists of indices.
-
-    >>> assign_buckets([4, 4, 4, 10, 2], cap=8)
-    [[0, 1], [2], [3], [4]]
-    """
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
-        raise ValueError(f"bucket cap must be a positive number of bytes, not {cap!r}")
-    buckets: list[list[int]] = []
-    size = 0
-    for i, b in enumerate(nbytes):
-        if buckets and buckets[-1] and size + b <= cap:
-            buckets[-1].append(i)
-            size += b
-        else:
-            buckets.append([i])
-            size = b
-    return buckets
-
-
-class _Bucket:
-    """A flat gradient buffer for a few parameters; their `.grad`s are views into it.
-    `group`: where its all-reduce runs (None: the wrapper's group)."""
-
-    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], group=None):
-        self.index, self.params, self.names, self.group = index, params, names, group
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                  device=params[0].device)
-        self.views, offset = [], 0
-        for p in params:
-            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        self.pending = len(params)    # gradients still to come in this backward
-        self.work = None               # the async all-reduce in flight
-        self.issued = 0.0              # perf_counter() when it was issued
-        self.done = None               # first time it was seen complete
-        self.local_bad = None          # this rank's gradient was not finite (a bool tensor)
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-
 # --------------------------------------------------------------------------- DDP
 
 class DistributedDataParallel(GradientSyncSwitch, nn.Module):
-    """Wrap `module` so that backward averages its gradients over `group` (lesson 02).
+    """Wrap `module` so that backward averages its gradients over `group`, bucket by bucket,
+    while backward runs (lesson 02; the arguments: `__init__`). Call the forward through the
+    wrapper, `ddp(x)`, as PyTorch's DistributedDataParallel requires."""
 
-    DDP(module, group=None, bucket_cap_bytes=25 MiB, overlap=True, timeline=None,
-        groups=None, optimizer=None, **optimizer_kwargs)
+    def _grad_ready(self, p: nn.Parameter):
+        """The hook autograd runs on p once p.grad holds this backward's gradient."""
+        bucket = self._bucket_of(p)
+        if not self._sync:               # inside no_sync(): accumulate, send nothing
+            self._unsynced = True
+            return
+        if not self._in_backward:        # this backward's first gradient: wait at its end
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_sync)
+        bucket.pending -= 1
+        self._poll()                     # (timeline only: which all-reduces have completed)
+        # launch every full bucket, in bucket order: each rank issues the same sequence
+        while (self.overlap and self._next < len(self.buckets)
+               and self.buckets[self._next].pending == 0):
+            self._launch(self.buckets[self._next])
 
-    - the first rank of `group` broadcasts its parameters and buffers at construction;
-    - gradients go into flat buckets (≤ bucket_cap_bytes, reverse parameter order); with
-      `overlap=True` a bucket's all-reduce starts as soon as its last gradient is ready,
-      with `overlap=False` all buckets start after backward (the naive schedule);
-    - when `loss.backward()` returns, the gradients are averaged (an autograd callback
-      waits for the all-reduces); `finish_gradient_sync()` does the same by hand and is
-      a no-op when there is nothing to wait for;
-    - `with ddp.no_sync():` backward accumulates without communicating; so does every
-      backward after `ddp.set_requires_gradient_sync(False)`, until it is set True again;
-    - a synchronised backward whose averaged gradients hold a NaN or inf raises
-      FloatingPointError on every rank (step = `ddp.syncs`, the synchronised backwards);
-    - `timeline`: a picolib.timeline.Timeline; each bucket's all-reduce is recorded as
-      span "all_reduce" on lane "comm" (meta: bucket, issued), from issue to the first
-      moment the rank saw it complete (polled at each gradient hook and at the wait: an
-      upper bound). If the timeline has a cost for "all_reduce" (`emulate={"all_reduce":
-      s}`), the timeline's emulated link (lane "comm") carries them instead: each
-      all-reduce occupies it for s seconds from its issue or the end of the previous one,
-      whichever is later; the span shows that time, and the wait sleeps until the link is
-      done with it (the real all-reduces are waited for too).
-    - `groups`: {parameter: process group} for parameters replicated on only some of the
-      ranks (experts: their edp group, `picolib.expert_parallel.expert_gradient_groups`).
-      Their buckets all-reduce over that group, still divided by the size of `group`
-      (each replica's gradient already sums the tokens of the ranks it served); they are
-      broadcast from that group's first rank. With `groups`, a step's finite-check adds one
-      one-element all-reduce over `group`, so every rank reaches the same verdict.
-    - `optimizer`: a torch.optim class (`optimizer(params, **optimizer_kwargs)`), a factory
-      taking the parameters, or None (the default: the caller steps its own optimizer);
-      `param_groups` (torch's list of dicts) instead of all parameters in one group.
-      With one, `ddp.step()` / `ddp.zero_grad()` step it and zero the buckets, and
-      `ddp.optimizer` is the torch optimizer (schedulers attach to it).
-    - `param_dtype` (bf16 or fp16; needs `optimizer`): the parameters become compute copies
-      in that dtype; `ddp.masters[p]` is p's fp32 master, what the optimizer steps; after a
-      synchronised backward `ddp.masters[p].grad` is the averaged gradient in fp32, which
-      `step()` applies and then drops. `state_dict()` gives the masters.
+    def _launch(self, bucket: "_Bucket"):
+        """Start the bucket's all-reduce without waiting for it: backward goes on meanwhile."""
+        self._before_launch(bucket)      # zeros for absent gradients; notes for errors, timeline
+        bucket.buffer.div_(self.world)   # every rank adds grad / N: the sum is the mean
+        group = self.group if bucket.group is None else bucket.group   # (experts: their own)
+        with comm.tagged(purpose="gradients"):
+            bucket.work = comm.all_reduce(bucket.buffer, group=group, async_op=True)
+        self._next += 1
 
-    Call `ddp(x)` or `ddp.module.<method>(...)`: the forward pass itself is not changed.
-    """
+    def finish_gradient_sync(self):
+        """The wait before the step: runs by itself at the end of a synchronised backward
+        (the callback `_grad_ready` queued); `step` calls it too."""
+        if not self._sync_due():
+            return
+        for bucket in self.buckets[self._next:]:     # overlap=False: every bucket, now
+            self._launch(bucket)
+        if self.timeline is None:
+            for bucket in self.buckets:              # in the order they were launched
+                bucket.work.wait()
+        else:
+            self._wait_on_timeline()
+        self._after_sync()
+
+    # ------------------------------------------------------------------ the machinery
 
     def __init__(self, module: nn.Module, group=None,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, overlap: bool = True,
                  timeline=None, groups: dict | None = None, optimizer=None,
                  param_groups=None, param_dtype=torch.float32, **optimizer_kwargs):
+        """DDP(module, group=None, bucket_cap_bytes=25 MiB, overlap=True, timeline=None,
+            groups=None, optimizer=None, **optimizer_kwargs)
+
+        - the first rank of `group` broadcasts its parameters and buffers at construction;
+        - gradients go into flat buckets (≤ bucket_cap_bytes, reverse parameter order); with
+          `overlap=True` a bucket's all-reduce starts as soon as its last gradient is ready,
+          with `overlap=False` all buckets start after backward (the naive schedule);
+        - when `loss.backward()` returns, the gradients are averaged (an autograd callback
+          waits for the all-reduces); `finish_gradient_sync()` does the same by hand and is
+          a no-op when there is nothing to wait for;
+        - `with ddp.no_sync():` backward accumulates without communicating; so does every
+          backward after `ddp.set_requires_gradient_sync(False)`, until it is set True again;
+        - a synchronised backward whose averaged gradients hold a NaN or inf raises
+          FloatingPointError on every rank (step = `ddp.syncs`, the synchronised backwards);
+        - `timeline`: a picolib.timeline.Timeline; each bucket's all-reduce is recorded as
+          span "all_reduce" on lane "comm" (meta: bucket, issued: this rank's issue time),
+          from the moment the last rank of its group issued it — no all-reduce starts before
+          every rank has contributed; the ranks agree on that moment with one small all-reduce
+          (op max, tagged purpose="timeline") per synchronised backward — to the first moment
+          this rank saw it complete (polled at each gradient hook and at the wait: an upper
+          bound). If the timeline has a cost for "all_reduce" (`emulate={"all_reduce": s}`),
+          the timeline's emulated link (lane "comm") carries them instead: each all-reduce
+          occupies it for s seconds from that moment or the end of the previous one,
+          whichever is later; the span shows that time, and the wait sleeps until the link
+          is done with it (the real all-reduces are waited for too). The ranks share one
+          clock (`time.perf_counter`) on one machine only.
+        - `groups`: {parameter: process group} for parameters replicated on only some of the
+          ranks (experts: their edp group, `picolib.expert_parallel.expert_gradient_groups`).
+          Their buckets all-reduce over that group, still divided by the size of `group`
+          (each replica's gradient already sums the tokens of the ranks it served); they are
+          broadcast from that group's first rank. With `groups`, a step's finite-check adds one
+          one-element all-reduce over `group`, so every rank reaches the same verdict.
+        - `optimizer`: a torch.optim class (`optimizer(params, **optimizer_kwargs)`), a factory
+          taking the parameters, or None (the default: the caller steps its own optimizer);
+          `param_groups` (torch's list of dicts) instead of all parameters in one group.
+          With one, `ddp.step()` / `ddp.zero_grad()` step it and zero the buckets, and
+          `ddp.optimizer` is the torch optimizer (schedulers attach to it).
+        - `param_dtype` (bf16 or fp16; needs `optimizer`): the parameters become compute copies
+          in that dtype; `ddp.masters[p]` is p's fp32 master, what the optimizer steps; after a
+          synchronised backward `ddp.masters[p].grad` is the averaged gradient in fp32, which
+          `step()` applies and then drops. `state_dict()` gives the masters.
+
+        Call `ddp(x)`: the forward pass itself is not changed. (With picolib's DDP,
+        `ddp.module(x)` would average the gradients as well; PyTorch's needs `ddp(x)`.)
+        """
         super().__init__()
         if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be float32, bfloat16 or float16, not {param_dtype}")
@@ -243,66 +244,60 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    # ------------------------------------------------------------------ hooks
-
-    def _grad_ready(self, p: torch.Tensor):
-        """Runs after autograd has accumulated p.grad (once per parameter per backward)."""
+    def _bucket_of(self, p) -> "_Bucket":
+        """p's bucket; p.grad made a view into it again if zero_grad(set_to_none=True)
+        dropped it."""
         bucket, view = self._slot[p]
-        if p.grad.data_ptr() != view.data_ptr():  # zero_grad(set_to_none=True) dropped it
+        if p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
             p.grad = view
-        if not self._sync:
-            self._unsynced = True
-            return
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_sync)
-        bucket.pending -= 1
-        if self.timeline is not None:
-            self._poll()
-        if self.overlap:  # in bucket order, so that every rank issues the same sequence
-            while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-                self._issue(self.buckets[self._next])
+        return bucket
 
-    def _issue(self, bucket: _Bucket):
-        bucket.local_bad = ~is_finite(bucket.buffer)   # for the error message only
-        bucket.buffer.div_(self.world)  # sum of (grad / N) = mean
+    def _before_launch(self, bucket: "_Bucket"):
+        """A parameter that got no gradient this backward takes part with zeros; whether this
+        rank's own gradient was finite (for the error message) and the issue time (for the
+        timeline) are noted."""
+        for p, view in zip(bucket.params, bucket.views):
+            if p.grad is None:
+                view.zero_()
+                p.grad = view
+        bucket.local_bad = ~is_finite(bucket.buffer)
         bucket.issued = time.perf_counter()
-        group = self.group if bucket.group is None else bucket.group
-        with comm.tagged(purpose="gradients"):
-            bucket.work = comm.all_reduce(bucket.buffer, group=group, async_op=True)
-        self._next += 1
 
     def _poll(self):
+        if self.timeline is None:
+            return
         now = None
         for b in self.buckets[:self._next]:
             if b.work is not None and b.done is None and b.work.is_completed():
                 b.done = now = now or time.perf_counter()
 
-    # ------------------------------------------------------------------ public
-
-    def finish_gradient_sync(self):
-        """Issue the buckets not yet issued, wait for every all-reduce, reset for the next
-        backward. Runs by itself at the end of a synchronised backward; `step` calls it too,
-        which syncs gradients accumulated without sync when the step's last backward produced
-        none (a pipeline's split backward whose W op had no weight left to compute: under
-        tensor parallelism every Linear's gradient came in B)."""
+    def _sync_due(self) -> bool:
+        """Whether there is a sync to finish: a synchronised backward under way, or gradients
+        accumulated without sync that a step must average now (a pipeline's split backward
+        whose W op had no weight left to compute: under tensor parallelism every Linear's
+        gradient came in B)."""
         if not self._in_backward:
             if not (self._sync and self._unsynced):
-                return
+                return False
             self._in_backward = True
-        for b in self.buckets[self._next:]:
-            for p, view in zip(b.params, b.views):
-                if p.grad is None:  # a parameter that got no gradient this step
-                    view.zero_()
-                    p.grad = view
-            self._issue(b)
-        for b in self.buckets:          # in the order they were issued
-            if self.timeline is None:
-                b.work.wait()
-            else:   # measured: issue → first seen done; emulated: the link's slot (timeline)
-                self.timeline.wait("all_reduce", b.work, b.issued, done=b.done, bucket=b.index,
-                                   issued=b.issued, label=f"AR{b.index}")
+        return True
+
+    def _wait_on_timeline(self):
+        """Wait for every all-reduce, recorded on the timeline from the moment the last rank
+        issued it (measured: to the first moment it was seen done; emulated: the link's slot)."""
+        issued = torch.tensor([b.issued for b in self.buckets], dtype=torch.float64,
+                              device=self.buckets[0].buffer.device)    # NCCL: on the GPU
+        with comm.tagged(purpose="timeline"):
+            comm.all_reduce(issued, op="max", group=self.group)
+        for b, last in zip(self.buckets, issued.tolist()):
+            self.timeline.wait("all_reduce", b.work, last, done=b.done, bucket=b.index,
+                               issued=b.issued, label=f"AR{b.index}")
+
+    def _after_sync(self):
+        """Reset for the next backward; raise if a gradient is NaN or inf; hand fp32 gradients
+        to the masters."""
+        for b in self.buckets:
             b.work, b.done, b.pending = None, None, len(b.params)
         self._next, self._in_backward, self.syncs = 0, False, self.syncs + 1
         self._unsynced = False
@@ -455,3 +450,50 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
 
 
 DDP = DistributedDataParallel
+
+
+# --------------------------------------------------------------------------- buckets
+
+def assign_buckets(nbytes: list[int], cap: int) -> list[list[int]]:
+    """Split tensors of `nbytes` (in the order given) into consecutive buckets of at most
+    `cap` bytes. A bucket closes when the next tensor would push it past the cap; a tensor
+    larger than the cap gets a bucket of its own. Returns lists of indices.
+
+    >>> assign_buckets([4, 4, 4, 10, 2], cap=8)
+    [[0, 1], [2], [3], [4]]
+    """
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+        raise ValueError(f"bucket cap must be a positive number of bytes, not {cap!r}")
+    buckets: list[list[int]] = []
+    size = 0
+    for i, b in enumerate(nbytes):
+        if buckets and buckets[-1] and size + b <= cap:
+            buckets[-1].append(i)
+            size += b
+        else:
+            buckets.append([i])
+            size = b
+    return buckets
+
+
+class _Bucket:
+    """A flat gradient buffer for a few parameters; their `.grad`s are views into it.
+    `group`: where its all-reduce runs (None: the wrapper's group)."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], group=None):
+        self.index, self.params, self.names, self.group = index, params, names, group
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                  device=params[0].device)
+        self.views, offset = [], 0
+        for p in params:
+            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.pending = len(params)    # gradients still to come in this backward
+        self.work = None               # the async all-reduce in flight
+        self.issued = 0.0              # perf_counter() when it was issued
+        self.done = None               # first time it was seen complete
+        self.local_bad = None          # this rank's gradient was not finite (a bool tensor)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()

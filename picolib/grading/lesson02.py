@@ -5,11 +5,12 @@
 - `check_grad_accumulation_steps(fn)`: `fn(gbs, mbs, dp)` → grad_acc with
   gbs = mbs × grad_acc × dp; a ValueError when no whole number of steps gives gbs.
 - `check_average_gradients(fn)`: `fn(model, group=None)` replaces every `.grad` by its
-  mean over the ranks of `group`, through picolib.comm; run on 2 and 3 ranks and on 4 ranks
-  split into two groups of 2.
-- `check_accumulate_and_step(fn)`: `fn(ddp, optimizer, micro_batches)` runs forward and
-  backward on each (tokens, targets) micro-batch, communicating only on the last, steps
-  and zeroes the gradients; two steps in a row on 2 ranks × 3 micro-batches and on 3 ranks
+  mean over the ranks of `group`, through picolib.comm, and leaves the weights alone; run on
+  2 and 3 ranks and on 4 ranks split into two groups of 2, with rank-dependent weights and
+  gradients, one of them zero on one rank only (an answer that skips it hangs the others).
+- `check_accumulate_and_step(fn)`: `fn(ddp, optimizer, micro_batches)` runs forward (through
+  the wrapper, `ddp(tokens)`) and backward on each (tokens, targets) micro-batch,
+  communicating only on the last, steps and zeroes the gradients; two steps in a row on 2 ranks × 3 micro-batches and on 3 ranks
   × 4 micro-batches, against one process that sees each whole batch (the gradient handed
   to the optimizer at each step, then the weights).
 A problem every rank shares is reported once ("every rank"); a sum where a mean was wanted
@@ -25,8 +26,8 @@ import torch.nn as nn
 from ..comm import Ledger
 from ..data_parallel import DDP, assign_buckets
 from ..model import LlamaConfig, TinyLlama, random_tokens
-from ._core import (SUBGROUPS, call_student, compare, compare_parameters, explain, members,
-                    my_group, on_world_not_group, report, run_student)
+from ._core import (SUBGROUPS, ExerciseFailed, call_student, compare, compare_parameters, explain,
+                    members, my_group, on_world_not_group, report, run_student)
 
 __all__ = ["check_assign_buckets", "check_grad_accumulation_steps",
            "check_average_gradients", "check_accumulate_and_step", "grad_accumulation_steps"]
@@ -36,13 +37,41 @@ def _run(worker, n, *args, name, timeout=None):
     return run_student(worker, n, *args, name=name, timeout=timeout)
 
 
+class _Raised:
+    """What the student's function raised instead of returning (not ExerciseFailed)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def __str__(self):
+        text = str(self.error).splitlines()[0][:120] if str(self.error) else ""
+        return f"raised {type(self.error).__name__}" + (f": {text}" if text else "")
+
+
+def _call(fn, *args):
+    """The student's result, or _Raised for an exception (an `assert` included), so that it
+    becomes one problem line rather than a traceback."""
+    try:
+        return call_student(fn, *args)
+    except ExerciseFailed:
+        raise
+    except Exception as e:
+        return _Raised(e)
+
+
 def _bucket_problem(nbytes, cap, got, want) -> str:
     """One line: the bucket lists, and which rule the answer breaks."""
+    if isinstance(got, _Raised):
+        return (f"nbytes={nbytes}, cap={cap}: {got}"
+                + (" — with no tensors there are no buckets: return []" if not nbytes else ""))
     head = f"nbytes={nbytes}, cap={cap}: got buckets {got!r}, expected {want!r}"
     if not isinstance(got, list) or not all(isinstance(b, list) for b in got):
         return head + " — return a list of lists of indices"
     if got[::-1] == want:
         return head + " — the right buckets in reverse order: keep the order given (it is already backward's)"
+    if any(b == [] for b in got):
+        return head + (" — an empty bucket: every bucket holds at least one tensor (no tensors, "
+                       "no buckets)")
     flat = [i for b in got for i in b]
     if sorted(flat) != list(range(len(nbytes))):
         return head + " — every index must appear exactly once"
@@ -64,7 +93,7 @@ def check_assign_buckets(fn) -> None:
              ([256, 65536, 32768, 32768, 32768, 256, 16384], 2**17)]
     problems = []
     for nbytes, cap in cases:
-        got = call_student(fn, list(nbytes), cap)
+        got = _call(fn, list(nbytes), cap)
         if isinstance(got, (list, tuple)):
             got = [list(b) if isinstance(b, (list, tuple)) else b for b in got]
         want = assign_buckets(nbytes, cap)
@@ -86,12 +115,21 @@ def check_grad_accumulation_steps(fn) -> None:
     bad = [(1024, 2, 12), (10, 4, 1), (16, 2, 3)]
     problems = []
     for gbs, mbs, dp in good:
-        problems += compare(f"gbs={gbs}, mbs={mbs}, dp={dp}", call_student(fn, gbs, mbs, dp),
-                            grad_accumulation_steps(gbs, mbs, dp))
+        got = _call(fn, gbs, mbs, dp)
+        if isinstance(got, _Raised):
+            problems.append(f"gbs={gbs}, mbs={mbs}, dp={dp}: {got}; mbs×dp = {mbs * dp} divides "
+                            f"{gbs}: return {grad_accumulation_steps(gbs, mbs, dp)}")
+            continue
+        problems += compare(f"gbs={gbs}, mbs={mbs}, dp={dp}", got, grad_accumulation_steps(gbs, mbs, dp))
     for gbs, mbs, dp in bad:
-        try:
-            got = call_student(fn, gbs, mbs, dp)
-        except ValueError:
+        got = _call(fn, gbs, mbs, dp)
+        if isinstance(got, _Raised) and isinstance(got.error, ValueError):
+            continue
+        if isinstance(got, _Raised):
+            why = (" (an assert is a check for bugs, removed by python -O: raise ValueError("
+                   "...) yourself)" if isinstance(got.error, AssertionError) else "")
+            problems.append(f"gbs={gbs}, mbs={mbs}, dp={dp}: {got}, not the ValueError the "
+                            f"statement asks for{why}")
             continue
         problems.append(f"gbs={gbs}, mbs={mbs}, dp={dp}: returned {got!r}; mbs×dp = "
                         f"{mbs * dp} does not divide {gbs}, so raise ValueError")
@@ -104,9 +142,15 @@ def _small_model(seed: int) -> nn.Module:
 
 
 def _grads_of(rank):
-    model = _small_model(0)
+    """Rank `rank`'s model and gradients: its own weights (seeded by the rank, so that an
+    all-reduce of the weights shows) and its own batch; on rank 1 the last bias's gradient is
+    exactly zero (its micro-batch gave it no signal), so a test such as `if p.grad.any()`
+    decides differently on different ranks."""
+    model = _small_model(rank)
     g = torch.Generator().manual_seed(100 + rank)
     model(torch.randn(4, 5, generator=g)).pow(2).sum().backward()
+    if rank == 1:
+        model[2].bias.grad.zero_()
     return model
 
 
@@ -115,7 +159,8 @@ def _average_worker(fn, split):
     model = _grads_of(dist.get_rank())
     with Ledger() as ledger:
         call_student(fn, model, group=group)
-    return [p.grad.clone() for p in model.parameters()], ledger.summary()
+    return ([p.grad.clone() for p in model.parameters()], ledger.summary(),
+            [p.detach().clone() for p in model.parameters()])
 
 
 def _one_line_per_n(n, per_rank: list[list[str]], label: str | None = None) -> list[str]:
@@ -153,12 +198,16 @@ def check_average_gradients(fn, timeout: float | None = None) -> None:
         world = torch.stack(own).mean(0)
         per_rank = []
         results = _run(_average_worker, n, fn, split, name="average_gradients", timeout=timeout)
-        for rank, (grads, summary) in enumerate(results):
-            checks += 2
+        for rank, (grads, summary, weights) in enumerate(results):
+            checks += 3
             mean = torch.stack([own[m] for m in members(rank)]).mean(0) if split else world
             got = torch.cat([g.flatten() for g in grads])
             mine = compare("gradients (all parameters, flattened)", got, mean, atol=1e-6)
-            if mine:
+            moved = any(not torch.equal(w, p) for w, p in zip(weights, _small_model(rank).parameters()))
+            if moved:     # the weights were reduced: that explains the gradients too
+                mine = ["weights: changed — p (the weights) was all-reduced or divided, not "
+                        "p.grad: average the gradients and leave the weights to the optimizer"]
+            elif mine:
                 hint = explain([why for why, value in _average_slips(own[rank], mean, world, n,
                                                                      2 if split else n, split).items()
                                 if torch.allclose(got, value, atol=1e-6)])
@@ -181,7 +230,8 @@ def _micro_batches(step_rows, pieces):
     return [(tokens[i * k:(i + 1) * k], targets[i * k:(i + 1) * k]) for i in range(pieces)]
 
 
-ROWS, STEPS = 24, 2  # rows of a global batch; optimizer steps in a row
+ROWS, STEPS = 60, 2  # rows of a global batch; optimizer steps in a row
+# rows per micro-batch: 10 and 5, never k, n or 2, so a loss divided by its rows shows as such
 CASES = ((2, 3), (3, 4))  # (ranks, micro-batches per step): k ≠ 2 and k ≠ ranks somewhere
 
 
@@ -203,12 +253,14 @@ def _accumulate_worker(fn, grad_acc):
         return step(*args, **kwargs)
 
     opt.step = step_and_record
+    forwards = []                             # forwards through the wrapper, not ddp.module
+    ddp.register_forward_pre_hook(lambda module, args: forwards.append(1))
     with Ledger() as ledger:
         for batch in _batches():
             mine = _micro_batches(batch, n)[rank]
             call_student(fn, ddp, opt, _micro_batches(mine, grad_acc))
     weights = [p.detach().clone() for p in model.parameters()]
-    return weights, ledger.count("all_reduce"), len(ddp.buckets), seen
+    return weights, ledger.count("all_reduce"), len(ddp.buckets), seen, len(forwards)
 
 
 def _reference():
@@ -224,12 +276,26 @@ def _reference():
     return grads, [p.detach().clone() for p in model.parameters()]
 
 
-def _step_problem(i, got, want, earlier, n, k) -> list[str]:
+def _last_micro_batch_grad(n, k):
+    """Step 1's gradient of the last micro-batch alone, averaged over the n ranks (what is left
+    when zero_grad() runs inside the loop): one process on the ranks' last micro-batches."""
+    mine = [_micro_batches(_micro_batches(_batches()[0], n)[r], k)[-1] for r in range(n)]
+    model = TinyLlama(_CFG)
+    model.loss(torch.cat([x for x, _ in mine]), torch.cat([y for _, y in mine])).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _step_problem(i, got, want, earlier, n, k, last=None) -> list[str]:
     """The gradient handed to step i, with the mistake it shows named."""
     wrong = compare_parameters(f"gradient at step {i + 1}", got, want, TinyLlama(_CFG), atol=1e-5)
     if not wrong:
         return []
     g, w = got.double(), want.double()
+    if last is not None and any(torch.allclose(g, last.double() / d, atol=1e-5, rtol=1e-4)
+                                for d in (k, 1)):
+        return [f"gradient at step {i + 1}: only the last micro-batch's — zero_grad() (or a .grad "
+                "reset) inside the loop wipes the others: zero once, after the step"]
+    m = ROWS // (n * k)
     fitting = [(ratio, why) for ratio, why in (
         (k / n, f"divided by the {n} ranks instead of the {k} micro-batches (DDP already averages "
                 "over the ranks)"),
@@ -237,7 +303,9 @@ def _step_problem(i, got, want, earlier, n, k) -> list[str]:
                    f"= {k}"),
         (k / 2, f"divided by 2 whatever the number of micro-batches: use k = len(micro_batches) "
                 f"(here {k})"),
-        (1 / n, f"averaged over the {n} ranks once more: DDP already does"))
+        (1 / n, f"averaged over the {n} ranks once more: DDP already does"),
+        (k / m, f"each micro-batch's loss divided by its rows (x.shape[0] = {m}), not by the "
+                f"number of micro-batches k = {k} (the loss is already a mean over its rows)"))
         if abs(ratio - 1) > 1e-6 and torch.allclose(g, ratio * w, atol=1e-5, rtol=1e-4)]
     if fitting:        # k/n and k/2 coincide on 2 ranks: then both are named
         return [f"gradient at step {i + 1}: {fitting[0][0]:.3g}× the right one — "
@@ -256,9 +324,10 @@ def check_accumulate_and_step(fn, timeout: float | None = None) -> None:
     problems, checks = [], 0
     for n, grad_acc in CASES:
         per_rank = []
-        for weights, calls, buckets, seen in _run(_accumulate_worker, n, fn, grad_acc,
-                                                  name="accumulate_and_step", timeout=timeout):
-            checks += 3
+        last = _last_micro_batch_grad(n, grad_acc)
+        for weights, calls, buckets, seen, forwards in _run(_accumulate_worker, n, fn, grad_acc,
+                                                            name="accumulate_and_step", timeout=timeout):
+            checks += 4
             mine = []
             if len(seen) != STEPS:
                 mine.append(f"optimizer: step() called {len(seen)} times in {STEPS} calls of your "
@@ -266,7 +335,7 @@ def check_accumulate_and_step(fn, timeout: float | None = None) -> None:
             else:
                 for i in range(STEPS):
                     mine += _step_problem(i, seen[i], grads[i], grads[i - 1] if i else None,
-                                          n, grad_acc)
+                                          n, grad_acc, last if i == 0 else None)
                     if mine:
                         break
                 if not mine:
@@ -274,6 +343,10 @@ def check_accumulate_and_step(fn, timeout: float | None = None) -> None:
                                                torch.cat([w.flatten() for w in weights]),
                                                torch.cat([e.flatten() for e in expected]),
                                                TinyLlama(_CFG), atol=1e-5)
+            if forwards != STEPS * grad_acc:
+                mine.append(f"forward: {forwards} of {STEPS * grad_acc} forwards went through the "
+                            "wrapper — call ddp(tokens), not ddp.module: PyTorch's DDP arms its "
+                            "hooks in its forward and would leave these gradients un-averaged")
             if calls != STEPS * buckets:
                 mine.append(f"traffic: {calls} all-reduces for {STEPS} steps of {grad_acc} "
                             f"micro-batches; with no_sync on all but the last there are "

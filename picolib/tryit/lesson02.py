@@ -19,7 +19,8 @@ from ..data_parallel import assign_buckets
 from ..model import LlamaConfig, TinyLlama
 
 __all__ = ["bucket_plan", "buckets", "through_root_vs_ring", "emulate_backward", "rows", "max_diff",
-           "single_process", "print_calls", "plot_calls", "last_step", "plot_overlap", "overlap_summary"]
+           "single_process", "print_calls", "plot_calls", "last_step", "bucket_label", "plot_overlap",
+           "collective_order", "overlap_summary"]
 
 
 def bucket_plan(cap_kib: int, n_layers: int, base: LlamaConfig | None = None) -> dict:
@@ -80,8 +81,10 @@ def buckets(cap_kib: int = 64, n_layers: int = 4, ax=None) -> dict:
 def torch_ddp_grads(cap_bytes: int, gradient_as_bucket_view: bool, n_layers: int = 4) -> dict:
     """On a rank: the tiny Llama under *PyTorch's* DistributedDataParallel, two backward
     passes (DDP rebuilds its buckets after the first, in the order gradients arrived).
-    Returns the sorted bytes of the distinct storages behind the `.grad`s, their total, and
-    the bytes of the reducer's buckets as DDP's own logging data reports them."""
+    Returns the sorted bytes of the distinct storages behind the `.grad`s, their total, the
+    bytes of the reducer's buckets as DDP's own logging data reports them, and "spread": the
+    largest difference between the ranks' gradients after a forward through the wrapper and
+    after one that bypasses it (`ddp.module`: PyTorch's hooks are armed by its forward)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -91,14 +94,26 @@ def torch_ddp_grads(cap_bytes: int, gradient_as_bucket_view: bool, n_layers: int
     ddp = DistributedDataParallel(model, bucket_cap_mb=cap_bytes / 2**20,
                                   gradient_as_bucket_view=gradient_as_bucket_view)
     x, y = random_tokens(2, 8, cfg.vocab_size, seed=dist.get_rank())
+
+    def spread():       # the largest difference between the ranks' gradients
+        g = torch.cat([p.grad.flatten() for p in model.parameters()])
+        hi, lo = g.clone(), g.clone()
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        return (hi - lo).max().item()
+
     for _ in range(2):
         logits = ddp(x)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
     storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
                 for p in model.parameters()}
     logged = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+    through = spread()
+    model.zero_grad()
+    model.loss(x, y).backward()            # the forward bypasses the wrapper: ddp.module(x)
     return {"storages": sorted(storages.values()), "grad_bytes": sum(storages.values()),
-            "bucket_bytes": sum(int(b) for b in str(logged).split(",") if b.strip())}
+            "bucket_bytes": sum(int(b) for b in str(logged).split(",") if b.strip()),
+            "spread": {"through ddp(x)": through, "bypassing it": spread()}}
 
 
 def _one_step_calls(configs):
@@ -117,7 +132,7 @@ def _one_step_calls(configs):
         model = TinyLlama(cfg)
         wrapper = DDP(model) if name == "DP" else ZeRO(model, int(name[-1]), optimizer=torch.optim.SGD, lr=0.1)
         with Ledger() as led:
-            model.loss(x, y).backward()
+            model.loss_fn(wrapper(x), y).backward()     # the forward through the wrapper
             if name != "DP":
                 wrapper.step()          # stages 1-2 all-gather the updated parameters here
         out[name] = [(r.op, r.nbytes) for r in led.records]
@@ -289,33 +304,92 @@ def last_step(events: list) -> list:
     return [e for e in events if e["start"] >= max(starts)]
 
 
-def plot_overlap(timelines: dict, costs: dict):
+def bucket_label(names: list[str]) -> str:
+    """A bucket named by the parts of the model it holds, in backward's order, as the
+    backward spans are: "head·B3" (lm_head, the final norm, block 3), "B0·emb"."""
+    def part(name):
+        first = name.split(".")[0]
+        return {"lm_head": "head", "norm": "head", "embed": "emb"}.get(first) or f"B{name.split('.')[1]}"
+    return "·".join(dict.fromkeys(part(n) for n in names))
+
+
+def plot_overlap(timelines: dict, costs: dict, names: list[list[str]]):
     """Section 3's figure: one Gantt panel per run in `timelines` ({overlap: events of the
-    ranks}), on one time axis, the emulated costs in the titles. Returns the Figure."""
+    ranks}), on one time axis, the emulated costs in the titles. An all-reduce is labelled
+    by the blocks its bucket holds (`names`: the parameter names per bucket; "head·B3" drawn
+    on two lines) and drawn from
+    the moment the last rank issued it; a black tick marks where this rank issued it, a
+    dotted line the time it waited for the other rank or for the link, and a hatched "wait"
+    box on the compute row the time from the end of backward to the last all-reduce's end,
+    when the rank can do nothing but wait. Returns the Figure."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch, Rectangle
     from ..timeline import merge, plot_gantt
-    merged = {k: merge(v) for k, v in timelines.items()}
+    labels = [bucket_label(n) for n in names]
+    merged = {}
+    for overlap, events in timelines.items():
+        t0 = min(e["start"] for e in events)
+        merged[overlap] = [dict(e, meta={**e["meta"], "label": "", "issued": e["meta"]["issued"] - t0})
+                           if e["name"] == "all_reduce" else e for e in merge(events)]
     longest = max(max(e["end"] for e in ev) for ev in merged.values())
-    fig, axes = plt.subplots(len(merged), 1, figsize=(11, 2.6 * len(merged)), layout="constrained",
+    fig, axes = plt.subplots(len(merged), 1, figsize=(12, 3.4 * len(merged)), layout="constrained",
                              squeeze=False)
     for ax, (overlap, events) in zip(axes[:, 0], merged.items()):
         plot_gantt(events, ax=ax, unit="ms", xmax=longest,
                    title=f"DDP, overlap={overlap} (emulated costs: B {costs['B'] * 1e3:.0f} ms/block, "
                          f"all-reduce {costs['all_reduce'] * 1e3:.0f} ms/bucket)")
+        rows = {t.get_text(): y for t, y in zip(ax.get_yticklabels(), ax.get_yticks())}
+        for rank in sorted({e["rank"] for e in events}):
+            comms = [e for e in events if e["rank"] == rank and e["name"] == "all_reduce"]
+            y = rows[f"rank {rank} · comm"]
+            for e in comms:                       # the bucket's blocks; issue tick; the wait
+                ax.text((e["start"] + e["end"]) / 2 * 1e3, y, labels[e["meta"]["bucket"]].replace("·", "\n"),
+                        ha="center", va="center", fontsize=9, linespacing=0.9, color="white",
+                        clip_on=True)
+                ax.plot([e["meta"]["issued"] * 1e3] * 2, [y - 0.25, y + 0.25], color="black", lw=1.5)
+                ax.plot([e["meta"]["issued"] * 1e3, e["start"] * 1e3], [y, y], color="black",
+                        lw=1, ls=":", zorder=0.5)        # behind the bars it waits for
+            b_end = max(e["end"] for e in events if e["rank"] == rank and e["name"] == "B")
+            last = max(e["end"] for e in comms)
+            if last > b_end:
+                y = rows[f"rank {rank}"]
+                ax.add_patch(Rectangle((b_end * 1e3, y - 0.4), (last - b_end) * 1e3, 0.8,
+                                       facecolor="white", edgecolor="grey", hatch="///", lw=0.8))
+        handles = ax.get_legend().legend_handles + [
+            Line2D([], [], color="black", lw=1.5, marker="|", ls="", markersize=10, label="issued here"),
+            Line2D([], [], color="black", lw=1, ls=":", label="waits (the other rank, the link)"),
+            Patch(facecolor="white", edgecolor="grey", hatch="///", label="wait (exposed comm)")]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=9)
     return fig
 
 
+def collective_order(events: list) -> list[str]:
+    """Each all-reduce that ends on some rank before every rank has issued it, or starts
+    before that: an all-reduce cannot (its sum needs every rank's buffer). [] when none."""
+    wrong = []
+    for b in sorted({e["meta"]["bucket"] for e in events if e["name"] == "all_reduce"}):
+        spans = [e for e in events if e["name"] == "all_reduce" and e["meta"]["bucket"] == b]
+        last = max(e["meta"]["issued"] for e in spans)
+        wrong += [f"bucket {b}, rank {e['rank']}: {'ends' if e['end'] < last else 'starts'} "
+                  f"before the last rank issued it" for e in spans
+                  if e["start"] < last or e["end"] < last]
+    return wrong
+
+
 def overlap_summary(events: list, rank: int) -> dict:
-    """Section 3's measurements on one rank's step: all-reduces issued before backward ended,
-    the exposed communication (end of backward to end of the last all-reduce), the
-    all-reduce time hidden under backward, and the step, in ms."""
+    """Section 3's measurements on one rank's step: all-reduces issued before its backward
+    ended, the exposed communication (from the end of the last rank's backward, when the last
+    bucket can be issued, to the end of this rank's last all-reduce), the all-reduce time
+    hidden under its backward, and the step, in ms."""
     from ..timeline import overlap_time
     mine = [e for e in events if e["rank"] == rank]
     b_end = max(e["end"] for e in mine if e["name"] == "B")
+    last_b_end = max(e["end"] for e in events if e["name"] == "B")
     comms = [e for e in mine if e["name"] == "all_reduce"]
     if not comms:
         raise ValueError(f"rank {rank} has no all_reduce span")
     return {"issued under backward": sum(e["meta"]["issued"] < b_end for e in comms),
-            "exposed comm (ms)": 1e3 * (max(e["end"] for e in comms) - b_end),
+            "exposed comm (ms)": 1e3 * (max(e["end"] for e in comms) - last_b_end),
             "comm hidden by backward (ms)": 1e3 * overlap_time(mine, rank, "B", "all_reduce"),
             "step (ms)": 1e3 * (max(e["end"] for e in mine) - min(e["start"] for e in mine))}

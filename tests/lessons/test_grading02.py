@@ -54,6 +54,50 @@ def test_check_assign_buckets():
         check_assign_buckets(lambda nbytes, cap: (_ for _ in ()).throw(NotImplementedError))
 
 
+def buckets_starting_with_an_empty_one(nbytes, cap):
+    out, size = [[]], 0
+    for i, b in enumerate(nbytes):
+        if out[-1] and size + b > cap:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += b
+    return out
+
+
+def buckets_reading_the_first_size_first(nbytes, cap):
+    out, size = [[0]], nbytes[0]                   # IndexError when there are no tensors
+    for i, b in enumerate(nbytes[1:], 1):
+        if size + b <= cap:
+            out[-1].append(i)
+            size += b
+        else:
+            out.append([i])
+            size = b
+    return out
+
+
+def buckets_by_cumulative_sums(nbytes, cap):
+    """Right, written differently: a new bucket whenever the running size would pass the cap."""
+    starts, size = [], cap + 1
+    for i, b in enumerate(nbytes):
+        size = size + b if size + b <= cap else (starts.append(i) or b)
+    ends = starts[1:] + [len(nbytes)]
+    return [list(range(a, e)) for a, e in zip(starts, ends)]
+
+
+def test_assign_buckets_empty_input_is_named_as_such():
+    """Issue 60: [[]] for no tensors was told "a bucket was closed while the next tensor still
+    fitted"; an IndexError escaped as a traceback."""
+    check_assign_buckets(buckets_by_cumulative_sums)
+    with fails(r"nbytes=\[\], cap=8: got buckets \[\[\]\], expected \[\] — an empty bucket") as info:
+        check_assign_buckets(buckets_starting_with_an_empty_one)
+    assert "still fitted" not in info.value.details
+    with fails(r"nbytes=\[\], cap=8: raised IndexError: list index out of range — with no tensors "
+               r"there are no buckets: return \[\]"):
+        check_assign_buckets(buckets_reading_the_first_size_first)
+
+
 def grad_acc_right(gbs, mbs, dp):
     if gbs % (mbs * dp):
         raise ValueError("not a whole number of steps")
@@ -66,6 +110,29 @@ def test_check_grad_accumulation_steps():
         check_grad_accumulation_steps(lambda gbs, mbs, dp: gbs // (mbs * dp))
     with fails("dp=512: got 4, expected 1"):  # dp fixed at 128
         check_grad_accumulation_steps(lambda gbs, mbs, dp: gbs // (mbs * 128))
+
+
+def grad_acc_asserting(gbs, mbs, dp):
+    assert gbs % (mbs * dp) == 0, "not a whole number of steps"
+    return gbs // (mbs * dp)
+
+
+def grad_acc_by_divmod(gbs, mbs, dp):
+    """Right, written differently."""
+    steps, left = divmod(gbs, mbs * dp)
+    if left:
+        raise ValueError(f"{left} samples left over")
+    return steps
+
+
+def test_grad_accumulation_steps_an_assert_is_named_not_a_traceback():
+    """Issue 60: an `assert` escaped the check as a raw AssertionError traceback."""
+    check_grad_accumulation_steps(grad_acc_by_divmod)
+    with fails(r"dp=12: raised AssertionError: not a whole number of steps, not the ValueError "
+               r"the statement asks for \(an assert is a check for bugs"):
+        check_grad_accumulation_steps(grad_acc_asserting)
+    with fails(r"gbs=1024, mbs=2, dp=128: raised ZeroDivisionError"):
+        check_grad_accumulation_steps(lambda gbs, mbs, dp: gbs // (mbs * dp - 256))
 
 
 def average_right(model, group=None):
@@ -115,7 +182,7 @@ def accumulate(ddp, optimizer, micro_batches, divide=None, zero=True):
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with (contextlib.nullcontext() if last else ddp.no_sync()):
-            (ddp.module.loss(x, y) / k).backward()
+            (ddp.module.loss_fn(ddp(x), y) / k).backward()
     optimizer.step()
     if zero:
         optimizer.zero_grad()
@@ -129,14 +196,14 @@ def accumulate_right(ddp, optimizer, micro_batches):
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with (contextlib.nullcontext() if last else ddp.no_sync()):
-            (ddp.module.loss(x, y) / len(micro_batches)).backward()
+            (ddp.module.loss_fn(ddp(x), y) / len(micro_batches)).backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
 def accumulate_syncing_every_time(ddp, optimizer, micro_batches):
     for x, y in micro_batches:
-        (ddp.module.loss(x, y) / len(micro_batches)).backward()
+        (ddp.module.loss_fn(ddp(x), y) / len(micro_batches)).backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -145,7 +212,7 @@ def accumulate_without_scaling(ddp, optimizer, micro_batches):
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with (contextlib.nullcontext() if last else ddp.no_sync()):
-            ddp.module.loss(x, y).backward()
+            ddp.module.loss_fn(ddp(x), y).backward()
     optimizer.step()
 
 
@@ -193,6 +260,41 @@ def average_flat(model, group=None):
         g.copy_(piece.view_as(g))
 
 
+def average_skipping_zero_gradients(model, group=None):
+    """Wrong: a per-rank test decides which gradients to all-reduce; rank 1's last bias
+    gradient is zero, so rank 1 skips a collective the others call."""
+    n = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad.abs().sum() > 0:
+            p.grad /= n
+            comm.all_reduce(p.grad, group=group)
+
+
+def average_the_weights(model, group=None):
+    """Wrong: the weights are averaged, not the gradients."""
+    n = dist.get_world_size(group)
+    for p in model.parameters():
+        p.data /= n
+        comm.all_reduce(p.data, group=group)
+
+
+def average_with_op_avg(model, group=None):
+    """Right, written differently: op="avg", tensor by tensor."""
+    for p in model.parameters():
+        comm.all_reduce(p.grad, op="avg", group=group)
+
+
+def test_average_gradients_skipped_collective_and_weights():
+    """Issue 60: skipping a gradient by a per-rank test passed (no case made the ranks
+    disagree); averaging the weights was blamed on a clone."""
+    check_average_gradients(average_with_op_avg)
+    with fails("did not finish on 2 ranks within 8 s — a deadlock"):
+        check_average_gradients(average_skipping_zero_gradients, timeout=8)
+    with fails(r"N=2, every rank: weights: changed — p \(the weights\) was all-reduced") as info:
+        check_average_gradients(average_the_weights)
+    assert "clone" not in info.value.details
+
+
 def test_average_gradients_names_the_division_that_is_wrong():
     check_average_gradients(average_flat)
     with fails(r"group of 2 .*: the sum is that of all 4 ranks.*the division by the group's 2 is "
@@ -203,6 +305,52 @@ def test_average_gradients_names_the_division_that_is_wrong():
                r"group's 2") as info:
         check_average_gradients(average_by_world_size)
     assert "divided once too often" not in info.value.details
+
+
+def accumulate_dividing_by_rows(ddp, optimizer, micro_batches):
+    accumulate(ddp, optimizer, micro_batches, divide=micro_batches[0][0].shape[0])
+
+
+def accumulate_zeroing_in_the_loop(ddp, optimizer, micro_batches):
+    for i, (x, y) in enumerate(micro_batches):
+        optimizer.zero_grad()
+        last = i == len(micro_batches) - 1
+        with (contextlib.nullcontext() if last else ddp.no_sync()):
+            (ddp.module.loss_fn(ddp(x), y) / len(micro_batches)).backward()
+    optimizer.step()
+
+
+def accumulate_bypassing_the_wrapper(ddp, optimizer, micro_batches):
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with (contextlib.nullcontext() if last else ddp.no_sync()):
+            (ddp.module.loss(x, y) / len(micro_batches)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def accumulate_with_the_sync_switch(ddp, optimizer, micro_batches):
+    """Right, written differently: FSDP2's switch instead of no_sync(), cross-entropy by hand."""
+    k = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        ddp.set_requires_gradient_sync(i == k - 1)
+        logits = ddp(x)
+        (torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) / k).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_accumulate_rows_zero_grad_and_the_wrapper():
+    """Issue 60: dividing by a micro-batch's rows got "divided by 2 whatever"; zero_grad() in
+    the loop had no hint (lesson 01.4 has one); a forward bypassing the wrapper passed."""
+    check_accumulate_and_step(accumulate_with_the_sync_switch)
+    with fails(r"divided by its rows \(x.shape\[0\] = 10\)") as info:
+        check_accumulate_and_step(accumulate_dividing_by_rows)
+    assert "whatever" not in info.value.details
+    with fails(r"only the last micro-batch's — zero_grad\(\) \(or a .grad reset\) inside the loop"):
+        check_accumulate_and_step(accumulate_zeroing_in_the_loop)
+    with fails(r"forward: 0 of 6 forwards went through the wrapper — call ddp\(tokens\)"):
+        check_accumulate_and_step(accumulate_bypassing_the_wrapper)
 
 
 def test_accumulate_names_both_divisors_where_they_coincide():

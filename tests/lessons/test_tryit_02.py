@@ -153,8 +153,13 @@ def _step(rank, overlap):
     ev = [_ev(rank, "F", 0.00, 0.04), _ev(rank, "B", 0.04, 0.07, label="head"),
           _ev(rank, "B", 0.07, 0.10, label="B0")]
     starts = (0.07, 0.10) if overlap else (0.10, 0.12)
-    ev += [_ev(rank, "all_reduce", s, s + 0.02, lane="comm", issued=s) for s in starts]
+    ev += [_ev(rank, "all_reduce", s, s + 0.02, lane="comm", issued=s, bucket=b)
+           for b, s in enumerate(starts)]
     return ev
+
+
+NAMES = [["lm_head.weight", "norm.weight", "blocks.0.mlp.w_down.weight"],
+         ["blocks.0.attn_norm.weight", "embed.weight"]]
 
 
 def test_last_step_keeps_the_events_from_the_last_forward_on():
@@ -182,10 +187,47 @@ def test_plot_overlap_draws_one_panel_per_run_on_one_time_axis():
     from picolib.figure_check import problems
     from picolib.tryit.lesson02 import plot_overlap
     fig = plot_overlap({True: _step(0, True) + _step(1, True), False: _step(0, False) + _step(1, False)},
-                       {"B": 0.03, "all_reduce": 0.02})
+                       {"B": 0.03, "all_reduce": 0.02}, NAMES)
     top, bottom = fig.axes[:2]
     assert "overlap=True" in top.get_title() and "overlap=False" in bottom.get_title()
     assert "B 30 ms/block" in top.get_title() and "all-reduce 20 ms/bucket" in top.get_title()
     assert top.get_xlim() == bottom.get_xlim()        # the longer run sets both axes
     assert problems(fig) == []
     plt.close(fig)
+    texts = [t.get_text() for t in top.texts]
+    assert texts.count("head\nB0") == 2 and texts.count("B0\nemb") == 2   # each rank's buckets, by blocks
+    assert not any(t.startswith("AR") for t in texts)
+
+
+def test_bucket_label_names_the_blocks_a_bucket_holds():
+    from picolib.tryit.lesson02 import bucket_label
+    assert [bucket_label(n) for n in NAMES] == ["head·B0", "B0·emb"]
+    assert bucket_label(["blocks.3.mlp.w_gate.weight", "blocks.3.attn.wq.weight",
+                         "blocks.2.mlp.w_up.weight"]) == "B3·B2"
+
+
+def test_collective_order_flags_an_all_reduce_done_before_the_last_issue():
+    """Issue 59: rank 0's all-reduce drawn as over before rank 1 had issued it."""
+    from picolib.tryit.lesson02 import collective_order
+    assert collective_order(_step(0, True) + _step(1, True)) == []
+    def rank1_issues_later(dt):      # rank 1 issues (and runs) each all-reduce dt later
+        return _step(0, True) + [dict(e, start=e["start"] + dt, end=e["end"] + dt,
+                                      meta=dict(e["meta"], issued=e["meta"]["issued"] + dt))
+                                 if e["name"] == "all_reduce" else e for e in _step(1, True)]
+    assert collective_order(rank1_issues_later(0.05)) == [
+        "bucket 0, rank 0: ends before the last rank issued it",
+        "bucket 1, rank 0: ends before the last rank issued it"]
+    assert collective_order(rank1_issues_later(0.01)) == [
+        "bucket 0, rank 0: starts before the last rank issued it",
+        "bucket 1, rank 0: starts before the last rank issued it"]
+
+
+def test_exposed_comm_counts_from_the_last_ranks_backward():
+    """A rank that ends backward first also waits for the other: its exposed time counts from
+    the end of the slower rank's backward, the same on both ranks."""
+    from picolib.tryit.lesson02 import overlap_summary
+    slow = [dict(e, end=e["end"] + 0.01) if e["name"] == "B" and e["end"] == 0.10 else e
+            for e in _step(1, True)]
+    events = _step(0, True) + slow
+    assert overlap_summary(events, 0)["exposed comm (ms)"] == pytest.approx(10)
+    assert overlap_summary(events, 1)["exposed comm (ms)"] == pytest.approx(10)

@@ -5,6 +5,8 @@ per-rank means in a different order than the single process sums the batch, so t
 results differ by rounding (measured ~1e-8); SGD's update is linear in the gradient
 and does not amplify that.
 """
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -164,6 +166,28 @@ def test_emulated_link_serialises_the_all_reduces():
     for before, after in zip(events, events[1:]):
         assert after["end"] >= before["end"] + 0.02 - 1e-9
     assert all(e["end"] - e["start"] >= 0.02 - 1e-9 for e in events)
+
+
+def late_rank_worker(cost):
+    tl = Timeline(emulate={"all_reduce": cost})
+    model = TinyLlama(CFG)
+    ddp = DDP(model, bucket_cap_bytes=2**15, timeline=tl)
+    x, y = random_tokens(2, SEQ, CFG.vocab_size, seed=0)
+    if dist.get_rank() == 1:
+        time.sleep(0.1)                      # rank 1 starts backward late: it issues later
+    model.loss_fn(ddp(x), y).backward()
+    return tl.events
+
+
+def test_no_all_reduce_starts_before_every_rank_has_issued_it():
+    """Issue 59: the emulated link started each all-reduce at this rank's own issue, so the
+    early rank's all-reduces were drawn (and slept) as done before the late rank issued them."""
+    early, late = run(late_rank_worker, 2, 0.02, timeout=180)
+    assert len(early) == len(late) > 1
+    for a, b in zip(early, late):
+        assert b["meta"]["issued"] > a["meta"]["issued"] + 0.05        # the skew is there
+        assert min(a["start"], b["start"]) >= b["meta"]["issued"]
+        assert a["end"] >= a["start"] + 0.02 - 1e-9
 
 
 def unused_parameter_worker():

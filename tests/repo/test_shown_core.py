@@ -24,6 +24,13 @@ NOT_CORE = ("picolib.tryit", "picolib.grading", "picolib.source")
 
 # lesson -> technique -> the functions (module-qualified) whose source the lesson shows
 CORE: dict[str, dict[str, list[str]]] = {
+    "02_data_parallel": {
+        "naive DP: one all-reduce per gradient": ["picolib.data_parallel.all_reduce_gradients"],
+        "DDP: bucketed all-reduce with overlap": [
+            "picolib.data_parallel.DistributedDataParallel._grad_ready",
+            "picolib.data_parallel.DistributedDataParallel._launch",
+            "picolib.data_parallel.DistributedDataParallel.finish_gradient_sync"],
+    },
 }
 
 
