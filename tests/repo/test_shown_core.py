@@ -24,6 +24,7 @@ NOT_CORE = ("picolib.tryit", "picolib.grading", "picolib.source")
 
 # lesson -> technique -> the functions (module-qualified) whose source the lesson shows
 CORE: dict[str, dict[str, list[str]]] = {
+    "10_5d_parallelism": {"the 5-D composition": ["picolib.compose.transform", "picolib.compose.build"]},
 }
 
 
