@@ -1,11 +1,16 @@
-"""A 5-D configuration (lesson 10): what it is (`TrainConfig`), whether it can run
-(`check_config`, before any process starts), and one rank's part of it (`build`): the
-transforms applied to the one model in the documented order (docs/design.md) — tensor
-(+ sequence) parallel, context parallel, experts, pipeline stages — then DDP or ZeRO over the
-ranks that hold the same weights (dp × cp), and the optimizer. `picolib.train` runs it.
-The model is built on the `meta` device and transformed there; a rank then allocates only
-the parameters it holds, with the one-process values (`picolib.materialize`).
+"""The 5-D composition (lesson 10): one model, transformed in place, in one order, on one mesh.
 
+The file opens with the composition itself: `transform` applies the techniques of lessons
+04-09 to the one model — tensor (+ sequence) parallel over the mesh's "tp" group, context
+parallel over "cp", experts over ep of the "dp" ranks, pipeline stages over "pp" — and
+`build` wraps each of this rank's stages in DDP or ZeRO over the ranks that hold the same
+weights (dp × cp), each wrapper owning its stage's AdamW. `picolib.step.forward_backward` is
+the step that drives it; `picolib.train` runs the loop. docs/design.md explains the order.
+
+After it, the machinery: `build_stages` builds the model on the `meta` device, transforms it
+there, and then allocates only the parameters this rank holds, with the one-process values
+(`picolib.materialize`); what a configuration is (`TrainConfig`), whether it can run
+(`check_config`, before any process starts), its data and its learning-rate schedule.
 Resuming from a checkpoint (`picolib.checkpoint.load_into`) reads each rank's own part
 straight into what `build` made.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -33,6 +39,69 @@ from .zero import ZeRO
 __all__ = ["MODEL_PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "open_data", "transform",
            "build_stages", "build",
            "decay_groups", "lr_factor"]
+
+
+def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
+    """The one `model` made parallel in place, technique after technique, each over its own
+    group of `mesh`: this rank's stages {index: module}, the schedule, and {parameter: group}
+    for weights that ranks besides the replicas hold too (experts' edp, DualPipe's pair)."""
+    if cfg.tp > 1:
+        apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=cfg.sp)
+    if cfg.cp > 1:
+        apply_context_parallel(model, mesh.group("cp"), layout=cfg.cp_layout,
+                               algorithm=cfg.cp_algorithm)
+    groups = {}
+    if cfg.experts and cfg.ep > 1:       # EP: blocks of ep consecutive "dp" ranks
+        apply_expert_parallel(model, mesh, n_experts=cfg.experts, top_k=cfg.top_k, ep=cfg.ep)
+        groups = expert_gradient_groups(model)
+    elif cfg.experts:
+        apply_moe(model, n_experts=cfg.experts, top_k=cfg.top_k)
+    if cfg.experts:     # a stage's balancing loss cannot reach the last stage's loss
+        aux_loss_in_backward(model, scale=1 / cfg.micro_batches,
+                             group=mesh.group("cp") if cfg.cp > 1 else None)
+    if cfg.pp == 1:
+        return {0: model}, None, groups
+    sched = cfg.make_schedule()
+    mine = sched.stages_of(mesh.coordinate("pp"))
+    stages = {s: m for s, m in schedule_stages(model, sched).items() if s in mine}
+    if cfg.schedule == "dualpipe":      # each stage's second copy is on the mirror rank
+        groups |= pair_gradient_groups(stages, mesh)
+    return stages, sched, groups
+
+
+def build(cfg: TrainConfig, mesh: Mesh):
+    """This rank's stages (`transform`ed, only its part allocated), each wrapped in DDP or ZeRO
+    over its replicas (dp × cp), the wrapper owning the stage's AdamW."""
+    stages, sched, groups = build_stages(cfg, mesh)
+    replicas = mesh.group("dp", "cp") if cfg.cp > 1 else mesh.group("dp")
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32   # of the compute copies
+    data_parallel = partial(ZeRO, stage=cfg.zero) if cfg.zero else DDP
+    wrappers = {s: data_parallel(m, group=replicas, groups=groups, param_dtype=dtype,
+                                 param_groups=decay_groups(m, cfg.weight_decay),
+                                 optimizer=torch.optim.AdamW, lr=cfg.lr)
+                for s, m in stages.items()}
+    if sched is not None and cfg.schedule == "dualpipe":   # gradients reduced over the pair too
+        replicas = mesh.group("pair", "dp", "cp")
+    return stages, wrappers, list(wrappers.values()), sched, replicas
+
+
+# --------------------------------------------------------------------------- the machinery
+
+def build_stages(cfg: TrainConfig, mesh: Mesh):
+    """This rank's part of the model: the model is created on the `meta` device (no
+    storage), transformed there, and then only the parameters this rank holds get storage
+    on its device, with the values the one-process model has there (`materialize`: a rank
+    holds at most its part plus one whole tensor while it builds). On a meta `mesh.device` (the
+    dry run) nothing is materialized. With `cfg.compile`, each block is then compiled
+    (`compile_blocks`). Returns `transform`'s (stages, schedule, gradient groups)."""
+    with torch.device("meta"):     # what the transforms create (experts) too
+        stages, sched, groups = transform(TinyLlama(cfg.model_config()), cfg, mesh)
+    if mesh.device.type != "meta":
+        materialize(stages, cfg, dist.get_rank(), mesh.device)
+    if cfg.compile:
+        compile_blocks(stages)
+    return stages, sched, groups
+
 
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 WSD_DECAY = 0.2   # wsd (warmup-stable-decay): the last 20% of the steps after warmup decay
@@ -226,74 +295,6 @@ def open_data(cfg: TrainConfig, check: bool = True):
                          f"{val.max_val_batches(cfg.batch, cfg.seq)} batches of {cfg.batch}×"
                          f"{cfg.seq} tokens, fewer than --eval-batches {cfg.eval_batches}")
     return train, val
-
-
-def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
-    """The transforms in their order; returns this rank's stages {index: module}, the schedule
-    and the gradient groups ({parameter: group} for weights held by other ranks than the
-    replicas: experts' edp, DualPipe's pair × dp × cp)."""
-    if cfg.tp > 1:
-        apply_tensor_parallel(model, mesh, sequence_parallel=cfg.sp)
-    if cfg.cp > 1:
-        apply_context_parallel(model, mesh, layout=cfg.cp_layout, algorithm=cfg.cp_algorithm)
-    expert_groups = {}
-    if cfg.experts and cfg.ep > 1:
-        apply_expert_parallel(model, mesh, n_experts=cfg.experts, top_k=cfg.top_k, ep=cfg.ep)
-        expert_groups = expert_gradient_groups(model)
-    elif cfg.experts:
-        apply_moe(model, n_experts=cfg.experts, top_k=cfg.top_k)
-    if cfg.experts:     # a stage's balancing loss cannot reach the last stage's loss
-        aux_loss_in_backward(model, scale=1 / cfg.micro_batches,
-                             group=mesh.group("cp") if cfg.cp > 1 else None)
-    sched = None
-    stages = {0: model}
-    if cfg.pp > 1:
-        sched = cfg.make_schedule()
-        mine = sched.stages_of(mesh.coordinate("pp"))
-        stages = {s: m for s, m in schedule_stages(model, sched).items() if s in mine}
-        if cfg.schedule == "dualpipe":   # each stage's second copy is on the mirror rank
-            expert_groups = {**expert_groups, **pair_gradient_groups(stages, mesh)}
-    return stages, sched, expert_groups
-
-
-def build_stages(cfg: TrainConfig, mesh: Mesh):
-    """This rank's part of the model: the model is created on the `meta` device (no
-    storage), transformed there, and then only the parameters this rank holds get storage
-    on its device, with the values the one-process model has there (`materialize`: a rank
-    holds at most its part plus one whole tensor while it builds). On a meta `mesh.device` (the
-    dry run) nothing is materialized. Returns `transform`'s (stages, schedule, expert groups)."""
-    with torch.device("meta"):     # what the transforms create (experts) too
-        stages, sched, expert_groups = transform(TinyLlama(cfg.model_config()), cfg, mesh)
-    if mesh.device.type != "meta":
-        materialize(stages, cfg, dist.get_rank(), mesh.device)
-    return stages, sched, expert_groups
-
-
-def build(cfg: TrainConfig, mesh: Mesh):
-    """This rank's stages {index: module} (`build_stages`: only this rank's part is ever
-    allocated), their data-parallel wrappers (each owns its stage's AdamW: the one
-    data-parallel contract, picolib/data_parallel.py), the things to step (the wrappers)
-    and the schedule. The only place that asks which wrapper: below. A resume then reads
-    each rank's part into them (`checkpoint.load_into`)."""
-    stages, sched, expert_groups = build_stages(cfg, mesh)
-    if cfg.compile:
-        compile_blocks(stages)
-    replicas = mesh.group("dp", "cp") if cfg.cp > 1 else mesh.group("dp")
-    adamw = dict(optimizer=torch.optim.AdamW, lr=cfg.lr)
-    # bf16, both wrappers: bf16 compute copies of fp32 masters, gradients reduced in bf16
-    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    if cfg.zero:
-        wrappers = {s: ZeRO(m, cfg.zero, group=replicas, param_dtype=dtype, groups=expert_groups,
-                            param_groups=decay_groups(m, cfg.weight_decay), **adamw)
-                    for s, m in stages.items()}
-    else:
-        wrappers = {s: DDP(m, group=replicas, groups=expert_groups, param_dtype=dtype,
-                           param_groups=decay_groups(m, cfg.weight_decay), **adamw)
-                    for s, m in stages.items()}
-    optimizers = list(wrappers.values())
-    if sched is not None and cfg.schedule == "dualpipe":   # what the gradients are reduced over (DP)
-        replicas = mesh.group("pair", "dp", "cp")
-    return stages, wrappers, optimizers, sched, replicas
 
 
 def decay_groups(module, weight_decay: float) -> list[dict]:

@@ -122,6 +122,7 @@ def check_mesh_groups(fn) -> None:
     process groups of `Mesh.group` hold them."""
     call_student(fn, 0, _full(MESHES[6][0]))          # fail at once if it is not written
     problems, checks = [], 0
+    dp_cp_kinds, order_1d = [], False      # what each wrong dp_cp was; a 1-D group reordered
     for sizes, views in measured_meshes():
         for rank, view in enumerate(views):
             got = call_student(fn, rank, dict(sizes))
@@ -138,15 +139,25 @@ def check_mesh_groups(fn) -> None:
                     pass
                 if g == want:
                     continue
-                order = " (the right ranks in the wrong order)" if sorted(map(str, g)) == \
-                    sorted(map(str, want)) else ""
+                same = sorted(map(str, g)) == sorted(map(str, want))
+                order = " (the right ranks in the wrong order)" if same else ""
                 problems.append(f"{_describe(sizes)}, rank {rank}, {name}: got {g!r}, "
                                 f"Mesh.group holds {want}{order}")
+                if name != "dp_cp":
+                    order_1d |= same
+                    continue
+                dp, cp = sizes["dp"], sizes["cp"]      # want: dp outer, cp inner
+                cp_outer = [want[i * cp + j] for j in range(cp) for i in range(dp)]
+                dp_cp_kinds.append("cp outer" if g == cp_outer else
+                                   "one dimension" if g in (view["groups"]["dp"], view["groups"]["cp"])
+                                   else "other")
     hint = []
-    if any(", dp_cp: " in p for p in problems):
-        hint.append("hint: dp_cp holds the ranks that differ only in dp and cp, ordered with "
-                    "dp outer and cp inner (as the grid is)")
-    if any("wrong order" in p for p in problems):
+    if dp_cp_kinds and set(dp_cp_kinds) == {"one dimension"}:
+        hint.append("hint: dp_cp is dp and cp together — every rank that differs from this one "
+                    "only in dp and cp — not one of the two")
+    if dp_cp_kinds and set(dp_cp_kinds) == {"cp outer"}:
+        hint.append("hint: dp_cp lists dp outer and cp inner, as the grid is (cp changes fastest)")
+    if order_1d:
         hint.append("hint: a group's ranks come in the order of their coordinate along it")
     report("process groups of the mesh against Mesh.group", _cap(problems) + hint, checks)
 

@@ -17,6 +17,8 @@ Each names the common slip when an answer matches it.
 """
 from __future__ import annotations
 
+import math
+
 from ..hardware import (GPUS, Hardware, Level, all_reduce_bandwidth, critical_tokens_dp,
                         ring_time, superpod_levels)
 from ..sharded_optim import zero_memory_bytes
@@ -66,11 +68,17 @@ def check_all_reduce_time(fn) -> None:
     report("ring all-reduce time", _named_slip(problems, answers, _RING_SLIPS), len(cases))
 
 
+_TWO_LARGE = ("2× too large — one of two slips, which a uniform factor cannot tell apart: the "
+              "gradient priced as a ring's two passes (with in-network reduction each GPU sends its "
+              "2·D·F bytes once), or backward counted as 2 FLOPs per weight per token (it is 4: the "
+              "input gradient and the weight gradient)")
+_TWO_SMALL = ("2× too small — one of two slips, which a uniform factor cannot tell apart: backward "
+              "counted as 8 FLOPs per weight per token (the book's 2·2·2·B·D·F counts an MLP's two "
+              "D × F matrices, against their 2·2·D·F bytes: 4 FLOPs per weight), or the bf16 "
+              "gradient counted as 1 byte per weight (it is 2)")
 _CRITICAL_SLIPS = {   # each as a factor on the right answer, by fsdp
-    "2× too large: backward is 4·B·D·F FLOPs per weight matrix (two matmuls) against 2·D·F bytes "
-    "of bf16 gradient — C/(2W), not C/W": lambda fsdp: 2.0,
-    "2× too small: in-network reduction sends B per GPU, not 2B — W is the all-reduce bandwidth "
-    "itself": lambda fsdp: 0.5,
+    _TWO_LARGE: lambda fsdp: 2.0,
+    _TWO_SMALL: lambda fsdp: 0.5,
     "FSDP's count is DP's: FSDP moves twice DP's bytes (all-gather the weights + reduce-scatter "
     "the gradients), so it needs twice the tokens": lambda fsdp: 0.5 if fsdp else 1.0,
     "FSDP's count is half DP's: FSDP moves twice the bytes, so it needs twice the tokens, not "
@@ -248,6 +256,14 @@ def check_sharded_all_reduce(fn) -> None:
     report("all-reduce of a sharded array", _named_slip(problems, answers, slips), len(cases))
 
 
+# One rule with lesson 12's exercises: a count of whole things is rounded up and says so; a
+# quantity is exact.
+ROUNDING = ("a count of whole things (rows, GPUs, tiles, micro-batches) is rounded up, and the "
+            "statement says 'rounded up'; a quantity (tokens, bytes, seconds, FLOPs) is exact, "
+            "never rounded")
+_EXACT = "tokens are a quantity, exact and never rounded (" + ROUNDING + ")"
+
+
 def _spine_reference(peak, levels, X, Y):
     per_replica = Y * peak / (2 * all_reduce_bandwidth(_hw(levels), X, inner=Y))
     return per_replica / Y, per_replica
@@ -259,13 +275,13 @@ def _spine_slips(peak, levels, X, Y) -> dict:
     per_gpu, per_replica = _spine_reference(peak, levels, X, Y)
     return {
         "you rounded tokens per GPU first, then multiplied by Y (the book's 77·256 = 19,712): "
-        "round at the end, if at all": (per_gpu, round(per_gpu) * Y),
+        + _EXACT: (per_gpu, round(per_gpu) * Y),
+        "tokens rounded up: " + _EXACT: (math.ceil(per_gpu), math.ceil(per_replica)),
+        "tokens per GPU rounded: " + _EXACT: (round(per_gpu), per_replica),
         "per GPU is the replica's count — a model replica's Y GPUs share its tokens: divide "
         "by Y": (per_replica, per_replica * Y),
-        "2× too large: backward is 4 FLOPs per weight per token against 2 bytes of bf16 "
-        "gradient, so C/(2W), not C/W": (2 * per_gpu, None),
-        "2× too small: with in-network reduction the gradient crosses the switch once — "
-        "T = 2DF/W, not 4DF/W": (per_gpu / 2, None),
+        _TWO_LARGE: (2 * per_gpu, None),
+        _TWO_SMALL: (per_gpu / 2, None),
         "W of the fastest level the group reaches, not the slowest: the slowest sets W (the spine at "
         "256-way)": (peak / (2 * max(_level_bandwidths(levels, X, Y))), None),
         "Y is missing from W: a unit of S_(i−1) GPUs holds min(S_(i−1), Y) shards — level i "

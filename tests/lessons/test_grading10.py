@@ -73,8 +73,34 @@ def test_mesh_groups():
     check_mesh_groups(groups_of)
     with fails("not written yet"):
         check_mesh_groups(stub)
-    with fails(r"dp_cp: got .*\(the right ranks in the wrong order\)"):
+    with fails(r"dp_cp: got .*\(the right ranks in the wrong order\)") as info:
         check_mesh_groups(lambda r, s: groups_of(r, s, replica_order=("cp", "dp")))
+    assert "hint: dp_cp lists dp outer and cp inner" in info.value.details
+    assert "not one of the two" not in info.value.details
+
+    def dp_only(rank, sizes):            # the replicas taken as the dp group alone
+        out = groups_of(rank, sizes)
+        return {**out, "dp_cp": out["dp"]}
+    with fails(r"dp_cp: got") as info:
+        check_mesh_groups(dp_only)
+    assert "hint: dp_cp is dp and cp together" in info.value.details
+    assert "dp outer and cp inner" not in info.value.details
+
+    def whole_world(rank, sizes):        # a wrong list that no hint explains: no hint
+        out = groups_of(rank, sizes)
+        return {**out, "dp_cp": list(range(sizes["pp"] * sizes["dp"] * sizes["cp"] * sizes["tp"]))}
+    with fails(r"dp_cp: got") as info:
+        check_mesh_groups(whole_world)
+    assert "hint" not in info.value.details
+
+    def by_filter(rank, sizes):          # right, written differently: filter the world
+        me = coordinates(rank, sizes)
+        world = range(sizes["pp"] * sizes["dp"] * sizes["cp"] * sizes["tp"])
+        out = groups_of(rank, sizes)
+        out["dp_cp"] = [r for r in world
+                        if all(coordinates(r, sizes)[d] == me[d] for d in ("pp", "tp"))]
+        return out
+    check_mesh_groups(by_filter)
     with fails("tp: got"):
         check_mesh_groups(lambda r, s: groups_of(r, s, order=tuple(reversed(DIMS))))
     with fails("expected a dict with keys"):

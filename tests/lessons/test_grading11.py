@@ -43,6 +43,15 @@ def test_critical_tokens():
         check_critical_tokens(lambda c, w, fsdp: c / (2 * w))
     with fails("2× too large"):
         check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * c / w)
+    # a ring-priced all-reduce (2·2DF bytes against 4DF/C): named with its twin, not as FLOPs alone
+    with fails("2× too large — one of two slips") as info:
+        check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * (2 * 2 / w) / (4 / c))
+    assert "ring's two passes" in info.value.details
+    # wrong FLOPs (8 per weight per token): not told about in-network reduction
+    with fails("2× too small — one of two slips") as info:
+        check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * (2 / w) / (8 / c))
+    assert "8 FLOPs per weight" in info.value.details and "in-network" not in info.value.details
+    check_critical_tokens(lambda c, w, fsdp: c * 2 * (1 + fsdp) / (4 * w))   # right, written differently
 
 
 def fits(n, tp, pp, dp, zero, act, hbm):
@@ -78,7 +87,7 @@ def test_all_reduce_time_two_n_steps():
 
 
 def test_critical_tokens_w_counted_twice():
-    with fails("2× too small: in-network"):
+    with fails("2× too small — one of two slips"):
         check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * c / (4 * w))
 
 
@@ -164,10 +173,16 @@ def test_spine_batch():
         check_spine_batch(lambda c, lv, X, Y: (spine_batch(c, lv, X, Y)[0], round(spine_batch(c, lv, X, Y)[0]) * Y))
     with fails("divide by Y"):
         check_spine_batch(lambda c, lv, X, Y: (spine_batch(c, lv, X, Y)[1], spine_batch(c, lv, X, Y)[1] * Y))
-    with fails("C/\\(2W\\), not C/W"):
+    with fails("2× too large — one of two slips"):    # a ring's two passes, or 2 FLOPs a weight
         check_spine_batch(lambda c, lv, X, Y: tuple(2 * t for t in spine_batch(c, lv, X, Y)))
-    with fails("crosses the switch once"):
+    with fails("2× too small — one of two slips") as info:   # 8 FLOPs a weight, or 1 byte
         check_spine_batch(lambda c, lv, X, Y: tuple(t / 2 for t in spine_batch(c, lv, X, Y)))
+    assert "in-network" not in info.value.details
+    import math
+    with fails("tokens rounded up: tokens are a quantity, exact and never rounded"):
+        check_spine_batch(lambda c, lv, X, Y: tuple(math.ceil(t) for t in spine_batch(c, lv, X, Y)))
+    with fails("tokens per GPU: got 77, .*tokens per GPU rounded: tokens are a quantity"):
+        check_spine_batch(lambda c, lv, X, Y: (round(spine_batch(c, lv, X, Y)[0]), spine_batch(c, lv, X, Y)[1]))
     with fails("not the slowest"):                       # the leaf's 12.8 TB/s instead of the spine's
         def leaf(c, lv, X, Y):
             below, ws = 1, []
@@ -213,14 +228,14 @@ def test_spine_batch_names_a_slip_only_when_it_alone_fits():
     check_spine_batch(spine_batch_by_levels)
     with pytest.raises(ExerciseFailed) as info:
         check_spine_batch(spine_batch_written_in)
-    assert "C/(2W), not C/W" not in info.value.details, info.value.details
+    assert "2× too large" not in info.value.details, info.value.details
     assert "tokens per GPU: got" in info.value.details
 
 
 def test_critical_tokens_w_counted_twice_is_not_called_an_fsdp_mistake():
     with pytest.raises(ExerciseFailed) as info:
         check_critical_tokens(lambda c, w, fsdp: (2 if fsdp else 1) * c / (4 * w))
-    assert "FSDP" not in info.value.details and "2× too small: in-network" in info.value.details
+    assert "FSDP" not in info.value.details and "2× too small — one of two slips" in info.value.details
     assert len(info.value.problems) == 1
 
 

@@ -31,6 +31,7 @@ CORE: dict[str, dict[str, list[str]]] = {
             "picolib.data_parallel.DistributedDataParallel._launch",
             "picolib.data_parallel.DistributedDataParallel.finish_gradient_sync"],
     },
+    "10_5d_parallelism": {"the 5-D composition": ["picolib.compose.transform", "picolib.compose.build"]},
 }
 
 
