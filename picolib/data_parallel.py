@@ -143,18 +143,12 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
           backward after `ddp.set_requires_gradient_sync(False)`, until it is set True again;
         - a synchronised backward whose averaged gradients hold a NaN or inf raises
           FloatingPointError on every rank (step = `ddp.syncs`, the synchronised backwards);
-        - `timeline`: a picolib.timeline.Timeline; each bucket's all-reduce is recorded as
-          span "all_reduce" on lane "comm" (meta: bucket, issued: this rank's issue time),
-          from the moment the last rank of its group issued it — no all-reduce starts before
-          every rank has contributed; the ranks agree on that moment with one small all-reduce
-          (op max, tagged purpose="timeline") per synchronised backward — to the first moment
-          this rank saw it complete (polled at each gradient hook and at the wait: an upper
-          bound). If the timeline has a cost for "all_reduce" (`emulate={"all_reduce": s}`),
-          the timeline's emulated link (lane "comm") carries them instead: each all-reduce
-          occupies it for s seconds from that moment or the end of the previous one,
-          whichever is later; the span shows that time, and the wait sleeps until the link
-          is done with it (the real all-reduces are waited for too). The ranks share one
-          clock (`time.perf_counter`) on one machine only.
+        - `timeline`: a picolib.timeline.Timeline; each bucket's all-reduce is a span
+          "all_reduce" on lane "comm" (meta: bucket, issued) from the moment the last rank
+          issued it (agreed by one small op-max all-reduce per synchronised backward) to the
+          first moment this rank saw it complete; with a cost for "all_reduce" the timeline's
+          emulated link carries them in turn instead (`_wait_on_timeline`). The ranks share
+          one clock (`time.perf_counter`) on one machine only.
         - `groups`: {parameter: process group} for parameters replicated on only some of the
           ranks (experts: their edp group, `picolib.expert_parallel.expert_gradient_groups`).
           Their buckets all-reduce over that group, still divided by the size of `group`
@@ -175,23 +169,7 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         `ddp.module(x)` would average the gradients as well; PyTorch's needs `ddp(x)`.)
         """
         super().__init__()
-        if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"param_dtype must be float32, bfloat16 or float16, not {param_dtype}")
-        if param_dtype != torch.float32 and optimizer is None:
-            raise ValueError(f"param_dtype={param_dtype} keeps fp32 masters that the owned "
-                             "optimizer steps: pass optimizer= as well")
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be an nn.Module, not {type(module).__name__}")
-        if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int):
-            raise TypeError(f"bucket_cap_bytes must be an int, not {bucket_cap_bytes!r}")
-        if bucket_cap_bytes <= 0:
-            raise ValueError(f"bucket_cap_bytes must be > 0, not {bucket_cap_bytes}")
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("the module has no parameters that require a gradient")
-        devices = sorted({str(p.device) for _, p in named})
-        if len(devices) > 1:
-            raise ValueError(f"all parameters must be on one device; found {devices}")
+        named = _checked(module, bucket_cap_bytes, param_dtype, optimizer, optimizer_kwargs)
         self.world = group_size(group)  # raises before any collective
         self.module, self.group = module, group
         self.bucket_cap_bytes, self.overlap, self.timeline = bucket_cap_bytes, overlap, timeline
@@ -201,25 +179,13 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
                                    *module.buffers()], group)
         for g in dict.fromkeys(own.values()):   # same order on every rank: the module's order
             broadcast_from_first_rank([p for p in module.parameters() if own.get(id(p)) is g], g)
-        self.masters: dict = {}   # parameter → its fp32 master (empty: the parameters are fp32)
-        if param_dtype != torch.float32:
-            with torch.no_grad():
-                for _, p in named:
-                    self.masters[p] = nn.Parameter(p.detach().float().clone())
-                    p.data = p.data.to(param_dtype)
+        self.masters = _masters(named, param_dtype)   # parameter → its fp32 master (or none)
 
         # backward produces gradients roughly from the last layer to the first
         named = named[::-1]
-        self.buckets: list[_Bucket] = []
-        keys = dict.fromkeys((p.dtype, own.get(id(p))) for _, p in named)
-        for dtype, g in keys:  # one dtype and one group per buffer
-            same = [(n, p) for n, p in named if p.dtype == dtype and own.get(id(p)) is g]
-            sizes = [p.numel() * p.element_size() for _, p in same]
-            for idx in assign_buckets(sizes, bucket_cap_bytes):
-                self.buckets.append(_Bucket(len(self.buckets), [same[i][1] for i in idx],
-                                            [same[i][0] for i in idx], g))
+        self.buckets = _make_buckets(named, own, bucket_cap_bytes)
         self._partial = bool(own)
-        self._slot = {}  # parameter → (bucket, view)
+        self._slot = {}  # parameter → (bucket, view): each .grad becomes a view into its bucket
         for b in self.buckets:
             for p, view in zip(b.params, b.views):
                 if p.grad is not None:
@@ -233,8 +199,6 @@ class DistributedDataParallel(GradientSyncSwitch, nn.Module):
         self._in_backward = False     # a synchronised backward is under way
         self._unsynced = False        # gradients arrived without sync since the last one
         self._next = 0                # the next bucket to issue (same order on every rank)
-        if optimizer is None and optimizer_kwargs:
-            raise TypeError(f"{sorted(optimizer_kwargs)} are optimizer settings: pass optimizer=")
         stepped = self.masters.get      # what the optimizer steps in p's place
         self.optimizer = (None if optimizer is None else make_optimizer(
             optimizer, [stepped(p, p) for _, p in named[::-1]] if param_groups is None else
@@ -453,6 +417,54 @@ DDP = DistributedDataParallel
 
 
 # --------------------------------------------------------------------------- buckets
+
+
+def _checked(module, bucket_cap_bytes, param_dtype, optimizer, optimizer_kwargs) -> list:
+    """DDP's arguments checked before any collective; the (name, parameter) pairs it syncs."""
+    if optimizer is None and optimizer_kwargs:
+        raise TypeError(f"{sorted(optimizer_kwargs)} are optimizer settings: pass optimizer=")
+    if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"param_dtype must be float32, bfloat16 or float16, not {param_dtype}")
+    if param_dtype != torch.float32 and optimizer is None:
+        raise ValueError(f"param_dtype={param_dtype} keeps fp32 masters that the owned "
+                         "optimizer steps: pass optimizer= as well")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, not {type(module).__name__}")
+    if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int):
+        raise TypeError(f"bucket_cap_bytes must be an int, not {bucket_cap_bytes!r}")
+    if bucket_cap_bytes <= 0:
+        raise ValueError(f"bucket_cap_bytes must be > 0, not {bucket_cap_bytes}")
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the module has no parameters that require a gradient")
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device; found {devices}")
+    return named
+
+
+def _masters(named, param_dtype) -> dict:
+    """With bf16 or fp16 parameters: each parameter's fp32 master, the parameter itself made a
+    compute copy in that dtype; with fp32 ones, none."""
+    masters = {}
+    if param_dtype != torch.float32:
+        with torch.no_grad():
+            for _, p in named:
+                masters[p] = nn.Parameter(p.detach().float().clone())
+                p.data = p.data.to(param_dtype)
+    return masters
+
+
+def _make_buckets(named, own: dict, cap: int) -> list:
+    """The flat buckets of `named` (in backward's order): one dtype and one group per buffer,
+    each at most `cap` bytes (`assign_buckets`)."""
+    buckets = []
+    for dtype, g in dict.fromkeys((p.dtype, own.get(id(p))) for _, p in named):
+        same = [(n, p) for n, p in named if p.dtype == dtype and own.get(id(p)) is g]
+        sizes = [p.numel() * p.element_size() for _, p in same]
+        for idx in assign_buckets(sizes, cap):
+            buckets.append(_Bucket(len(buckets), [same[i][1] for i in idx], [same[i][0] for i in idx], g))
+    return buckets
 
 def assign_buckets(nbytes: list[int], cap: int) -> list[list[int]]:
     """Split tensors of `nbytes` (in the order given) into consecutive buckets of at most
