@@ -68,8 +68,7 @@ class CachedAttentionCore(nn.Module):
 
 
 def forward_slice(stage, cache, x, start: int):
-    """Stage forward of one slice whose first token is `start`, its attention reading and
-    extending `cache`; returns the output and the (K/V, leaf) pairs it left in the cache."""
+    """One slice (first token `start`) through the stage; its attention reads and extends `cache`."""
     cores = [block.attn.core for block in stage.blocks]
     for core in cores:
         core.cache = cache
@@ -82,17 +81,15 @@ def forward_slice(stage, cache, x, start: int):
 
 
 def backward_slice(y, dy, produced):
-    """Backward of one slice: ∂L/∂y = dy, plus the gradients that later slices left on the
-    cached K/V leaves this slice produced."""
+    """∂L/∂y = dy, plus what later slices left on the K/V leaves this slice produced."""
     pairs = [(kv, leaf.grad) for kv, leaf in produced if leaf.grad is not None]
     torch.autograd.backward([y] + [kv for kv, _ in pairs], [dy] + [g for _, g in pairs])
 
 
 def run_terapipe(plan: TeraPipePlan, stage: TinyLlama, tokens, targets, timeline=None,
                  cost=None, group=None, group_ranks=None) -> dict:
-    """This rank's part of one TeraPipe step (GPipe over the slices): every slice forward in
-    order, then every slice backward in reverse. Returns {"loss": the mean loss on the last
-    rank, else None}; the gradients, one process's, accumulate in the stage's `.grad`."""
+    """This rank's part of one TeraPipe step; the gradients accumulate in the stage's `.grad`.
+    Returns {"loss": the mean loss on the last rank, else None}."""
     io = _StageIO(plan, stage, tokens, targets, timeline, cost, group, group_ranks)
     caches = [KVCache() for _ in range(plan.n_micro)]       # one per sequence, on this stage
     saved, total = {}, None

@@ -49,8 +49,7 @@ def pipeline_latency(slices, cost, n_stages: int, n_micro: int = 1) -> float:
 
 
 def least_sum(n: int, t: dict, cap: float) -> tuple[list, list]:
-    """S(i), the least Σ tᵢ of the first i positions cut into slices that each cost ≤ `cap`,
-    and last(i), the length of the last slice of that cut; t[k, c]: k positions after c."""
+    """S(i): the least Σ tᵢ of i positions cut into slices of cost ≤ cap; last(i): its last slice."""
     S, last = [0.0] + [math.inf] * n, [0] * (n + 1)
     for i in range(1, n + 1):
         for k in range(1, i + 1):                    # the last slice: positions i−k … i−1
@@ -60,8 +59,7 @@ def least_sum(n: int, t: dict, cap: float) -> tuple[list, list]:
 
 
 def dp_slices(seq: int, n_stages: int, cost, unit: int = 1) -> tuple[tuple[int, ...], float]:
-    """The slicing of `seq` tokens (multiples of `unit`) with the least Σ tᵢ + (K − 1)·max tᵢ,
-    and that least step time (the paper's dynamic program; lesson 08 §5)."""
+    """The slices of `seq` tokens (multiples of `unit`) with the least step time, and that time."""
     n = _check_dp(seq, n_stages, cost, unit)
     t = {(k, c): float(cost(k * unit, c * unit)) for k in range(1, n + 1) for c in range(n - k + 1)}
     best, best_slices = math.inf, None

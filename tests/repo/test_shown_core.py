@@ -24,6 +24,12 @@ NOT_CORE = ("picolib.tryit", "picolib.grading", "picolib.source")
 
 # lesson -> technique -> the functions (module-qualified) whose source the lesson shows
 CORE: dict[str, dict[str, list[str]]] = {
+    "08_terapipe": {"TeraPipe": ["picolib.terapipe.CachedAttentionCore.forward", "picolib.terapipe.forward_slice",
+                                 "picolib.terapipe.backward_slice", "picolib.terapipe.run_terapipe",
+                                 "picolib.terapipe_slicer.least_sum", "picolib.terapipe_slicer.dp_slices"]},
+    "09_expert_parallel": {"MoE dispatch/combine": ["picolib.moe.Router.forward", "picolib.moe.sort_by_expert",
+                                                    "picolib.moe.MoE.dispatch_combine",
+                                                    "picolib.expert_parallel.dispatch_combine"]},
 }
 
 
