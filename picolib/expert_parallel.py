@@ -2,7 +2,8 @@
 tokens travel to their experts and back (lesson 09).
 
 The router runs where the tokens are (every rank, the same replicated router). Then, in
-`ExpertParallelMoE.dispatch_combine` (Fig. 8a of the MoE-parallelism surveys, GShard):
+`dispatch_combine`, the core that opens this file (Fig. 8a of the MoE-parallelism surveys,
+GShard; lesson 09 shows it):
 
     1. sort:      line this rank's kept assignments up by expert (destination rank order);
     2. exchange:  all-to-all of the counts: rank j learns how many rows each rank sends
@@ -49,11 +50,43 @@ from .mesh import Mesh
 from .moe import (MoE, Routing, build_moe_layers, check_moe, install, moe_layers, run_experts,
                   sort_by_expert)
 
-__all__ = ["DISPATCHERS", "all_to_all", "exchange_counts", "group_by_local_expert", "local_experts",
+__all__ = ["DISPATCHERS", "dispatch_combine", "run_local_experts", "all_to_all", "exchange_counts",
+           "group_by_local_expert", "local_experts",
            "ExpertParallelMoE", "expert_groups", "apply_expert_parallel",
            "expert_gradient_groups", "all_to_all_bytes"]
 
 DISPATCHERS = ("alltoall", "allgather")
+
+
+# ------------------------------------------------------------------ the core: dispatch and combine
+
+def dispatch_combine(x, routing: Routing, experts, top_k: int, group=None):
+    """The all-to-all dispatcher: each kept assignment's row travels to the rank holding its
+    expert (`experts`: this rank's E/ep), runs there, and comes back weighted by its gate."""
+    ep = dist.get_world_size(group)
+    order, counts = sort_by_expert(routing.choice, routing.keep, len(experts) * ep)  # 1. sort
+    recv_counts = exchange_counts(counts, group, balanced=routing.choice.is_meta)  # 2. splits
+    send, recv = counts.view(ep, -1).sum(1).tolist(), recv_counts.sum(1).tolist()
+    arrived = all_to_all(x[order // top_k], recv, send, group)                     # 3. dispatch
+    y = run_local_experts(experts, arrived, recv_counts)                           # 4. experts
+    back = all_to_all(y, send, recv, group)                                        # 5. combine
+    gates = routing.gates.reshape(-1)[order, None]                                 # 6. unsort
+    return torch.zeros_like(x).index_add(0, order // top_k, back * gates)
+
+
+def run_local_experts(experts, arrived, recv_counts):
+    """Rows arrive source by source; regroup them expert by expert, run each local expert
+    on its block, and put the results back in arrival order."""
+    perm = group_by_local_expert(recv_counts).to(arrived.device)
+    y = run_experts(experts, arrived[perm], recv_counts.sum(0))
+    return torch.empty_like(y).index_copy(0, perm, y)
+
+
+# ------------------------------------------------------------------ the all-to-all and its pieces
+
+def all_to_all(x, recv_splits: list[int], send_splits: list[int], group=None):
+    """Send `send_splits[j]` rows of `x` to rank j, receive `recv_splits[j]` from rank j."""
+    return _AllToAll.apply(x, list(recv_splits), list(send_splits), group)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -74,17 +107,15 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad.contiguous(), send_splits, recv_splits, ctx.group), None, None, None
 
 
-def all_to_all(x, recv_splits: list[int], send_splits: list[int], group=None):
-    """Send `send_splits[j]` rows of `x` to rank j, receive `recv_splits[j]` from rank j."""
-    return _AllToAll.apply(x, list(recv_splits), list(send_splits), group)
-
-
-def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
+def exchange_counts(counts: torch.Tensor, group=None, balanced: bool = False) -> torch.Tensor:
     """counts (E,): rows this rank sends to each expert → (ep, E/ep): rows each rank sends to
-    each of this rank's experts (one small all-to-all)."""
+    each of this rank's experts (one small all-to-all). `balanced` (meta tensors, the dry
+    run): every rank is assumed to send as this one (picolib.moe's balanced routing)."""
     ep = dist.get_world_size(group)
     out = torch.empty_like(counts)
     comm.all_to_all(out, counts.contiguous(), group=group)
+    if balanced:
+        return counts.view(ep, -1)[dist.get_rank(group)].expand(ep, -1)
     return out.view(ep, counts.numel() // ep)
 
 
@@ -133,20 +164,7 @@ class ExpertParallelMoE(MoE):
     def dispatch_combine(self, x, routing: Routing):
         if self.dispatcher == "allgather":
             return self._allgather(x, routing)
-        k = self.top_k
-        order, counts = sort_by_expert(routing.choice, routing.keep, self.n_experts)  # 1. sort
-        recv_counts = exchange_counts(counts, self.group)                                # 2. exchange
-        if routing.choice.is_meta:   # balanced routing (moe): every rank sends as this one
-            recv_counts = counts.view(self.ep, -1)[self.ep_rank].expand(self.ep, -1)
-        send = counts.view(self.ep, self.n_local).sum(1).tolist()
-        recv = recv_counts.sum(1).tolist()
-        arrived = all_to_all(x[order // k], recv, send, self.group)                      # 3. dispatch
-        perm = group_by_local_expert(recv_counts).to(x.device)                           # 4. experts
-        y = run_experts(self.experts, arrived[perm], recv_counts.sum(0))
-        y = torch.empty_like(y).index_copy(0, perm, y)
-        back = all_to_all(y, send, recv, self.group)                                     # 5. combine
-        gates = routing.gates.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add(0, order // k, back * gates)                # 6. un-permute
+        return dispatch_combine(x, routing, self.experts, self.top_k, self.group)
 
     def _allgather(self, x, routing: Routing):
         """All-gather tokens, gates, choices; compute this rank's experts' share for every

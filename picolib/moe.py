@@ -10,6 +10,8 @@ size). For token x:
     gates   = scores at the choice      normalised to sum 1 with `normalize` (default: sigmoid only)
     y       = Σ_j gates_j · expert_{choice_j}(x)  [+ shared_expert(x)]
 
+The core opens the file (lesson 09 shows it): the `Router` (scores, top-k, gates),
+`sort_by_expert` and `run_experts`; `MoE.dispatch_combine` puts them together in one process.
 Pieces, each a plain function a lesson can call:
 - `capacity(T, E, k, cf)`: ceil(cf · T·k / E) slots per expert for a group of T tokens;
   `keep_mask` drops the assignments past an expert's capacity, first choices of every
@@ -61,6 +63,52 @@ __all__ = ["ROUTERS", "check_moe", "capacity", "keep_mask", "balanced_counts", "
 ROUTERS = ("softmax", "sigmoid")
 
 
+# ------------------------------------------------------------------ the core: route, sort, run
+
+class Router(nn.Module):
+    """Scores, top-k choice and gates for (T, h) tokens (module docstring). `expert_bias`
+    (a buffer, not trained by gradients) shifts the choice only."""
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, score: str = "softmax",
+                 normalize: bool | None = None):
+        super().__init__()
+        check_moe(n_experts, top_k, router=score)
+        self.n_experts, self.top_k, self.score = n_experts, top_k, score
+        self.normalize = score == "sigmoid" if normalize is None else normalize
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden))
+        self.register_buffer("expert_bias", torch.zeros(n_experts))
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight).float()                    # (T, E)
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        choice = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+        gates = scores.gather(1, choice)                              # (T, k)
+        if self.normalize:
+            gates = gates / gates.sum(-1, keepdim=True)
+        return scores, choice, gates.to(x.dtype)
+
+
+def sort_by_expert(choice: torch.Tensor, keep: torch.Tensor, n_experts: int):
+    """The kept assignments (flat index t·k + j: token t's j-th choice) in expert order,
+    token order within an expert, and how many each expert gets."""
+    if choice.is_meta:
+        return _balanced_order(choice, n_experts)
+    flat = choice.reshape(-1)                                 # (T·k,) expert ids
+    kept = keep.reshape(-1).nonzero().squeeze(1)
+    order = kept[torch.argsort(flat[kept], stable=True)]
+    return order, torch.bincount(flat[kept], minlength=n_experts)
+
+
+def run_experts(experts, x_sorted: torch.Tensor, counts) -> torch.Tensor:
+    """Expert i on the i-th block of `counts[i]` rows (every expert runs, on zero rows too:
+    each then has a gradient, zero, which data parallelism expects)."""
+    counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+    chunks = x_sorted.split(counts)
+    return torch.cat([expert(c) for expert, c in zip(experts, chunks, strict=True)])
+
+
+# ------------------------------------------------------------------ capacity, balance, checks
+
 def check_moe(n_experts: int, top_k: int, capacity_factor: float | None = None,
               router: str = "softmax", ep: int = 1) -> None:
     """Raise a ValueError naming the numbers when the MoE cannot be built (before any
@@ -78,8 +126,6 @@ def check_moe(n_experts: int, top_k: int, capacity_factor: float | None = None,
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; known: {list(ROUTERS)}")
 
-
-# ------------------------------------------------------------------ routing as plain functions
 
 def capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
     """Slots per expert for a group of `tokens`: ceil(cf · tokens · k / E); None = dropless."""
@@ -113,17 +159,11 @@ def balanced_counts(assignments: int, n_experts: int) -> list[int]:
     return [base + (e < extra) for e in range(n_experts)]
 
 
-def sort_by_expert(choice: torch.Tensor, keep: torch.Tensor, n_experts: int):
-    """The kept assignments (flat index t·k + j) in expert order (stable: token order
-    within an expert) and the number per expert. `order // k` are their tokens. On meta:
-    every assignment, in order, and the `balanced_counts` (module docstring)."""
-    if choice.is_meta:
-        return (torch.arange(choice.numel(), device=choice.device),
-                torch.tensor(balanced_counts(choice.numel(), n_experts)))
-    flat = choice.reshape(-1)
-    kept = keep.reshape(-1).nonzero().squeeze(1)
-    order = kept[torch.argsort(flat[kept], stable=True)]
-    return order, torch.bincount(flat[kept], minlength=n_experts)
+def _balanced_order(choice, n_experts: int):
+    """sort_by_expert on meta tensors: every assignment, in order, and the `balanced_counts`
+    (module docstring)."""
+    return (torch.arange(choice.numel(), device=choice.device),
+            torch.tensor(balanced_counts(choice.numel(), n_experts)))
 
 
 def expert_counts(choice: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -131,14 +171,6 @@ def expert_counts(choice: torch.Tensor, n_experts: int) -> torch.Tensor:
     if choice.is_meta:
         return choice.new_empty(n_experts)
     return torch.bincount(choice.reshape(-1), minlength=n_experts)
-
-
-def run_experts(experts, x_sorted: torch.Tensor, counts) -> torch.Tensor:
-    """Expert i on the i-th block of `counts[i]` rows (every expert runs, on zero rows too:
-    each one then has a gradient, zero, which data parallelism expects)."""
-    counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-    chunks = x_sorted.split(counts)
-    return torch.cat([expert(c) for expert, c in zip(experts, chunks, strict=True)])
 
 
 def balancing_loss(scores: torch.Tensor, choice: torch.Tensor, n_experts: int,
@@ -182,29 +214,6 @@ class Expert(SwiGLU):
         self.w_gate = nn.Linear(hidden, ffn_hidden, bias=False)
         self.w_up = nn.Linear(hidden, ffn_hidden, bias=False)
         self.w_down = nn.Linear(ffn_hidden, hidden, bias=False)
-
-
-class Router(nn.Module):
-    """scores, top-k choice and gates for (T, h) tokens (module docstring). `expert_bias`
-    (a buffer, not trained by gradients) shifts the choice only."""
-
-    def __init__(self, hidden: int, n_experts: int, top_k: int, score: str = "softmax",
-                 normalize: bool | None = None):
-        super().__init__()
-        check_moe(n_experts, top_k, router=score)
-        self.n_experts, self.top_k, self.score = n_experts, top_k, score
-        self.normalize = score == "sigmoid" if normalize is None else normalize
-        self.weight = nn.Parameter(torch.empty(n_experts, hidden))
-        self.register_buffer("expert_bias", torch.zeros(n_experts))
-
-    def forward(self, x):
-        logits = F.linear(x, self.weight).float()
-        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        choice = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
-        gates = scores.gather(1, choice)
-        if self.normalize:
-            gates = gates / gates.sum(-1, keepdim=True)
-        return scores, choice, gates.to(x.dtype)
 
 
 class MoE(nn.Module):
@@ -253,8 +262,7 @@ class MoE(nn.Module):
         return Routing(scores, choice, gates, keep_mask(choice, self.n_experts, cap))
 
     def dispatch_combine(self, x, routing: Routing):
-        """Σ_j gate_j · expert_j(x) over the kept assignments, all experts in this process:
-        sort the assignments by expert, run each expert on its block, scatter-add back."""
+        """Σ_j gate_j · expert_j(x) over the kept assignments, every expert in this process."""
         order, counts = sort_by_expert(routing.choice, routing.keep, self.n_experts)
         y = run_experts(self.experts, x[order // self.top_k], counts)
         gates = routing.gates.reshape(-1)[order, None]

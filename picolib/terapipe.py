@@ -8,6 +8,8 @@ into slices l₁…l_M that flow through the stages one after another, like micr
     stage = terapipe_stage(TinyLlama(cfg), plan, rank)                     # on every rank
     out = run_terapipe(plan, stage, tokens, targets, timeline=tl)
 
+The core opens the file (lesson 08 shows it): `CachedAttentionCore`, `forward_slice`,
+`backward_slice` and the loop of `run_terapipe`; the plan, the cache and the messages follow.
 A token attends to every token before it, so a stage keeps the keys and values of the
 slices it has already run (`KVCache`): slice i's attention core (`CachedAttentionCore`)
 attends to [cached K/V of slices < i, its own K/V]. Layer j at token t needs layer j − 1 at
@@ -37,11 +39,82 @@ from .pipeline_schedules import Op, Schedule
 from .pipeline_simulator import simulate, validate
 from .terapipe_slicer import check_slices
 
-__all__ = ["TeraPipePlan", "KVCache", "CachedAttentionCore", "use_kv_cache", "terapipe_stage",
-           "run_terapipe", "emulated_costs", "plan_costs", "simulate_plan", "measure_costs", "FORWARD_SHARE"]
+__all__ = ["CachedAttentionCore", "forward_slice", "backward_slice", "run_terapipe", "TeraPipePlan",
+           "KVCache", "use_kv_cache", "terapipe_stage", "emulated_costs", "plan_costs", "simulate_plan",
+           "measure_costs", "FORWARD_SHARE"]
 
 FORWARD_SHARE = 1 / 3     # emulated costs: forward ⅓ of t(l, c), backward ⅔ (backward ≈ 2× forward)
 
+
+# --------------------------------------------------------------------------- the core
+
+class CachedAttentionCore(nn.Module):
+    """A TeraPipe stage's attention core: a slice's queries attend to the K/V its sequence's
+    `cache` holds (the earlier slices) and to its own, causally; `forward_slice` sets `cache`."""
+
+    def __init__(self, impl: str = "eager"):
+        super().__init__()
+        self.impl, self.cache = impl, None
+
+    def forward(self, q, k, v):
+        if self.cache is None:
+            raise RuntimeError("CachedAttentionCore needs a KVCache: run it through run_terapipe")
+        past_k, past_v = self.cache.past(self)               # K/V of slices 0 … j−1
+        keys = torch.cat([*past_k, k], dim=2) if past_k else k
+        values = torch.cat([*past_v, v], dim=2) if past_v else v
+        self.cache.keep(self, k, v)                          # slice j's, for slices > j
+        n_rep = q.shape[1] // k.shape[1]                     # GQA: K/V heads arrive unrepeated
+        return causal_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), self.impl)
+
+
+def forward_slice(stage, cache, x, start: int):
+    """One slice (first token `start`) through the stage; its attention reads and extends `cache`."""
+    cores = [block.attn.core for block in stage.blocks]
+    for core in cores:
+        core.cache = cache
+    try:
+        y = stage(x, positions=range(start, start + x.shape[1]))     # RoPE at the true positions
+    finally:
+        for core in cores:
+            core.cache = None
+    return y, cache.take_produced()
+
+
+def backward_slice(y, dy, produced):
+    """∂L/∂y = dy, plus what later slices left on the K/V leaves this slice produced."""
+    pairs = [(kv, leaf.grad) for kv, leaf in produced if leaf.grad is not None]
+    torch.autograd.backward([y] + [kv for kv, _ in pairs], [dy] + [g for _, g in pairs])
+
+
+def run_terapipe(plan: TeraPipePlan, stage: TinyLlama, tokens, targets, timeline=None,
+                 cost=None, group=None, group_ranks=None) -> dict:
+    """This rank's part of one TeraPipe step; the gradients accumulate in the stage's `.grad`.
+    Returns {"loss": the mean loss on the last rank, else None}."""
+    io = _StageIO(plan, stage, tokens, targets, timeline, cost, group, group_ranks)
+    caches = [KVCache() for _ in range(plan.n_micro)]       # one per sequence, on this stage
+    saved, total = {}, None
+    for u in plan.units:                                     # forward, slice after slice
+        x = io.tokens(u) if io.first else io.recv(u, io.me - 1).requires_grad_()
+        with io.span("F", u):
+            y, produced = forward_slice(stage, caches[u.mb], x, u.start)
+            if io.last:             # the slice's mean loss, weighted by its share of the tokens
+                y = stage.loss_fn(y, io.targets(u)) * (u.length / (plan.seq * plan.n_micro))
+                total = y.detach() + (0 if total is None else total)
+        saved[u.number] = (x, y, produced)
+        if not io.last:
+            io.send(y.detach(), io.me + 1)
+    for u in reversed(plan.units):                           # backward, last slice first
+        x, y, produced = saved.pop(u.number)
+        dy = None if io.last else io.recv(u, io.me + 1)
+        with io.span("BW", u):
+            backward_slice(y, dy, produced)
+        if not io.first:
+            io.send(x.grad, io.me - 1)
+    io.wait()
+    return {"loss": total}
+
+
+# --------------------------------------------------------------------------- the plan
 
 @dataclass(frozen=True)
 class Unit:
@@ -96,7 +169,7 @@ class TeraPipePlan:
         return validate(Schedule("terapipe", n, tuple(range(self.n_stages)), ops))
 
 
-# --------------------------------------------------------------------------- the K/V cache
+# --------------------------------------------------------------------------- the K/V cache and the stage
 
 class KVCache:
     """The keys and values of the slices one stage has run for one sequence, per layer.
@@ -141,26 +214,6 @@ def causal_attention(q, k, v, impl: str):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-class CachedAttentionCore(nn.Module):
-    """A TeraPipe stage's attention core: the slice's queries attend to the cached K/V of
-    the earlier slices of the same sequence and to its own (causal). The executor sets
-    `cache` to that sequence's KVCache around each forward."""
-
-    def __init__(self, impl: str = "eager"):
-        super().__init__()
-        self.impl, self.cache = impl, None
-
-    def forward(self, q, k, v):
-        if self.cache is None:
-            raise RuntimeError("CachedAttentionCore needs a KVCache: run it through run_terapipe")
-        past_k, past_v = self.cache.past(self)
-        keys = torch.cat([*past_k, k], dim=2) if past_k else k
-        values = torch.cat([*past_v, v], dim=2) if past_v else v
-        self.cache.keep(self, k, v)
-        n_rep = q.shape[1] // k.shape[1]         # GQA: K/V heads arrive unrepeated
-        return causal_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), self.impl)
-
-
 def use_kv_cache(model: TinyLlama) -> list[CachedAttentionCore]:
     """Swap every block's attention core for a CachedAttentionCore, in place."""
     if model.cfg.recompute != "none":
@@ -190,105 +243,62 @@ def terapipe_stage(model: TinyLlama, plan: TeraPipePlan, rank: int) -> TinyLlama
     return stage
 
 
-class _SliceRunner:
-    """Forward and backward of one slice on one stage, with a cache per micro-batch."""
+class _StageIO:
+    """run_terapipe's machinery on one rank: its checks, the slices of the batch it reads,
+    its point-to-point messages and its timeline spans."""
 
-    def __init__(self, stage: TinyLlama, n_micro: int):
-        self.stage, self.cores = stage, [b.attn.core for b in stage.blocks]
-        if not all(isinstance(c, CachedAttentionCore) for c in self.cores):
+    def __init__(self, plan, stage, tokens, targets, timeline, cost, group, group_ranks):
+        me = dist.get_rank()
+        self.me = me = group_ranks.index(me) if group_ranks else me
+        p, self.first, self.last = plan.n_stages, me == 0, me == plan.n_stages - 1
+        if (stage.embed is not None) != self.first or (stage.lm_head is not None) != self.last:
+            raise ValueError(f"rank {me} of {p}: its stage {'must' if self.first else 'must not'} embed "
+                             f"and {'must' if self.last else 'must not'} end in the head")
+        if not all(isinstance(b.attn.core, CachedAttentionCore) for b in stage.blocks):
             raise ValueError("the stage's attention cores do not cache K/V: build it with "
                              "terapipe_stage (or use_kv_cache)")
-        self.caches = [KVCache() for _ in range(n_micro)]
-        self.saved: dict = {}
+        if tokens.shape != targets.shape or tokens.dim() != 2 or tokens.shape[1] != plan.seq:
+            raise ValueError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} must "
+                             f"both be (batch, {plan.seq}) for slices {list(plan.slices)}")
+        if tokens.shape[0] % plan.n_micro:
+            raise ValueError(f"batch {tokens.shape[0]} does not split into {plan.n_micro} micro-batches")
+        self.toks, self.tgts = tokens.chunk(plan.n_micro), targets.chunk(plan.n_micro)
+        self.plan, self.stage, self.like = plan, stage, next(stage.parameters())
+        self.timeline, self.cost = timeline, None if cost is None else emulated_costs(cost)
+        self.group, self.group_ranks, self.pending = group, group_ranks, []
 
-    def forward(self, key, mb: int, start: int, x):
-        cache = self.caches[mb]
-        for core in self.cores:
-            core.cache = cache
-        try:
-            y = self.stage(x, positions=range(start, start + x.shape[1]))
-        finally:
-            for core in self.cores:
-                core.cache = None
-        self.saved[key] = (x, cache.take_produced())
-        return y
+    def tokens(self, u):
+        return self.toks[u.mb][:, u.start:u.start + u.length]
 
-    def backward(self, key, y, dy):
-        """∂L/∂y = dy for the slice's output, plus the gradients later slices left on its
-        K/V leaves; returns ∂L/∂x (None where x needs none)."""
-        x, produced = self.saved.pop(key)
-        pairs = [(t, leaf.grad) for t, leaf in produced if leaf.grad is not None]
-        torch.autograd.backward([y] + [t for t, _ in pairs], [dy] + [g for _, g in pairs])
-        return x.grad
+    def targets(self, u):
+        return self.tgts[u.mb][:, u.start:u.start + u.length]
 
+    def _global(self, r):
+        return self.group_ranks[r] if self.group_ranks else r
 
-def run_terapipe(plan: TeraPipePlan, stage: TinyLlama, tokens, targets, timeline=None,
-                 cost=None, group=None, group_ranks=None) -> dict:
-    """This rank's part of one TeraPipe step. `tokens`, `targets`: the whole batch (B, S),
-    given on every rank; B is cut into n_micro micro-batches, S into the plan's slices.
-    The loss is the mean over all B·S tokens, so gradients equal one process's (they
-    accumulate in the stage's `.grad`). Its ops are spans "F" and "BW" with meta length and
-    context (the slice's start), priced by the timeline's `emulate`, e.g.
-    `Timeline(emulate=emulated_costs(cost))`; `cost(l, c)` here does the same for this run
-    (forward FORWARD_SHARE of it, backward the rest). `group_ranks[r]`:
-    the global rank of pipeline rank r. Returns {"loss": the loss on the last rank, else None}."""
-    me = dist.get_rank()
-    me = group_ranks.index(me) if group_ranks else me
-    glob = (lambda r: group_ranks[r]) if group_ranks else (lambda r: r)
-    p, first, last = plan.n_stages, me == 0, me == plan.n_stages - 1
-    if (stage.embed is not None) != first or (stage.lm_head is not None) != last:
-        raise ValueError(f"rank {me} of {p}: its stage {'must' if first else 'must not'} embed "
-                         f"and {'must' if last else 'must not'} end in the head")
-    if tokens.shape != targets.shape or tokens.dim() != 2 or tokens.shape[1] != plan.seq:
-        raise ValueError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} must "
-                         f"both be (batch, {plan.seq}) for slices {list(plan.slices)}")
-    if tokens.shape[0] % plan.n_micro:
-        raise ValueError(f"batch {tokens.shape[0]} does not split into {plan.n_micro} micro-batches")
-    toks, tgts = tokens.chunk(plan.n_micro), targets.chunk(plan.n_micro)
-    like = next(stage.parameters())
-    runner, saved, pending, total = _SliceRunner(stage, plan.n_micro), {}, [], None
-    own = None if cost is None else emulated_costs(cost)
-
-    def span(kind, u):
-        if timeline is None:
-            return contextlib.nullcontext()
-        label = str(u.index) if plan.n_micro == 1 else f"{u.mb}.{u.index}"
-        meta = dict(stage=me, mb=u.number, slice=u.index, micro=u.mb, label=label,
-                    length=u.length, context=u.start)
-        return timeline.span(kind, cost=None if cost is None else own[kind](**meta), **meta)
-
-    def receive(u, src):
-        buf = torch.empty(stage.hidden_shape(toks[u.mb].shape[0], u.length),
-                          dtype=like.dtype, device=like.device)
-        comm.recv(buf, glob(src), group=group)
+    def recv(self, u, src):
+        buf = torch.empty(self.stage.hidden_shape(self.toks[u.mb].shape[0], u.length),
+                          dtype=self.like.dtype, device=self.like.device)
+        comm.recv(buf, self._global(src), group=self.group)
         return buf
 
-    ok = False
-    try:
-        for u in plan.units:
-            x = (toks[u.mb][:, u.start:u.start + u.length] if first
-                 else receive(u, me - 1).requires_grad_())
-            with span("F", u):
-                y = runner.forward(u.number, u.mb, u.start, x)
-                if last:   # each slice's mean loss, weighted by its share of the tokens
-                    y = stage.loss_fn(y, tgts[u.mb][:, u.start:u.start + u.length])
-                    y = y * (u.length / (plan.seq * plan.n_micro))
-                    total = y.detach() + (0 if total is None else total)
-            saved[u.number] = y
-            if not last:
-                pending.append((comm.isend(y.detach(), glob(me + 1), group=group), y))
-        for u in reversed(plan.units):
-            dy = None if last else receive(u, me + 1)
-            with span("BW", u):
-                dx = runner.backward(u.number, saved.pop(u.number), dy)
-            if not first:
-                pending.append((comm.isend(dx, glob(me - 1), group=group), dx))
-        ok = True
-    finally:
-        if ok:
-            for work, _ in pending:
-                work.wait()
-    return {"loss": total}
+    def send(self, t, dst):
+        self.pending.append((comm.isend(t, self._global(dst), group=self.group), t))
+
+    def wait(self):
+        for work, _ in self.pending:
+            work.wait()
+
+    def span(self, kind, u):
+        """A timeline span "F" or "BW" with meta length and context (the slice's start),
+        costed by `emulated_costs(cost)` when run_terapipe was given a cost."""
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        label = str(u.index) if self.plan.n_micro == 1 else f"{u.mb}.{u.index}"
+        meta = dict(stage=self.me, mb=u.number, slice=u.index, micro=u.mb, label=label,
+                    length=u.length, context=u.start)
+        return self.timeline.span(kind, cost=None if self.cost is None else self.cost[kind](**meta),
+                                  **meta)
 
 
 # --------------------------------------------------------------------------- costs
@@ -322,13 +332,12 @@ def measure_costs(model: TinyLlama, lengths, contexts, layers: int = 1, batch: i
     only add time). The backward includes the gradients into the cached context."""
     stage = model.part(range(layers), embed=False, head=False)
     use_kv_cache(stage)
-    runner = _SliceRunner(stage, 1)
     g = torch.Generator().manual_seed(seed)
     h, out = model.cfg.hidden, []
     for c in contexts:
-        runner.caches = [KVCache()]
+        cache = KVCache()
         if c:
-            runner.forward("context", 0, 0, torch.randn(batch, c, h, generator=g).requires_grad_())
+            forward_slice(stage, cache, torch.randn(batch, c, h, generator=g).requires_grad_(), 0)
         kept = 1 if c else 0
         for length in lengths:
             if c + length > model.cfg.max_seq:
@@ -338,10 +347,10 @@ def measure_costs(model: TinyLlama, lengths, contexts, layers: int = 1, batch: i
             times = []
             for _ in range(repeats + 1):          # the first one warms up
                 t0 = time.perf_counter()
-                y = runner.forward("slice", 0, c, x)
-                runner.backward("slice", y, dy)
+                y, produced = forward_slice(stage, cache, x, c)
+                backward_slice(y, dy, produced)
                 times.append(time.perf_counter() - t0)
-                runner.caches[0].truncate(kept)
+                cache.truncate(kept)
             out.append((length, c, min(times[1:])))
     stage.zero_grad(set_to_none=True)
     return out

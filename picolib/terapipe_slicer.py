@@ -18,30 +18,17 @@ l and c too); `picolib.terapipe.measure_costs` takes the timings.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["pipeline_latency", "slice_costs", "uniform_slices", "dp_slices", "check_cost",
+__all__ = ["pipeline_latency", "slice_costs", "uniform_slices", "dp_slices", "least_sum", "check_cost",
            "CostModel", "fit_cost_model", "check_slices", "token_flops"]
 
 
-def check_slices(slices, seq: int | None = None) -> tuple[int, ...]:
-    """The slices as a tuple of ints; a clear error for a slice of 0 tokens (or fewer) and
-    for slices that do not add up to the sequence length `seq`."""
-    out = tuple(int(x) for x in slices)
-    if not out:
-        raise ValueError("no slices: give at least one slice length")
-    bad = [(i, x) for i, x in enumerate(out) if x < 1]
-    if bad:
-        raise ValueError(f"slice {bad[0][0]} has {bad[0][1]} tokens; every slice needs ≥ 1 "
-                         f"(slices {list(out)})")
-    if seq is not None and sum(out) != seq:
-        raise ValueError(f"slices {list(out)} add up to {sum(out)} tokens, not the sequence "
-                         f"length {seq}")
-    return out
-
+# --------------------------------------------------------------------------- the core
 
 def slice_costs(slices, cost) -> list[float]:
     """[t(l₁, 0), t(l₂, l₁), t(l₃, l₁ + l₂), ...]: each slice's cost after its context."""
@@ -59,6 +46,48 @@ def pipeline_latency(slices, cost, n_stages: int, n_micro: int = 1) -> float:
         raise ValueError(f"need n_stages ≥ 1 and n_micro ≥ 1, got {n_stages} and {n_micro}")
     t = slice_costs(slices, cost)
     return n_micro * sum(t) + (n_stages - 1) * max(t)
+
+
+def least_sum(n: int, t: dict, cap: float) -> tuple[list, list]:
+    """S(i): the least Σ tᵢ of i positions cut into slices of cost ≤ cap; last(i): its last slice."""
+    S, last = [0.0] + [math.inf] * n, [0] * (n + 1)
+    for i in range(1, n + 1):
+        for k in range(1, i + 1):                    # the last slice: positions i−k … i−1
+            if t[k, i - k] <= cap and S[i - k] + t[k, i - k] < S[i]:
+                S[i], last[i] = S[i - k] + t[k, i - k], k
+    return S, last
+
+
+def dp_slices(seq: int, n_stages: int, cost, unit: int = 1) -> tuple[tuple[int, ...], float]:
+    """The slices of `seq` tokens (multiples of `unit`) with the least step time, and that time."""
+    n = _check_dp(seq, n_stages, cost, unit)
+    t = {(k, c): float(cost(k * unit, c * unit)) for k in range(1, n + 1) for c in range(n - k + 1)}
+    best, best_slices = math.inf, None
+    for cap in sorted(set(t.values())):              # every possible slowest slice
+        if n_stages > 1 and (n_stages - 1) * cap >= best:
+            break                                    # the fill alone costs more than the best
+        S, last = least_sum(n, t, cap)
+        if S[n] + (n_stages - 1) * cap < best:
+            best, best_slices = S[n] + (n_stages - 1) * cap, _cut(last, n, unit)
+    return best_slices, best
+
+
+# --------------------------------------------------------------------------- checks and the uniform cut
+
+def check_slices(slices, seq: int | None = None) -> tuple[int, ...]:
+    """The slices as a tuple of ints; a clear error for a slice of 0 tokens (or fewer) and
+    for slices that do not add up to the sequence length `seq`."""
+    out = tuple(int(x) for x in slices)
+    if not out:
+        raise ValueError("no slices: give at least one slice length")
+    bad = [(i, x) for i, x in enumerate(out) if x < 1]
+    if bad:
+        raise ValueError(f"slice {bad[0][0]} has {bad[0][1]} tokens; every slice needs ≥ 1 "
+                         f"(slices {list(out)})")
+    if seq is not None and sum(out) != seq:
+        raise ValueError(f"slices {list(out)} add up to {sum(out)} tokens, not the sequence "
+                         f"length {seq}")
+    return out
 
 
 def uniform_slices(seq: int, n_slices: int) -> tuple[int, ...]:
@@ -88,42 +117,24 @@ def check_cost(cost, seq: int, unit: int = 1) -> None:
             prev = t
 
 
-def dp_slices(seq: int, n_stages: int, cost, unit: int = 1) -> tuple[tuple[int, ...], float]:
-    """The slicing of `seq` tokens (slice lengths multiples of `unit`) that minimises
-    Σ tᵢ + (K − 1)·max tᵢ, and that minimum. The paper's DP: for every candidate cap
-    t_max (each possible t(l, c), smallest first),
-
-        S(i) = min over the last slice k ≤ i with t(k, i − k) ≤ t_max of S(i − k) + t(k, i − k)
-
-    gives the least Σ tᵢ of the first i tokens; T(t_max) = S(seq) + (K − 1)·t_max. Caps stop
-    once (K − 1)·t_max alone reaches the best T. O(n⁴) for n = seq/unit: use `unit` to keep
-    n small (the paper slices at a granularity too)."""
+def _check_dp(seq: int, n_stages: int, cost, unit: int) -> int:
+    """dp_slices' checks; the number of positions n = seq / unit. The DP is O(n⁴): `unit`
+    keeps n small (the paper slices at a granularity too)."""
     if unit < 1 or seq % unit:
         raise ValueError(f"unit={unit} must be ≥ 1 and divide the sequence length {seq}")
     if n_stages < 1:
         raise ValueError(f"n_stages={n_stages}: need at least one stage")
     check_cost(cost, seq, unit)
-    n = seq // unit
-    # t[k][i]: a slice of k units after i units of context
-    t = {(k, i): float(cost(k * unit, i * unit)) for k in range(1, n + 1) for i in range(n - k + 1)}
-    best, best_slices = float("inf"), None
-    for cap in sorted(set(t.values())):
-        if (n_stages - 1) * cap >= best and n_stages > 1:
-            break
-        S, last = [0.0] + [float("inf")] * n, [0] * (n + 1)
-        for i in range(1, n + 1):
-            for k in range(1, i + 1):
-                tk = t[(k, i - k)]
-                if tk <= cap and S[i - k] + tk < S[i]:
-                    S[i], last[i] = S[i - k] + tk, k
-        total = S[n] + (n_stages - 1) * cap
-        if total < best:
-            cuts, i = [], n
-            while i:
-                cuts.append(last[i] * unit)
-                i -= last[i]
-            best, best_slices = total, tuple(reversed(cuts))
-    return best_slices, best
+    return seq // unit
+
+
+def _cut(last: list, n: int, unit: int) -> tuple[int, ...]:
+    """The slice lengths in tokens, read back from the last slice of each prefix."""
+    cuts, i = [], n
+    while i:
+        cuts.append(last[i] * unit)
+        i -= last[i]
+    return tuple(reversed(cuts))
 
 
 # --------------------------------------------------------------------------- the cost model

@@ -4,8 +4,8 @@
   stages, `cost(l, c)` the time of a slice of l tokens after c tokens of context; graded
   against lesson 07's simulator playing the schedule (not against the formula).
 - `check_dp_slicer(fn)`: `fn(seq, K, cost)` → (slices, T) minimising Σtᵢ + (K−1)·max tᵢ (a
-  non-optimal answer is shown the better slicing; a T that is the optimum of a wrong objective
-  or cost is named);
+  non-optimal answer is shown the better slicing; a wrong objective or cost is named only when
+  it alone gives every answer, right ones included);
   T must be the optimum (found by exhaustive search) and the slices must reach it.
 - `check_slice_mask(fn)`: `fn(slices, i)` → the bool mask (lᵢ, cᵢ + lᵢ) of which keys the
   queries of slice i attend to (its cached context and itself, causally); graded against
@@ -144,22 +144,24 @@ def _value_of(slices, cost, K, objective=None, context="right"):
     return (objective or (lambda t, K, _: sum(t) + (K - 1) * max(t)))(t, K, None)
 
 
-def _dp_hint(wrong) -> str:
-    """One line naming the slip when every wrong case's T is the optimum of the same wrong
-    objective (found by exhaustive search too); each such slip when several are."""
+def _dp_hint(answers) -> str:
+    """The slip that alone gives every answer — each case's T is the optimum of the same wrong
+    objective or cost (by exhaustive search), and the returned slices reach it under that slip
+    too — right answers included; "" when none fits, or when several do (no single cause)."""
     named = []
     for why, rule in _DP_SLIPS.items():
         objective, context = (None, rule) if isinstance(rule, str) else (rule, "right")
-        if all(abs(T - min(_value_of(s, cost, K, objective, context) for s in _compositions(n)))
-               <= 1e-6 for n, K, cost, T in wrong):
+        if all(abs(T - min(_value_of(s, cost, K, objective, context) for s in _compositions(n))) <= 1e-6
+               and abs(_value_of(slices, cost, K, objective, context) - T) <= 1e-6
+               for n, K, cost, slices, T in answers):
             named.append(why)
-    return explain(named)
+    return named[0] if len(named) == 1 else ""
 
 
 def check_dp_slicer(fn) -> None:
     """Sequences of 1..9 tokens, K = 1..6 stages, random context-growing cost tables: the
     returned T is the optimum over every slicing, and the returned slices reach it."""
-    problems, checks, wrong_T = [], 0, []
+    problems, checks, answers = [], 0, []
     for seed in range(14):
         rng = random.Random(50 + seed)
         n, K = rng.randint(1, 9), rng.randint(1, 6)
@@ -185,16 +187,17 @@ def check_dp_slicer(fn) -> None:
                             f"{min(slices, default=0)}: every slice holds at least one token")
             continue
         mine = _value(slices, cost, K)
+        answers.append((n, K, cost, slices, T))
         if abs(mine - best) <= 1e-6 and abs(T - best) > 1e-6:
-            wrong_T.append((n, K, cost, T))
             problems.append(f"{case}: your slices {slices} reach the optimum {best:.6g} but you "
-                            f"return T = {T:.6g}: return Σt + (K−1)·max t of those slices")
+                            f"return T = {T:.6g}, not their Σt + (K−1)·max t with tᵢ = cost(lᵢ, cᵢ), "
+                            "cᵢ the tokens before slice i")
         elif T < best - 1e-6:
-            wrong_T.append((n, K, cost, T))
             problems.append(f"{case}: your T = {T:.6g} is below the optimum {best:.6g} "
                             f"(slicing {list(best_slices)}); your slices {slices} give {mine:.6g}")
         elif mine > best + 1e-6:
-            if abs(_value(slices[::-1], cost, K) - best) <= 1e-6 and slices != slices[::-1]:
+            if (abs(_value(slices[::-1], cost, K) - best) <= 1e-6 and abs(T - best) <= 1e-6
+                    and slices != slices[::-1]):    # the optimum found, its slices read back wrong
                 problems.append(f"{case}: your slices {slices} are the best slicing reversed: "
                                 "the rebuild walks back from seq — reverse the list it collects")
             elif abs(T - best) <= 1e-6:
@@ -204,10 +207,8 @@ def check_dp_slicer(fn) -> None:
             else:
                 problems.append(f"{case}: not optimal: slicing {list(best_slices)} gives T = "
                                 f"{best:.6g} < yours {mine:.6g} (slices {slices})")
-            if abs(T - best) > 1e-6:
-                wrong_T.append((n, K, cost, T))
-    if wrong_T and len(wrong_T) * 2 >= len(problems):
-        hint = _dp_hint(wrong_T)
+    if problems and len(answers) == checks:
+        hint = _dp_hint(answers)
         if hint:
             problems = [f"{hint} — e.g. {problems[0]}"]
     report("DP slicer", problems[:6], checks)

@@ -94,8 +94,8 @@ def check_top_k_capacity(fn) -> None:
 def check_sort_by_expert(fn) -> None:
     """Stable sort of the assignments by expert, the counts, and the inverse permutation."""
     problems, checks = [], 0
-    for t, e, k, seed in ((6, 4, 1, 0), (10, 5, 2, 1), (16, 8, 3, 2)):
-        choice = _scores(t, e, seed).topk(k, dim=-1).indices
+    for t, e, k, seed in ((6, 4, 1, 0), (10, 5, 2, 1), (16, 8, 3, 2), (7, 3, 2, 3), (1, 4, 2, 4)):
+        choice = _scores(t, e, seed).topk(k, dim=-1).indices    # T·k uneven over E; one token
         order, counts = sort_by_expert(choice, torch.ones_like(choice, dtype=torch.bool), e)
         inverse = torch.argsort(order)
         got = call_student(fn, choice.clone(), e)
@@ -132,11 +132,12 @@ def _split_worker(fn, all_counts, split=False):
 
 
 def check_split_sizes(fn, timeout: float | None = None) -> None:
-    """Each rank's rows to and from every rank, from the per-expert counts: on 2 and 4 ranks,
-    and on 4 ranks split into two EP groups of 2, each with its own counts."""
+    """Each rank's rows to and from every rank, from the per-expert counts (different on every
+    rank): on 2 ranks with 3 experts each, 4 ranks with 2 each, and 4 ranks split into two EP
+    groups of 2 with 4 experts each, each group with its own counts."""
     problems, checks = [], 0
     name = getattr(fn, "__name__", "your function")
-    for n, e, split in ((2, 4, False), (4, 8, False), (4, 4, True)):
+    for n, e, split in ((2, 6, False), (4, 8, False), (4, 8, True)):
         ep = 2 if split else n
         g = torch.Generator().manual_seed(n + 10 * split)
         counts = [torch.randint(0, 6, (ep, e), generator=g) for _ in range(n if split else 1)]

@@ -11,7 +11,7 @@ simulator. ("DP" means data parallelism everywhere else in the course, so the dy
 program is called "the slicer" here.)
 
 The lesson's rank functions and drawing helpers live here too, so that its teaching cells
-stay short: `equality_runs`, `emulated_runs`, `boundary_traffic` (run on ranks with
+stay short: `emulated_runs`, `boundary_traffic` (run on ranks with
 `picolib.launch.run`) and `plot_cost_fit`, `plot_two_gantts`.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..terapipe import TeraPipePlan, simulate_plan
 from ..terapipe_slicer import dp_slices, uniform_slices
 from ..timeline import makespan, plot_gantt
 
-__all__ = ["slicing_gantt", "SEQ", "toy_cost", "counted_token_flops", "equality_runs", "emulated_runs",
+__all__ = ["slicing_gantt", "SEQ", "toy_cost", "counted_token_flops", "emulated_runs",
            "boundary_traffic", "plot_cost_fit", "plot_two_gantts"]
 
 SEQ = 1024
@@ -94,27 +94,6 @@ def plot_cost_fit(rows, fit, lengths, seq: int):
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     plt.show()
     return fig
-
-
-def equality_runs(cases, cfg, n_stages: int, seq: int):
-    """On every rank: one TeraPipe step per (slices, micro-batches) case on a fresh model (same
-    seed), returning [(loss, this stage's gradients)] — lesson 08 §3 compares them with one
-    process."""
-    import torch.distributed as dist
-
-    from ..model import TinyLlama, random_tokens
-    from ..pipeline_parallel import stage_grads
-    from ..terapipe import run_terapipe, terapipe_stage
-
-    out = []
-    tokens, targets = random_tokens(2, seq, cfg.vocab_size, seed=5)
-    for slices, m in cases:
-        model = TinyLlama(cfg)
-        plan = TeraPipePlan(slices, n_stages, cfg.n_layers, n_micro=m)
-        stage = terapipe_stage(model, plan, dist.get_rank())
-        res = run_terapipe(plan, stage, tokens, targets)
-        out.append((res["loss"], stage_grads(stage, model)))
-    return out
 
 
 def emulated_runs(plans: dict, cfg, n_stages: int, seq: int, cost):

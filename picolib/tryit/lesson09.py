@@ -3,6 +3,7 @@ the all-to-all and with the all-gather dispatcher, as top-k and the EP size chan
 
     dispatch_bytes(ep, top_k, dispatcher, tokens, hidden, n_experts)   # the number
     dispatch_bytes_bars(ep, top_k)                                      # the knob cell (bars)
+    ep_groups_answered(dp, ep)                                          # on ranks: who is in my groups
 
 Evenly routed tokens (every rank sends k·T/ep rows to every rank), one forward, the
 collectives of `picolib.expert_parallel` as `picolib.comm` counts them; backward sends the
@@ -10,7 +11,7 @@ same again. tests/lessons/test_tryit_09.py checks `dispatch_bytes` against a `Le
 """
 from __future__ import annotations
 
-__all__ = ["SHAPE", "dispatch_bytes", "dispatch_bytes_bars"]
+__all__ = ["SHAPE", "dispatch_bytes", "dispatch_bytes_bars", "ep_groups_answered"]
 
 SHAPE = {"tokens": 4096, "hidden": 4096, "n_experts": 64, "bytes_per_element": 2}  # bf16
 
@@ -67,3 +68,21 @@ def dispatch_bytes_bars(ep: int = 8, top_k: int = 1, ax=None) -> dict:
     print(f"ep={ep}, top-{top_k}: all-to-all {a2a / 2**20:,.1f} MiB, all-gather {ag / 2**20:,.1f} MiB "
           f"per rank per forward (all-gather / all-to-all = {ag / a2a:.2f})")
     return {"alltoall": a2a, "allgather": ag, "ratio": ag / a2a}
+
+
+def ep_groups_answered(dp: int = 4, ep: int = 2):
+    """On every rank of a `Mesh(dp=dp)`: (mesh.describe(), {"ep": ranks, "edp": ranks}), each
+    list the ranks that answered an all-gather over this rank's group, in group order — how
+    lesson 09 §3 checks its drawing of the ep and edp groups."""
+    import torch
+    import torch.distributed as dist
+
+    from ..mesh import Mesh
+
+    mesh = Mesh(dp=dp)
+    answered = {}
+    for name, g in zip(("ep", "edp"), mesh.expert_groups(ep)):
+        got = [torch.zeros(1) for _ in range(dist.get_world_size(g))]
+        dist.all_gather(got, torch.tensor([float(dist.get_rank())]), group=g)
+        answered[name] = [int(t) for t in got]
+    return mesh.describe(), answered

@@ -221,3 +221,56 @@ def test_each_latency_slip_is_named_alone(name):
     with fails(re.escape(name)) as info:
         check_pipeline_latency(lambda s, cost, K: rule(_times(s, cost), K))
     assert len(info.value.problems) == 1 and "fit each" not in info.value.details
+
+
+# ---------------------------------------------------------------- issue 60: 08.2's hints only when they fit
+def greedy_slicer(seq, K, cost):
+    """Wrong: for each cap, the longest slice that fits, then the next — greedy, not the DP."""
+    best = (float("inf"), None)
+    for cap in sorted({cost(l, c) for c in range(seq) for l in range(1, seq - c + 1)}):
+        cuts, start = [], 0
+        while start < seq and any(cost(l, start) <= cap for l in range(1, seq - start + 1)):
+            cuts.append(max(l for l in range(1, seq - start + 1) if cost(l, start) <= cap))
+            start += cuts[-1]
+        if start == seq and latency(cuts, cost, K) < best[0]:
+            best = (latency(cuts, cost, K), cuts)
+    return best[1], best[0]
+
+
+def best_uniform_slicer(seq, K, cost):
+    """Wrong: the best of the uniform cuts only."""
+    cuts = [[seq // n + (i < seq % n) for i in range(n)] for n in range(1, seq + 1)]
+    best = min(cuts, key=lambda c: latency(c, cost, K))
+    return best, latency(best, cost, K)
+
+
+def slicer_by_search(seq, K, cost):
+    """Right, written differently: every one of the 2^(seq−1) cuts priced, the cheapest kept."""
+    import itertools
+    cuts = []
+    for bars in itertools.product((0, 1), repeat=seq - 1):
+        ends = [i + 1 for i, b in enumerate(bars) if b] + [seq]
+        cuts.append([b - a for a, b in zip([0] + ends, ends)])
+    best = min(cuts, key=lambda c: latency(c, cost, K))
+    return best, latency(best, cost, K)
+
+
+_DP_HINTS = ("reversed", "optimum of", "no context", "counting the slice itself", "fit each")
+
+
+@pytest.mark.parametrize("fn", [
+    greedy_slicer, best_uniform_slicer,
+    dp_variant(context=lambda k, i: k),                 # the slice's length taken as its context
+    dp_variant(context=lambda k, i: i - k + 1),         # one token too many before each slice
+    dp_variant(context=lambda k, i: max(i - k - 1, 0)),  # one token too few
+], ids=["greedy", "best uniform", "context = length", "context + 1", "context − 1"])
+def test_dp_slicer_gives_no_hint_that_does_not_fit(fn):
+    """Greedy and wrong-context slicers fail, each case said as it is, with no slip named: before,
+    a reversal or 'return Σt + (K−1)·max t' was hinted where it happened to match one case."""
+    with fails(r"not optimal|reach the optimum .* not their Σt|below the optimum") as info:
+        check_dp_slicer(fn)
+    assert not any(h in info.value.details for h in _DP_HINTS), info.value.details
+
+
+def test_dp_slicer_right_by_search():
+    check_dp_slicer(slicer_by_search)

@@ -191,3 +191,39 @@ def test_each_moe_slip_is_named_alone(name):
         check_moe_critical_batch(_MOE_SLIPS[name])
     (line,) = info.value.problems
     assert line.endswith(name), line
+
+
+# ---------------------------------------------------------------- issue 60: sizes the checks used to skip
+def split_sizes_for_two_local_experts(counts, group=None):
+    """Wrong: pairs the counts, as if every rank held 2 experts (it did in every case before)."""
+    recv = torch.empty_like(counts)
+    comm.all_to_all(recv, counts, group=group)
+    return counts.view(-1, 2).sum(1).tolist(), recv.view(-1, 2).sum(1).tolist()
+
+
+def split_sizes_by_loops(counts, group=None):
+    """Right, written differently: the per-expert counts exchanged, then summed rank by rank."""
+    ep = dist.get_world_size(group)
+    local = counts.numel() // ep
+    recv = torch.empty_like(counts)
+    comm.all_to_all(recv, counts, group=group)
+    return ([int(counts[j * local:(j + 1) * local].sum()) for j in range(ep)],
+            [int(recv[j * local:(j + 1) * local].sum()) for j in range(ep)])
+
+
+def test_split_sizes_at_uneven_expert_counts():
+    check_split_sizes(split_sizes_by_loops)
+    with fails(r"ep=2 rank 0: send"):
+        check_split_sizes(split_sizes_for_two_local_experts)
+
+
+def test_sort_by_expert_with_one_token_and_uneven_assignments():
+    def by_count(c, e):                 # right, written differently: counts first, then offsets
+        flat = c.reshape(-1)
+        counts = torch.stack([(flat == x).sum() for x in range(e)])
+        order = torch.cat([(flat == x).nonzero().flatten() for x in range(e)])
+        return order, counts, torch.argsort(order)
+    check_sort_by_expert(by_count)
+    with fails(r"T=1 E=4 k=2: order"):  # wrong: assumes at least one token per expert slot row
+        check_sort_by_expert(lambda c, e: (c.reshape(-1).sort(descending=True).indices if c.shape[0] == 1
+                                           else sort_by_expert(c, e)[0], *sort_by_expert(c, e)[1:]))

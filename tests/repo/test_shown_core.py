@@ -32,6 +32,12 @@ CORE: dict[str, dict[str, list[str]]] = {
             "picolib.data_parallel.DistributedDataParallel.finish_gradient_sync"],
     },
     "10_5d_parallelism": {"the 5-D composition": ["picolib.compose.transform", "picolib.compose.build"]},
+    "08_terapipe": {"TeraPipe": ["picolib.terapipe.CachedAttentionCore.forward", "picolib.terapipe.forward_slice",
+                                 "picolib.terapipe.backward_slice", "picolib.terapipe.run_terapipe",
+                                 "picolib.terapipe_slicer.least_sum", "picolib.terapipe_slicer.dp_slices"]},
+    "09_expert_parallel": {"MoE dispatch/combine": ["picolib.moe.Router.forward", "picolib.moe.sort_by_expert",
+                                                    "picolib.moe.MoE.dispatch_combine",
+                                                    "picolib.expert_parallel.dispatch_combine"]},
 }
 
 
