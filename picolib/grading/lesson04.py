@@ -37,8 +37,9 @@ __all__ = ["check_shards", "check_conjugate_pair", "check_vocab_parallel_loss",
            "check_parallel_head"]
 
 
-def _shard_hint(got, w, r, world, dim) -> str:
-    """Name a wrong shard: the other dimension sliced, transposed, strided, another rank's."""
+def _shard_hints(got, w, r, world, dim) -> set[str]:
+    """Every named mistake a wrong shard fits (the other dimension sliced, transposed, strided,
+    another rank's): at 1 or 2 ranks one shard can fit several."""
     def piece(d, rank):
         step = w.shape[d] // world
         return w.narrow(d, rank * step, step)
@@ -46,16 +47,17 @@ def _shard_hint(got, w, r, world, dim) -> str:
         return isinstance(got, torch.Tensor) and got.shape == a.shape and torch.equal(got, a)
     other = 1 - dim
     kind, axis = (("rows", "output"), ("columns", "input"))[dim]
+    fits = set()
     if w.shape[other] % world == 0 and (same(piece(other, r)) or same(piece(other, r).t())):
-        return (f"you sliced the {('rows', 'columns')[other]}: W is (out, in), and this shard "
-                f"holds the {kind} of rank's {axis} features")
+        fits.add(f"you sliced the {('rows', 'columns')[other]}: W is (out, in), and this shard "
+                 f"holds the {kind} of rank's {axis} features")
     if same(piece(dim, r).t()):
-        return "the shard is transposed: keep W's (out, in) layout"
+        fits.add("the shard is transposed: keep W's (out, in) layout")
     if world > 1 and same(w[r::world] if dim == 0 else w[:, r::world]):
-        return f"strided {kind} r, r + world, …: a rank's slice is contiguous"
+        fits.add(f"strided {kind} r, r + world, …: a rank's slice is contiguous")
     if world > 1 and same(piece(dim, world - 1 - r)):
-        return "the ranks in reverse order: rank 0 owns the first slice"
-    return ""
+        fits.add("the ranks in reverse order: rank 0 owns the first slice")
+    return fits
 
 
 def check_shards(column_shard, row_shard) -> None:
@@ -77,7 +79,7 @@ def check_shards(column_shard, row_shard) -> None:
                 case = f"{name}(W {tuple(w.shape)}, rank {r}, world {world})"
                 line = compare(case, got, want, atol=0)
                 if line:
-                    wrong[name].append((case, line, _shard_hint(got, w, r, world, dim)))
+                    wrong[name].append((case, line, _shard_hints(got, w, r, world, dim)))
         if not any(wrong.values()):
             checks += 2
             problems += compare(f"world {world}: concatenated column outputs", torch.cat(
@@ -86,10 +88,9 @@ def check_shards(column_shard, row_shard) -> None:
                 x.chunk(world, -1)[r] @ rows[r].t() for r in range(world)), y, atol=1e-6)
     for name, cases in wrong.items():
         # a hint only when it names every failing case: at 2 ranks a shard one rank off looks
-        # reversed, and at 1 rank most mistakes cannot be told apart
-        hints = {hint for _, _, hint in cases}
-        if len(hints) == 1 and "" not in hints and any("world 1)" not in c and "world 2)" not in c
-                                                       for c, _, _ in cases):
+        # reversed, and at 1 rank a transposed shard looks like the other dimension sliced
+        hints = set.intersection(*(h for _, _, h in cases)) if cases else set()
+        if len(hints) == 1 and any("world 1)" not in c and "world 2)" not in c for c, _, _ in cases):
             problems.append(f"{cases[0][0]}: {hints.pop()}")
         else:
             problems += [line for _, lines, _ in cases for line in lines]
