@@ -313,7 +313,7 @@ COLUMN, ROW, KV_HEADS, VOCAB = "column", "row", "kv heads", "vocabulary"
 # ends (torchtitan calls such a table a parallelize plan): column = dim 0 (output features),
 # row = dim 1 (input features), kv heads = dim 0 by KV head (a head on tp/kv ranks when
 # tp > kv), vocabulary = dim 0 (words). Any other weight (norms, a router, experts) is whole on
-# every tp rank. The modules below take their shards from it (`tp_cut`), and picolib.layout
+# every tp rank. The modules above take their shards from it (`tp_cut`), and picolib.layout
 # reads it to say where each parameter lives.
 TP_PLAN = {"embed": VOCAB, "attn.wq": COLUMN, "attn.wk": KV_HEADS, "attn.wv": KV_HEADS,
            "attn.wo": ROW, "mlp.w_gate": COLUMN, "mlp.w_up": COLUMN, "mlp.w_down": ROW,

@@ -13,7 +13,8 @@
   (exp overflows fp32 unless the max is subtracted).
 - `check_parallel_head(fn)`: `fn(hidden, weight_shard, group=None)` → this rank's vocabulary
   slice of the logits (b, s, v/tp), through f so that backward sums the gradient of the
-  (replicated) hidden state; run on 2 and 4 ranks with the vocab-parallel loss behind it.
+  (replicated) hidden state; run on 2 and 3 ranks and two groups of 2, with the vocab-parallel
+  loss behind it.
 
 Each wrong answer a student commonly gives gets its own one-line message (f and g swapped
 or missing, a loss that is not a scalar, gathered logits where a slice is expected) —
@@ -346,17 +347,17 @@ def _head_worker(fn, hidden, weight, targets, split=False):
 
 def check_parallel_head(fn, timeout: float | None = None) -> None:
     """Logits slices, hidden-state gradient (whole, summed by f) and weight-shard gradient
-    equal to the dense head; f's one all-reduce in backward, nothing forward. On 2 and 4
+    equal to the dense head; f's one all-reduce in backward, nothing forward. On 2 and 3
     ranks, and on 4 ranks split into two groups of 2, each group with its own data."""
     problems, checks = [], 0
     g = torch.Generator().manual_seed(6)
-    for n, split in ((2, False), (4, False), (4, True)):
+    for n, split in ((2, False), (3, False), (4, True)):
         m = 2 if split else n
         data = []
         for _ in range(n if split else 1):
             hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)
-            weight = torch.randn(16, 8, generator=g, requires_grad=True)
-            targets = torch.randint(0, 16, (2, 5), generator=g)
+            weight = torch.randn(24, 8, generator=g, requires_grad=True)
+            targets = torch.randint(0, 24, (2, 5), generator=g)
             logits = hidden @ weight.t()
             F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
             data.append((hidden, weight, targets, logits.detach()))
@@ -382,7 +383,7 @@ def check_parallel_head(fn, timeout: float | None = None) -> None:
             problems += compare(f"{label} rank {r}: logits", got, want)
             if xgrad is not None and not torch.allclose(xgrad, hidden.grad, atol=1e-6):
                 # what this rank's vocabulary slice alone contributes (f's sum left out)
-                p = torch.softmax(logits, -1) - F.one_hot(targets, 16)
+                p = torch.softmax(logits, -1) - F.one_hot(targets, 24)
                 part = (p.chunk(m, -1)[gr] / targets.numel()) @ weight.detach().chunk(m, 0)[gr]
                 if torch.allclose(xgrad, part, atol=1e-6):
                     problems.append(f"{label} rank {r}: the hidden state's gradient is this rank's "
