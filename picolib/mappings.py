@@ -26,9 +26,10 @@ and a partial-sum output (tensor parallelism), scatter/gather for a tensor cut a
 `dim` without sums, reduce-scatter/all-gather for partial sums that stay cut along the
 sequence (sequence parallelism: all-reduce = reduce-scatter + all-gather).
 
-Every byte goes through `picolib.comm`, so a `Ledger` counts it. The communication-only
-helpers `gather_along`, `reduce_scatter_along`, `split_along` (no autograd) and `shard`
-(a weight slice) are here too, for the technique files to share.
+The file opens with the pairs the lessons read (f and g; the sequence pair; f for replicas);
+the machinery follows: `Region`, and the communication-only helpers `gather_along`,
+`reduce_scatter_along`, `split_along` (no autograd) and `shard` (a weight slice), which the
+technique files share. Every byte goes through `picolib.comm`, so a `Ledger` counts it.
 """
 from __future__ import annotations
 
@@ -44,6 +45,144 @@ __all__ = ["Region", "shard", "split_along", "gather_along", "reduce_scatter_alo
            "reduce_scatter_to_region", "all_gather_to_region", "copy_to_replicas"]
 
 
+# ------------------------------------------------------------------ f and g (lesson 04)
+
+class _CopyToRegion(torch.autograd.Function):
+    """f: forward identity (every rank already holds x), backward all-reduce (sum the grads)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: forward all-reduce (sum the partial outputs), backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        comm.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_region(x, group=None):
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x, group=None):
+    return _ReduceFromRegion.apply(x, group)
+
+
+# ------------------------------------------------------------------ the sequence pair (lesson 05)
+
+class _AllGatherToRegion(torch.autograd.Function):
+    """Forward all-gather along dim, backward reduce-scatter the gradient (each rank's
+    gradient is a partial sum over the features it holds)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return gather_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToRegion(torch.autograd.Function):
+    """Forward reduce-scatter along dim, backward all-gather the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+def all_gather_to_region(x, dim: int, group=None):
+    return _AllGatherToRegion.apply(x, dim, group)
+
+
+def reduce_scatter_to_region(x, dim: int, group=None):
+    return _ReduceScatterToRegion.apply(x, dim, group)
+
+
+# ------------------------------------------------------------------ f for a slice some ranks share
+
+class _CopyToReplicas(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ranks in the same `slot` (one
+    all-reduce over the whole group of an (n_slots, ...) buffer, zero but in this slot)."""
+
+    @staticmethod
+    def forward(ctx, w, slot, n_slots, group):
+        ctx.slot, ctx.n_slots, ctx.group = slot, n_slots, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        buf = grad.new_zeros((ctx.n_slots,) + tuple(grad.shape))
+        buf[ctx.slot] = grad
+        comm.all_reduce(buf, group=ctx.group)
+        return buf[ctx.slot].clone(), None, None, None
+
+
+def copy_to_replicas(w, slot: int, n_slots: int, group=None):
+    """f for a tensor that the ranks of `slot` (one of `n_slots`) hold alike."""
+    return _CopyToReplicas.apply(w, slot, n_slots, group)
+
+
+# ------------------------------------------------------------------ slices along a dim
+
+class _ScatterToRegion(torch.autograd.Function):
+    """Forward keep this rank's slice along dim, backward all-gather the slices' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return split_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """Forward all-gather along dim, backward keep this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return gather_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along(grad, ctx.dim, ctx.group), None, None
+
+
+def scatter_to_region(x, dim: int, group=None):
+    return _ScatterToRegion.apply(x, dim, group)
+
+
+def gather_from_region(x, dim: int, group=None):
+    return _GatherFromRegion.apply(x, dim, group)
+
+
+# ------------------------------------------------------------------ the machinery: regions, slices, collectives
+
 class Region(NamedTuple):
     """How activations enter and leave a tensor-parallel region.
     `enter(x, weights, group)`: the entry operator, then the column-parallel matmuls;
@@ -53,8 +192,6 @@ class Region(NamedTuple):
     leave: Callable
     sequence_split: bool
 
-
-# ------------------------------------------------------------------ slices and collectives
 
 def _dim(x: torch.Tensor, dim: int) -> int:
     if not -x.dim() <= dim < x.dim():
@@ -101,139 +238,3 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     out = x.new_empty((blocks[0].numel(),))
     comm.reduce_scatter(out, blocks.view(-1), group=group)
     return out.view(blocks.shape[1:])
-
-
-# ------------------------------------------------------------------ f and g (lesson 04)
-
-class _CopyToRegion(torch.autograd.Function):
-    """f: forward identity (every rank already holds x), backward all-reduce (sum the grads)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        comm.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """g: forward all-reduce (sum the partial outputs), backward identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        comm.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-# ------------------------------------------------------------------ slices along a dim
-
-class _ScatterToRegion(torch.autograd.Function):
-    """Forward keep this rank's slice along dim, backward all-gather the slices' gradients."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return split_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_along(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """Forward all-gather along dim, backward keep this rank's slice of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return gather_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split_along(grad, ctx.dim, ctx.group), None, None
-
-
-# ------------------------------------------------------------------ partial sums along a dim (lesson 05)
-
-class _ReduceScatterToRegion(torch.autograd.Function):
-    """Forward reduce-scatter along dim, backward all-gather the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_along(grad, ctx.dim, ctx.group), None, None
-
-
-class _AllGatherToRegion(torch.autograd.Function):
-    """Forward all-gather along dim, backward reduce-scatter the gradient (each rank's
-    gradient is a partial sum over the features it holds)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return gather_along(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
-
-
-def copy_to_region(x, group=None):
-    return _CopyToRegion.apply(x, group)
-
-
-def reduce_from_region(x, group=None):
-    return _ReduceFromRegion.apply(x, group)
-
-
-def scatter_to_region(x, dim: int, group=None):
-    return _ScatterToRegion.apply(x, dim, group)
-
-
-def gather_from_region(x, dim: int, group=None):
-    return _GatherFromRegion.apply(x, dim, group)
-
-
-def reduce_scatter_to_region(x, dim: int, group=None):
-    return _ReduceScatterToRegion.apply(x, dim, group)
-
-
-def all_gather_to_region(x, dim: int, group=None):
-    return _AllGatherToRegion.apply(x, dim, group)
-
-
-# ------------------------------------------------------------------ f for a slice some ranks share
-
-class _CopyToReplicas(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the ranks in the same `slot` (one
-    all-reduce over the whole group of an (n_slots, ...) buffer, zero but in this slot)."""
-
-    @staticmethod
-    def forward(ctx, w, slot, n_slots, group):
-        ctx.slot, ctx.n_slots, ctx.group = slot, n_slots, group
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        buf = grad.new_zeros((ctx.n_slots,) + tuple(grad.shape))
-        buf[ctx.slot] = grad
-        comm.all_reduce(buf, group=ctx.group)
-        return buf[ctx.slot].clone(), None, None, None
-
-
-def copy_to_replicas(w, slot: int, n_slots: int, group=None):
-    """f for a tensor that the ranks of `slot` (one of `n_slots`) hold alike."""
-    return _CopyToReplicas.apply(w, slot, n_slots, group)

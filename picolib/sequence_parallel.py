@@ -27,6 +27,8 @@ backward (overlapped with the input-gradient matmul). Every saved activation is 
 norm outputs (2·s·b·h per layer) stay replicated.
 
 Tensors are (b, s, h) as in picolib.model; rank r holds tokens [r·s/tp, (r+1)·s/tp).
+The file opens with what lesson 05 reads (the pair g/ḡ, the region, the norm); the
+re-gather, the communication without autograd and the activation counts follow.
 """
 from __future__ import annotations
 
@@ -44,37 +46,20 @@ __all__ = ["all_gather_sequence", "reduce_scatter_sequence_nograd", "reduce_scat
            "korthikanti_bytes_per_layer"]
 
 
-# ------------------------------------------------------------------ moving along the sequence
+# ------------------------------------------------------------------ the pair, the region, the norm (lesson 05)
 
 SEQ = 1   # the sequence dimension of (b, s, h); picolib.mappings does the moving
 
 
-def all_gather_sequence(x, group=None, async_op=False):
-    """(b, s/tp, h) on each rank → (b, s, h), no autograd. With async_op: (work, finish)."""
-    return gather_along(x, SEQ, group, async_op)
-
-
-def reduce_scatter_sequence_nograd(x, group=None):
-    """(b, s, h) partial sums on each rank → this rank's (b, s/tp, h) of the total."""
-    return reduce_scatter_along(x, SEQ, group)
-
-
-def split_sequence(x, group=None):
-    """This rank's slice of a replicated (b, s, ...) tensor: no communication."""
-    return split_along(x, SEQ, group)
-
-
 def gather_sequence(x, group=None):
-    """Entering a TP region: all-gather forward, reduce-scatter backward."""
+    """g (Korthikanti et al.), entering a TP region: all-gather forward, reduce-scatter backward."""
     return all_gather_to_region(x, SEQ, group)
 
 
 def reduce_scatter_sequence(x, group=None):
-    """Leaving a TP region: reduce-scatter forward, all-gather backward."""
+    """ḡ, leaving a TP region: reduce-scatter forward, all-gather backward."""
     return reduce_scatter_to_region(x, SEQ, group)
 
-
-# ------------------------------------------------------------------ entering a TP region
 
 def gathered_matmuls(x, weights, group=None):
     """All-gather the sequence once, then every column matmul (autograd saves the gathered x)."""
@@ -82,8 +67,31 @@ def gathered_matmuls(x, weights, group=None):
     return [F.linear(x, w) for w in weights]
 
 
+def sequence_parallel_region(regather: bool = True) -> Region:
+    """Enter a TP region by an all-gather along the sequence (saving the s/tp slice and
+    gathering it again in backward, or saving the gathered input), leave it by a
+    reduce-scatter."""
+    return Region(regathered_matmuls if regather else gathered_matmuls,
+                  reduce_scatter_sequence, True)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """An RMSNorm over this rank's s/tp tokens. Its weight (the same Parameter as the
+    norm it replaces) enters through f, so backward sums the weight's gradient over the
+    group: every rank's copy gets the gradient of all s tokens."""
+
+    def __init__(self, norm: RMSNorm, group=None):
+        nn.Module.__init__(self)
+        self.eps, self.weight, self.group = norm.eps, norm.weight, group
+
+    def forward(self, x):
+        return self.normalize(x) * copy_to_region(self.weight, self.group)
+
+
+# ------------------------------------------------------------------ the machinery: entering a region, moving without autograd
+
 class _RegatheredMatmuls(torch.autograd.Function):
-    """The same, saving only the local (b, s/tp, h) slice; backward all-gathers it again."""
+    """`gathered_matmuls`, saving only the local (b, s/tp, h) slice; backward all-gathers it again."""
 
     @staticmethod
     def forward(ctx, x, group, *weights):
@@ -108,27 +116,19 @@ def regathered_matmuls(x, weights, group=None):
     return list(_RegatheredMatmuls.apply(x, group, *weights))
 
 
-def sequence_parallel_region(regather: bool = True) -> Region:
-    """Enter a TP region by an all-gather along the sequence (saving the s/tp slice and
-    gathering it again in backward, or saving the gathered input), leave it by a
-    reduce-scatter."""
-    return Region(regathered_matmuls if regather else gathered_matmuls,
-                  reduce_scatter_sequence, True)
+def all_gather_sequence(x, group=None, async_op=False):
+    """(b, s/tp, h) on each rank → (b, s, h), no autograd. With async_op: (work, finish)."""
+    return gather_along(x, SEQ, group, async_op)
 
 
-# ------------------------------------------------------------------ the norms
+def reduce_scatter_sequence_nograd(x, group=None):
+    """(b, s, h) partial sums on each rank → this rank's (b, s/tp, h) of the total."""
+    return reduce_scatter_along(x, SEQ, group)
 
-class SequenceParallelRMSNorm(RMSNorm):
-    """An RMSNorm over this rank's s/tp tokens. Its weight (the same Parameter as the
-    norm it replaces) enters through f, so backward sums the weight's gradient over the
-    group: every rank's copy gets the gradient of all s tokens."""
 
-    def __init__(self, norm: RMSNorm, group=None):
-        nn.Module.__init__(self)
-        self.eps, self.weight, self.group = norm.eps, norm.weight, group
-
-    def forward(self, x):
-        return self.normalize(x) * copy_to_region(self.weight, self.group)
+def split_sequence(x, group=None):
+    """This rank's slice of a replicated (b, s, ...) tensor: no communication."""
+    return split_along(x, SEQ, group)
 
 
 # ------------------------------------------------------------------ saved activations

@@ -32,6 +32,10 @@ Grouped-query attention rule (n_heads = a query heads, kv key/value heads, tp ra
     if tp > kv: tp % kv == 0 and each KV head is replicated on tp/kv ranks (the ranks
     whose query heads read it); the replicas' weight gradients are summed in backward.
 `check_tensor_parallel` raises a ValueError naming the numbers when the rule is broken.
+
+The file opens with what lesson 04 reads: the entry operator and the two linears, the
+attention and MLP built from them, the transform. The machinery follows: cutting a dense
+layer into shards, the GQA rule, the plan `TP_PLAN`.
 """
 from __future__ import annotations
 
@@ -57,12 +61,7 @@ __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "column_matmuls", "
            "apply_tensor_parallel"]
 
 
-# ------------------------------------------------------------------ entering and leaving a TP region
-
-def gather_from_tp(x, group=None):
-    """All-gather the last dim (the vocabulary slices of the logits); backward keeps the slice."""
-    return gather_from_region(x, -1, group)
-
+# ------------------------------------------------------------------ the two linears and their f/g (lesson 04)
 
 def column_matmuls(x, weights, group=None):
     """Entering a TP region: f once, then every column-parallel matmul (q, k, v share one f)."""
@@ -70,79 +69,8 @@ def column_matmuls(x, weights, group=None):
     return [F.linear(x, w) for w in weights]
 
 
-def add_biases(outputs, biases):
-    """The column-parallel biases (each rank's slice), added after the region's matmuls."""
-    return [y if b is None else y + b for y, b in zip(outputs, biases, strict=True)]
-
-
 TP_REGION = Region(column_matmuls, reduce_from_tp, False)   # f and g (lesson 04)
 
-
-# ------------------------------------------------------------------ sharding and rules
-
-def kv_heads_per_rank(n_heads: int, n_kv_heads: int, tp: int) -> tuple[int, int]:
-    """(KV heads each rank holds, ranks sharing each KV head) under the module's GQA rule."""
-    if n_heads % tp:
-        raise ValueError(f"tp={tp} must divide n_heads={n_heads} (each rank takes whole query heads)")
-    if tp <= n_kv_heads:
-        if n_kv_heads % tp:
-            raise ValueError(f"tp={tp} must divide n_kv_heads={n_kv_heads} (tp <= kv heads: KV heads are split)")
-        return n_kv_heads // tp, 1
-    if tp % n_kv_heads:
-        raise ValueError(f"n_kv_heads={n_kv_heads} must divide tp={tp} (tp > kv heads: each KV head "
-                         f"is replicated on tp/kv ranks)")
-    return 1, tp // n_kv_heads
-
-
-def check_tensor_parallel(cfg: LlamaConfig, tp: int, seq_len: int | None = None) -> None:
-    """Raise a ValueError naming both numbers if `tp` cannot split this model (or sequence)."""
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive integer, got {tp!r}")
-    kv_heads_per_rank(cfg.n_heads, cfg.n_kv_heads, tp)
-    for name, value in (("ffn_hidden", cfg.ffn_hidden), ("vocab_size", cfg.vocab_size)):
-        if value % tp:
-            raise ValueError(f"tp={tp} must divide {name}={value}")
-    if seq_len is not None and seq_len % tp:
-        raise ValueError(f"tp={tp} must divide the sequence length {seq_len} (sequence parallel "
-                         "gives each rank s/tp tokens)")
-
-
-# ------------------------------------------------------------------ the plan: how each weight is cut
-
-COLUMN, ROW, KV_HEADS, VOCAB = "column", "row", "kv heads", "vocabulary"
-
-# Which weight tensor parallelism cuts, and how, by its name inside a block or at the model's
-# ends (torchtitan calls such a table a parallelize plan): column = dim 0 (output features),
-# row = dim 1 (input features), kv heads = dim 0 by KV head (a head on tp/kv ranks when
-# tp > kv), vocabulary = dim 0 (words). Any other weight (norms, a router, experts) is whole on
-# every tp rank. The modules below take their shards from it (`tp_cut`), and picolib.layout
-# reads it to say where each parameter lives.
-TP_PLAN = {"embed": VOCAB, "attn.wq": COLUMN, "attn.wk": KV_HEADS, "attn.wv": KV_HEADS,
-           "attn.wo": ROW, "mlp.w_gate": COLUMN, "mlp.w_up": COLUMN, "mlp.w_down": ROW,
-           "lm_head": VOCAB}
-
-
-class Cut(NamedTuple):
-    dim: int | None           # the dim cut (None: whole)
-    index: int                # this rank's slice
-    count: int                # slices along `dim`
-    holders: tuple[int, ...]  # the tp ranks holding this same slice
-
-
-def tp_cut(role: str, tp: int, rank: int, heads: tuple[int, int] | None = None) -> Cut:
-    """Where TP_PLAN puts the weight `role` (e.g. "attn.wk") on tp rank `rank` of `tp`;
-    `heads` = (n_heads, n_kv_heads), needed for a KV-heads cut."""
-    how = TP_PLAN.get(role)
-    if how is None:
-        return Cut(None, 0, 1, tuple(range(tp)))
-    if how == KV_HEADS:
-        _, shared = kv_heads_per_rank(*heads, tp)
-        slot = rank // shared
-        return Cut(0, slot, tp // shared, tuple(range(slot * shared, (slot + 1) * shared)))
-    return Cut(1 if how == ROW else 0, rank, tp, (rank,))
-
-
-# ------------------------------------------------------------------ the two linears
 
 class _ShardedLinear(nn.Module):
     """What the two linears share: `from_linear` cuts a dense nn.Linear along `split_dim`."""
@@ -185,9 +113,9 @@ class ColumnParallelLinear(_ShardedLinear):
         self.bias = nn.Parameter(torch.zeros(out_features // tp, **like)) if bias else None
 
     def forward(self, x):
-        if self.enter is None:
+        if self.enter is None:                    # the caller has entered the region already
             y = F.linear(x, self.weight, self.bias)
-        else:
+        else:                                     # f, then x W_rᵀ: this rank's output features
             y = add_biases(self.enter(x, [self.weight], self.group), [self.bias])[0]
         return gather_from_tp(y, self.group) if self.gather_output else y
 
@@ -211,8 +139,8 @@ class RowParallelLinear(_ShardedLinear):
         self.bias = nn.Parameter(torch.zeros(out_features, **like)) if bias else None
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
-        return self.add_bias(reduce_from_tp(y, self.group)) if self.reduce_output else y
+        y = F.linear(x, self.weight)              # x_r W_rᵀ: a partial sum of the whole output
+        return self.add_bias(reduce_from_tp(y, self.group)) if self.reduce_output else y   # g
 
     def add_bias(self, y, sequence_split: bool = False):
         """The bias, added to an output summed over the group. With `sequence_split` (the
@@ -221,24 +149,6 @@ class RowParallelLinear(_ShardedLinear):
         if self.bias is None:
             return y
         return y + (copy_to_tp(self.bias, self.group) if sequence_split else self.bias)
-
-
-def parallel_linear(linear: nn.Linear, role: str, group=None, heads=None, enter=None):
-    """This rank's piece of `linear` as TP_PLAN cuts `role`, for a module that enters and
-    leaves the region itself: a ColumnParallelLinear (`enter`: its entry operator; None: the
-    caller has entered) or a RowParallelLinear whose partial sum the caller completes."""
-    tp, r = dist.get_world_size(group), dist.get_rank(group)
-    cut = tp_cut(role, tp, r, heads)
-    if cut.dim is None:
-        raise ValueError(f"TP_PLAN does not cut {role}")
-    out_f, in_f = linear.weight.shape
-    like = {"bias": linear.bias is not None, "device": linear.weight.device,
-            "dtype": linear.weight.dtype}
-    if cut.dim == 0:        # out_f/count rows each (count < tp: a KV head on several ranks)
-        m = ColumnParallelLinear(in_f, out_f // cut.count * tp, group, enter=enter, **like)
-    else:
-        m = RowParallelLinear(in_f, out_f, group, reduce_output=False, **like)
-    return m.load_shard(linear, cut.index, cut.count)
 
 
 # ------------------------------------------------------------------ attention and MLP
@@ -262,6 +172,8 @@ class ParallelAttention(Attention):
         self.slot, self.n_slots, self.replicas = cut.index, cut.count, len(cut.holders)
 
     def _kv(self, t):
+        """K or V's weight (or bias), which `replicas` ranks hold alike when tp > KV heads: it
+        enters through f over those ranks alone, so backward sums their gradients."""
         if self.replicas == 1 or t is None:
             return t
         return copy_to_replicas(t, self.slot, self.n_slots, self.group)
@@ -332,3 +244,97 @@ def apply_tensor_parallel(model: TinyLlama, tp=None, *, sequence_parallel: bool 
         model.loss_fn = VocabParallelCrossEntropy(vocab_start, group)
     model.sequence_shards = n if sequence_parallel else 1
     return model
+
+
+# ------------------------------------------------------------------ the machinery: shards, helpers, rules, the plan
+
+def parallel_linear(linear: nn.Linear, role: str, group=None, heads=None, enter=None):
+    """This rank's piece of `linear` as TP_PLAN cuts `role`, for a module that enters and
+    leaves the region itself: a ColumnParallelLinear (`enter`: its entry operator; None: the
+    caller has entered) or a RowParallelLinear whose partial sum the caller completes."""
+    tp, r = dist.get_world_size(group), dist.get_rank(group)
+    cut = tp_cut(role, tp, r, heads)
+    if cut.dim is None:
+        raise ValueError(f"TP_PLAN does not cut {role}")
+    out_f, in_f = linear.weight.shape
+    like = {"bias": linear.bias is not None, "device": linear.weight.device,
+            "dtype": linear.weight.dtype}
+    if cut.dim == 0:        # out_f/count rows each (count < tp: a KV head on several ranks)
+        m = ColumnParallelLinear(in_f, out_f // cut.count * tp, group, enter=enter, **like)
+    else:
+        m = RowParallelLinear(in_f, out_f, group, reduce_output=False, **like)
+    return m.load_shard(linear, cut.index, cut.count)
+
+
+def gather_from_tp(x, group=None):
+    """All-gather the last dim (the vocabulary slices of the logits); backward keeps the slice."""
+    return gather_from_region(x, -1, group)
+
+
+def add_biases(outputs, biases):
+    """The column-parallel biases (each rank's slice), added after the region's matmuls."""
+    return [y if b is None else y + b for y, b in zip(outputs, biases, strict=True)]
+
+
+# ------------------------------------------------------------------ rules
+
+def kv_heads_per_rank(n_heads: int, n_kv_heads: int, tp: int) -> tuple[int, int]:
+    """(KV heads each rank holds, ranks sharing each KV head) under the module's GQA rule."""
+    if n_heads % tp:
+        raise ValueError(f"tp={tp} must divide n_heads={n_heads} (each rank takes whole query heads)")
+    if tp <= n_kv_heads:
+        if n_kv_heads % tp:
+            raise ValueError(f"tp={tp} must divide n_kv_heads={n_kv_heads} (tp <= kv heads: KV heads are split)")
+        return n_kv_heads // tp, 1
+    if tp % n_kv_heads:
+        raise ValueError(f"n_kv_heads={n_kv_heads} must divide tp={tp} (tp > kv heads: each KV head "
+                         f"is replicated on tp/kv ranks)")
+    return 1, tp // n_kv_heads
+
+
+def check_tensor_parallel(cfg: LlamaConfig, tp: int, seq_len: int | None = None) -> None:
+    """Raise a ValueError naming both numbers if `tp` cannot split this model (or sequence)."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    kv_heads_per_rank(cfg.n_heads, cfg.n_kv_heads, tp)
+    for name, value in (("ffn_hidden", cfg.ffn_hidden), ("vocab_size", cfg.vocab_size)):
+        if value % tp:
+            raise ValueError(f"tp={tp} must divide {name}={value}")
+    if seq_len is not None and seq_len % tp:
+        raise ValueError(f"tp={tp} must divide the sequence length {seq_len} (sequence parallel "
+                         "gives each rank s/tp tokens)")
+
+
+# ------------------------------------------------------------------ the plan: how each weight is cut
+
+COLUMN, ROW, KV_HEADS, VOCAB = "column", "row", "kv heads", "vocabulary"
+
+# Which weight tensor parallelism cuts, and how, by its name inside a block or at the model's
+# ends (torchtitan calls such a table a parallelize plan): column = dim 0 (output features),
+# row = dim 1 (input features), kv heads = dim 0 by KV head (a head on tp/kv ranks when
+# tp > kv), vocabulary = dim 0 (words). Any other weight (norms, a router, experts) is whole on
+# every tp rank. The modules above take their shards from it (`tp_cut`), and picolib.layout
+# reads it to say where each parameter lives.
+TP_PLAN = {"embed": VOCAB, "attn.wq": COLUMN, "attn.wk": KV_HEADS, "attn.wv": KV_HEADS,
+           "attn.wo": ROW, "mlp.w_gate": COLUMN, "mlp.w_up": COLUMN, "mlp.w_down": ROW,
+           "lm_head": VOCAB}
+
+
+class Cut(NamedTuple):
+    dim: int | None           # the dim cut (None: whole)
+    index: int                # this rank's slice
+    count: int                # slices along `dim`
+    holders: tuple[int, ...]  # the tp ranks holding this same slice
+
+
+def tp_cut(role: str, tp: int, rank: int, heads: tuple[int, int] | None = None) -> Cut:
+    """Where TP_PLAN puts the weight `role` (e.g. "attn.wk") on tp rank `rank` of `tp`;
+    `heads` = (n_heads, n_kv_heads), needed for a KV-heads cut."""
+    how = TP_PLAN.get(role)
+    if how is None:
+        return Cut(None, 0, 1, tuple(range(tp)))
+    if how == KV_HEADS:
+        _, shared = kv_heads_per_rank(*heads, tp)
+        slot = rank // shared
+        return Cut(0, slot, tp // shared, tuple(range(slot * shared, (slot + 1) * shared)))
+    return Cut(1 if how == ROW else 0, rank, tp, (rank,))

@@ -8,11 +8,13 @@
   through picolib.comm; run on 2 and 3 ranks.
 - `check_vocab_parallel_loss(fn)`: `fn(local_logits, targets, vocab_start, group=None)` → the
   mean cross-entropy from vocab-sharded logits, equal to F.cross_entropy with the right
-  gradients, without gathering the logits; run on 2 and 4 ranks, on logits that reach 100
+  gradients, without gathering the logits; run on 2 and 3 ranks and two groups of 2, on
+  logits that reach 100
   (exp overflows fp32 unless the max is subtracted).
 - `check_parallel_head(fn)`: `fn(hidden, weight_shard, group=None)` → this rank's vocabulary
   slice of the logits (b, s, v/tp), through f so that backward sums the gradient of the
-  (replicated) hidden state; run on 2 and 4 ranks with the vocab-parallel loss behind it.
+  (replicated) hidden state; run on 2 and 3 ranks and two groups of 2, with the vocab-parallel
+  loss behind it.
 
 Each wrong answer a student commonly gives gets its own one-line message (f and g swapped
 or missing, a loss that is not a scalar, gathered logits where a slice is expected) —
@@ -36,8 +38,9 @@ __all__ = ["check_shards", "check_conjugate_pair", "check_vocab_parallel_loss",
            "check_parallel_head"]
 
 
-def _shard_hint(got, w, r, world, dim) -> str:
-    """Name a wrong shard: the other dimension sliced, transposed, strided, another rank's."""
+def _shard_hints(got, w, r, world, dim) -> set[str]:
+    """Every named mistake a wrong shard fits (the other dimension sliced, transposed, strided,
+    another rank's): at 1 or 2 ranks one shard can fit several."""
     def piece(d, rank):
         step = w.shape[d] // world
         return w.narrow(d, rank * step, step)
@@ -45,23 +48,25 @@ def _shard_hint(got, w, r, world, dim) -> str:
         return isinstance(got, torch.Tensor) and got.shape == a.shape and torch.equal(got, a)
     other = 1 - dim
     kind, axis = (("rows", "output"), ("columns", "input"))[dim]
+    fits = set()
     if w.shape[other] % world == 0 and (same(piece(other, r)) or same(piece(other, r).t())):
-        return (f"you sliced the {('rows', 'columns')[other]}: W is (out, in), and this shard "
-                f"holds the {kind} of rank's {axis} features")
+        fits.add(f"you sliced the {('rows', 'columns')[other]}: W is (out, in), and this shard "
+                 f"holds the {kind} of rank's {axis} features")
     if same(piece(dim, r).t()):
-        return "the shard is transposed: keep W's (out, in) layout"
+        fits.add("the shard is transposed: keep W's (out, in) layout")
     if world > 1 and same(w[r::world] if dim == 0 else w[:, r::world]):
-        return f"strided {kind} r, r + world, …: a rank's slice is contiguous"
+        fits.add(f"strided {kind} r, r + world, …: a rank's slice is contiguous")
     if world > 1 and same(piece(dim, world - 1 - r)):
-        return "the ranks in reverse order: rank 0 owns the first slice"
-    return ""
+        fits.add("the ranks in reverse order: rank 0 owns the first slice")
+    return fits
 
 
 def check_shards(column_shard, row_shard) -> None:
     """Exact slices for several shapes and world sizes; y = x Wᵀ rebuilt from the shards.
     A wrong shard is named (the other dimension, transposed, strided, reversed ranks), once
     per function; a size that does not divide must raise a ValueError naming both numbers."""
-    problems, checks, named = [], 0, set()
+    problems, checks = [], 0
+    wrong = {"column_shard": [], "row_shard": []}   # (case, compare's line, hint) of each failure
     g = torch.Generator().manual_seed(4)
     for out_f, in_f, world in ((6, 4, 2), (8, 12, 4), (5, 3, 1), (12, 9, 3)):
         w, x = torch.randn(out_f, in_f, generator=g), torch.randn(2, in_f, generator=g)
@@ -72,20 +77,24 @@ def check_shards(column_shard, row_shard) -> None:
             checks += 2
             for name, got, dim, n in (("column_shard", cols[r], 0, out_f), ("row_shard", rows[r], 1, in_f)):
                 want = w.narrow(dim, r * n // world, n // world)
-                line = compare(f"{name}(W {tuple(w.shape)}, rank {r}, world {world})", got, want, atol=0)
-                hint = _shard_hint(got, w, r, world, dim) if line else ""
-                if hint and (name, hint) not in named:
-                    named.add((name, hint))
-                    line = [f"{name}(W {tuple(w.shape)}, rank {r}, world {world}): {hint}"]
-                elif hint:
-                    line = []
-                problems += line
-        if not problems:
+                case = f"{name}(W {tuple(w.shape)}, rank {r}, world {world})"
+                line = compare(case, got, want, atol=0)
+                if line:
+                    wrong[name].append((case, line, _shard_hints(got, w, r, world, dim)))
+        if not any(wrong.values()):
             checks += 2
             problems += compare(f"world {world}: concatenated column outputs", torch.cat(
                 [x @ c.t() for c in cols], -1), y, atol=1e-6)
             problems += compare(f"world {world}: summed row outputs", sum(
                 x.chunk(world, -1)[r] @ rows[r].t() for r in range(world)), y, atol=1e-6)
+    for name, cases in wrong.items():
+        # a hint only when it names every failing case: at 2 ranks a shard one rank off looks
+        # reversed, and at 1 rank a transposed shard looks like the other dimension sliced
+        hints = set.intersection(*(h for _, _, h in cases)) if cases else set()
+        if len(hints) == 1 and any("world 1)" not in c and "world 2)" not in c for c, _, _ in cases):
+            problems.append(f"{cases[0][0]}: {hints.pop()}")
+        else:
+            problems += [line for _, lines, _ in cases for line in lines]
     for fn, name, shape in ((column_shard, "column_shard", (6, 4)), (row_shard, "row_shard", (4, 6))):
         checks += 1
         try:
@@ -120,16 +129,22 @@ def _quietly(fn, *args):
 
 def _pair_worker(f_cls, g_cls, split=False):
     group = my_group(split)
+    # a barrier on a group of its own after each direction: a collective one rank skips then
+    # deadlocks where it is skipped, instead of pairing with the next direction's collective
+    phases = dist.new_group(backend="gloo")
     r = dist.get_rank()
     x = torch.full((3,), float(r + 1), requires_grad=True)
     upstream = torch.full((3,), float(r + 1))
     with Ledger() as f_fwd:
         fx = f_cls.apply(x, group)
+    dist.barrier(group=phases)
     with Ledger() as f_bwd:
         fx.backward(upstream)
+    dist.barrier(group=phases)
     y = torch.full((3,), float(r + 1), requires_grad=True)
     with Ledger() as g_fwd:
         gy = g_cls.apply(y, group)
+    dist.barrier(group=phases)
     with Ledger() as g_bwd:
         gy.backward(torch.full((3,), float(r + 1)))
     touched = [name for name, t in (("f backward's incoming gradient", upstream),
@@ -236,16 +251,16 @@ def _loss_worker(fn, logits, targets, split=False):
 
 def check_vocab_parallel_loss(fn, timeout: float | None = None) -> None:
     """Loss and logit gradients equal to F.cross_entropy; no all-gather, and fewer bytes
-    communicated than the logits themselves. On 2 and 4 ranks, and on 4 ranks split into two
+    communicated than the logits themselves. On 2 and 3 ranks, and on 4 ranks split into two
     groups of 2, each group with its own batch."""
     problems, checks = [], 0
     g = torch.Generator().manual_seed(5)
-    for n, split in ((2, False), (4, False), (4, True)):
+    for n, split in ((2, False), (3, False), (4, True)):
         m = 2 if split else n
         # every other token's logits sit near 100: exp(100) overflows fp32 (beyond 3.4e38), so
-        # only a loss that subtracts the max stays finite
-        batches = [((torch.randn(3, 6, 32, generator=g) * 5 + _OFFSET).requires_grad_(),
-                    torch.randint(0, 32, (3, 6), generator=g)) for _ in range(n if split else 1)]
+        # only a loss that subtracts the max stays finite; 24 words: 12, 8 or 6 a rank
+        batches = [((torch.randn(3, 6, 24, generator=g) * 5 + _OFFSET).requires_grad_(),
+                    torch.randint(0, 24, (3, 6), generator=g)) for _ in range(n if split else 1)]
         refs = []
         for logits, targets in batches:
             ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -262,10 +277,20 @@ def check_vocab_parallel_loss(fn, timeout: float | None = None) -> None:
             if isinstance(loss, str):
                 problems.append(f"{label} rank {r}: {loss}")
                 continue
-            if not torch.isfinite(loss).all():
-                problems.append(f"{label} rank {r}: the loss is {loss.item()} on logits up to "
+            if loss.item() == float("inf"):      # log of an overflowed sum: exp of a raw logit
+                problems.append(f"{label} rank {r}: the loss is inf on logits up to "
                                 f"{logits.max().item():.0f}: exp(z) overflows fp32 above z ≈ 88.7 — "
                                 "subtract the max m (all-reduced with op=\"max\") before exp")
+                continue
+            if loss.item() == float("-inf"):     # log 0: every exp(z − m) underflowed
+                problems.append(f"{label} rank {r}: the loss is -inf: some token's sum of exp(z − m) "
+                                "underflowed to 0, so the m you subtracted is far above that token's "
+                                "largest logit — m is each token's max over the whole vocabulary: "
+                                "amax(-1) of the local logits, all-reduced with op=\"max\"")
+                continue
+            if not torch.isfinite(loss).all():
+                problems.append(f"{label} rank {r}: the loss is {loss.item()}, expected "
+                                f"{refs[team].item():.6g}")
                 continue
             tokens = logits.shape[0] * logits.shape[1]
             if torch.allclose(loss, refs[team] * tokens, atol=1e-3 * tokens):
@@ -322,17 +347,17 @@ def _head_worker(fn, hidden, weight, targets, split=False):
 
 def check_parallel_head(fn, timeout: float | None = None) -> None:
     """Logits slices, hidden-state gradient (whole, summed by f) and weight-shard gradient
-    equal to the dense head; f's one all-reduce in backward, nothing forward. On 2 and 4
+    equal to the dense head; f's one all-reduce in backward, nothing forward. On 2 and 3
     ranks, and on 4 ranks split into two groups of 2, each group with its own data."""
     problems, checks = [], 0
     g = torch.Generator().manual_seed(6)
-    for n, split in ((2, False), (4, False), (4, True)):
+    for n, split in ((2, False), (3, False), (4, True)):
         m = 2 if split else n
         data = []
         for _ in range(n if split else 1):
             hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)
-            weight = torch.randn(16, 8, generator=g, requires_grad=True)
-            targets = torch.randint(0, 16, (2, 5), generator=g)
+            weight = torch.randn(24, 8, generator=g, requires_grad=True)
+            targets = torch.randint(0, 24, (2, 5), generator=g)
             logits = hidden @ weight.t()
             F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
             data.append((hidden, weight, targets, logits.detach()))
@@ -358,7 +383,7 @@ def check_parallel_head(fn, timeout: float | None = None) -> None:
             problems += compare(f"{label} rank {r}: logits", got, want)
             if xgrad is not None and not torch.allclose(xgrad, hidden.grad, atol=1e-6):
                 # what this rank's vocabulary slice alone contributes (f's sum left out)
-                p = torch.softmax(logits, -1) - F.one_hot(targets, 16)
+                p = torch.softmax(logits, -1) - F.one_hot(targets, 24)
                 part = (p.chunk(m, -1)[gr] / targets.numel()) @ weight.detach().chunk(m, 0)[gr]
                 if torch.allclose(xgrad, part, atol=1e-6):
                     problems.append(f"{label} rank {r}: the hidden state's gradient is this rank's "

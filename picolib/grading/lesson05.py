@@ -1,7 +1,7 @@
 """Checks for lesson 05 (sequence parallelism).
 
 - `check_gather_sequence(fn)`: `fn(x, group=None)` turns this rank's (b, s/tp, h) slice of the
-  sequence into the whole (b, s, h), with one `comm.all_gather`; run on 2 and 4 ranks.
+  sequence into the whole (b, s, h), with one `comm.all_gather`; run on 2 and 3 ranks and two groups of 2.
 - `check_reduce_scatter_sequence(fn)`: `fn(x, group=None)` sums the ranks' (b, s, h) partial
   outputs and returns this rank's (b, s/tp, h) tokens, with one `comm.reduce_scatter`.
 - `check_sp_norm_weight_grad(fn)`: `fn(x, grad_out, eps, group=None)` → the gradient of a
@@ -73,7 +73,7 @@ def _seq_hint(op, out, full, partials, n, r) -> str:
 
 def _check_seq(fn, op, title, timeout=None):
     problems, checks = [], 0
-    for n, split in ((2, False), (4, False), (4, True)):
+    for n, split in ((2, False), (3, False), (4, True)):
         m = 2 if split else n
         data = [_full(m, seed=n + 10 * t) for t in range(n if split else 1)]
         name = getattr(fn, "__name__", "your function")
@@ -102,12 +102,12 @@ def _check_seq(fn, op, title, timeout=None):
 
 def check_gather_sequence(fn, timeout: float | None = None) -> None:
     """(b, s/tp, h) slices, rank r holding tokens [r·s/tp, (r+1)·s/tp) → the whole sequence;
-    on 2 and 4 ranks and on 4 ranks split into two groups of 2 (each its own sequence)."""
+    on 2 and 3 ranks and on 4 ranks split into two groups of 2 (each its own sequence)."""
     _check_seq(fn, "all_gather", "all-gather along the sequence", timeout)
 
 
 def check_reduce_scatter_sequence(fn, timeout: float | None = None) -> None:
-    """(b, s, h) partial sums → this rank's tokens of the total; on 2 and 4 ranks and on 4
+    """(b, s, h) partial sums → this rank's tokens of the total; on 2 and 3 ranks and on 4
     ranks split into two groups of 2."""
     _check_seq(fn, "reduce_scatter", "reduce-scatter along the sequence", timeout)
 
@@ -131,12 +131,12 @@ def _normed(x, eps):
 
 def check_sp_norm_weight_grad(fn, timeout: float | None = None) -> None:
     """The weight gradient equals the dense norm's (autograd on the whole sequence), on every
-    rank, with one all-reduce of h numbers: on 2 and 4 ranks and on 4 ranks split into two
+    rank, with one all-reduce of h numbers: on 2 and 3 ranks and on 4 ranks split into two
     groups of 2, each group its own sequence."""
     problems, checks = [], 0
     # eps differs per case (an eps written in, not read from the argument, shows), and every
     # token's x has its own scale down to 1e-3·3, where mean(x²) is below eps: eps matters
-    for n, split, eps in ((2, False, 1e-5), (4, False, 1e-3), (4, True, 1e-4)):
+    for n, split, eps in ((2, False, 1e-5), (3, False, 1e-3), (4, True, 1e-4)):
         m = 2 if split else n
         g = torch.Generator().manual_seed(20 + n)
         scale = torch.logspace(-3, 0, 4 * m)[torch.randperm(4 * m, generator=g)].view(1, -1, 1)

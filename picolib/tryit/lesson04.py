@@ -14,8 +14,7 @@ rings (`comm.Ledger(rings=True)`).
 The lesson's drawing and rank functions live here too, so that its cells show the result
 and the asserts that settle it: `plot_shards` (a weight and its column/row shards),
 `block_layout` and `plot_tp_block` (where f and g sit, drawn from a real tp model's
-modules), `vocab_loss` (the vocabulary-parallel loss beside gathering the logits, bytes
-counted on picolib's rings) and `norm_inputs` (what a block's norms receive under TP and SP).
+modules) and `norm_inputs` (what a block's norms receive under TP and SP).
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from ..style import COLLECTIVES, PARALLELISM, rank_color
 from ..tensor_parallel import kv_heads_per_rank
 
 __all__ = ["LLAMA3", "layer_bytes", "tp_layer_bytes", "plot_shards", "block_layout",
-           "plot_tp_block", "vocab_loss", "norm_inputs"]
+           "plot_tp_block", "norm_inputs"]
 
 # hidden, query heads, KV heads, ffn_hidden, layers (published Llama 3 configurations)
 LLAMA3 = {"Llama-3-8B": (4096, 32, 8, 14336, 32),
@@ -181,28 +180,6 @@ def plot_tp_block(layouts, head_dim: int):
                  f"MLP (SwiGLU), tp = {tp}: f → gate, up (column) → silu(gate)·up → down (row) → g",
                  "silu(gate)·up\non its features", head_dim)
     return fig
-
-
-def vocab_loss(logits, targets):
-    """On a rank: the vocabulary-parallel cross-entropy of this rank's slice of `logits`,
-    and, for comparison, the logits gathered whole; both under `Ledger(rings=True)`, so the
-    bytes are counted as sent on picolib's rings. Returns (loss, gradient of the slice, the
-    loss's ledger, the gather's ledger, whether the gathered logits equal `logits`)."""
-    import torch.distributed as dist
-
-    from .. import comm
-    from ..tensor_parallel import gather_from_tp
-    from ..vocab_parallel import vocab_parallel_cross_entropy
-
-    r, n = dist.get_rank(), dist.get_world_size()
-    v = logits.shape[-1]
-    local = logits.chunk(n, -1)[r].clone().requires_grad_()
-    with comm.Ledger(rings=True) as loss_led:
-        loss = vocab_parallel_cross_entropy(local, targets, vocab_start=r * v // n)
-    with comm.Ledger(rings=True) as gather_led:
-        gathered = gather_from_tp(local.detach())
-    loss.backward()
-    return loss.item(), local.grad, loss_led, gather_led, bool((gathered == logits).all())
 
 
 def norm_inputs(cfg, tokens, sequence_parallel: bool) -> dict:

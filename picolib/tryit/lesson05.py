@@ -4,8 +4,6 @@ sequence parallelism.
     saved_bytes(tp, seq, sp, hidden, ffn_hidden, n_heads, batch)   # the number
     saved_bytes_bars(tp, seq, sp)                                   # the knob cell (bars)
     saved_per_layer_figure(measured, one, s, b, h, f, a)           # §2's figure
-    layer_timeline(sp, cfg, unit)         # §4: one block's forward, op by op, on tp ranks
-    layer_timeline_figure(spans)          # §4's figure: TP above TP+SP, one time axis
     plan_640(tp, sp, seq, ...)            # §8: the 640-H100 plan of the Llama-3-70B sizing
     max_seq(tp, sp, ...), max_micro_batch_size(tp, sp, seq, ...)   # §8: what fits in 0.9 × 80 GB
 
@@ -19,7 +17,7 @@ from ..sequence_parallel import activation_bytes_per_layer
 from ..style import OPS, PARALLELISM
 
 __all__ = ["SHAPE", "MODE_COLORS", "saved_bytes", "saved_bytes_bars", "saved_per_layer_figure",
-           "layer_timeline", "layer_timeline_figure", "plan_640", "max_seq", "max_micro_batch_size"]
+           "plan_640", "max_seq", "max_micro_batch_size"]
 
 # TP's colour for TP; TP+SP a darker green (the same family: TP, further split); the
 # gathered variant in between; one process grey
@@ -92,71 +90,6 @@ def saved_per_layer_figure(measured: dict, one: int, s: int, b: int, h: int, f: 
     ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.set_title("saved activations per rank: measured (bars), adapted formula (black ticks)")
     plt.tight_layout(); plt.show()
-
-
-def layer_timeline_figure(spans: dict):
-    """Lesson 05 §4: the merged spans of `layer_timeline` (`spans[sp]`), TP above TP+SP on one
-    time axis; norms and residuals in the step colour, attention and MLP in the forward's."""
-    import matplotlib.pyplot as plt
-
-    from ..timeline import makespan, plot_gantt
-
-    longest = max(makespan(ev) for ev in spans.values())
-    colors = {"norm": OPS["step"], "residual": OPS["step"], "attention": OPS["F"], "MLP": OPS["F"]}
-    fig, axes = plt.subplots(2, 1, figsize=(10, 4.8))
-    for ax, sp in zip(axes, (False, True)):
-        plot_gantt(spans[sp], ax=ax, unit="ms", xmax=longest, colors=colors,
-                   title=f"block 0 forward, {'TP+SP' if sp else 'TP'} (tp = 2, emulated costs)")
-    plt.tight_layout(); plt.show()
-
-
-def layer_timeline(sp: bool, cfg, unit: float, b: int = 2, s: int = 32):
-    """Lesson 05 §4, run on each of the tp ranks: one forward of block 0 taken apart op by op
-    (norm, the collective entering the region under SP, attention or MLP, the collective
-    leaving it, residual), each span sleeping a chosen cost in units of `unit` seconds
-    (norms and residual in proportion to the tokens a rank holds). Asserts the result equals
-    the block's own forward; returns (timeline events, (collectives, bytes sent by this rank,
-    counted on picolib's rings))."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from .. import comm
-    from ..mappings import Region
-    from ..model import TinyLlama
-    from ..sequence_parallel import gather_sequence, reduce_scatter_sequence, split_sequence
-    from ..tensor_parallel import apply_tensor_parallel, reduce_from_tp
-    from ..timeline import Timeline
-
-    tp = dist.get_world_size()
-    torch.manual_seed(0)
-    model = apply_tensor_parallel(TinyLlama(cfg), sequence_parallel=sp)
-    blk, (cos, sin) = model.blocks[0], model.rope(range(s))
-    x = torch.randn(b, s, cfg.hidden)
-    x = split_sequence(x) if sp else x
-    expected = blk(x, cos, sin)
-    for m in (blk.attn, blk.mlp):                             # take the borders out of the regions
-        m.region = Region(lambda y, ws, g: [F.linear(y, w) for w in ws], lambda y, g: y, sp)
-    frac = 1 / tp if sp else 1.0
-    leave, leave_name, leave_cost = ((reduce_scatter_sequence, "reduce-scatter", 1.5) if sp
-                                     else (reduce_from_tp, "all-reduce", 3.0))
-    tl = Timeline()
-    with torch.no_grad(), comm.Ledger(rings=True) as led:   # bytes counted as sent
-        for i, (norm, region) in enumerate(((blk.attn_norm, lambda y: blk.attn(y, cos, sin)),
-                                            (blk.mlp_norm, blk.mlp))):
-            with tl.span("norm", cost=2 * unit * frac):
-                y = norm(x)
-            if sp:
-                with tl.span("all-gather", lane="comm", cost=1.5 * unit):
-                    y = gather_sequence(y)
-            with tl.span("attention" if i == 0 else "MLP", cost=6 * unit):
-                y = region(y)
-            with tl.span(leave_name, lane="comm", cost=leave_cost * unit):
-                y = leave(y)
-            with tl.span("residual", cost=1 * unit * frac):
-                x = x + y
-    assert torch.allclose(x, expected, atol=1e-6)             # the same block output
-    return tl.events, (led.count(), led.measured_total())
 
 
 def plan_640(tp: int, sp: bool, seq: int, recompute: str = "none", micro_batch_size: int = 1,

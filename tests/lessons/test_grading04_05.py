@@ -538,3 +538,87 @@ def test_sp_norm_weight_grad_needs_the_argument_eps():
     assert "or " not in info.value.details.split("eps left out")[0]
     with fails("weight gradient: eps taken as 1e-5, not the argument eps = 0.001"):
         check_sp_norm_weight_grad(norm_grad_eps_written_in)
+
+
+# ---------------------------------------------------------------- issue 60: hints that fit every case
+
+def column_shard_one_rank_off(w, r, n):
+    """Wrong: rank r takes rank r+1's rows (at 2 ranks that looks like reversed ranks)."""
+    return _checked_split(w, (r + 1) % n, n, 0)
+
+
+def row_shard_by_columns(w, r, n):
+    """Right, written differently: the columns picked one by one and stacked."""
+    if w.shape[1] % n:
+        raise ValueError(f"{w.shape[1]} input features over {n} ranks")
+    k = w.shape[1] // n
+    return torch.stack([w[:, c] for c in range(r * k, (r + 1) * k)], dim=1)
+
+
+def test_shards_hint_only_what_fits_every_case():
+    check_shards(lambda w, r, n: _checked_split(w, r, n, 0), row_shard_by_columns)
+    with pytest.raises(ExerciseFailed) as info:
+        check_shards(column_shard_one_rank_off, lambda w, r, n: _checked_split(w, r, n, 1))
+    assert "reverse order" not in info.value.details and "column_shard(W (8, 12), rank 0, world 4)" in info.value.details
+
+
+class CopySkippingOnOneRank(torch.autograd.Function):
+    """Wrong: f's backward all-reduces on rank 0 of the group only."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        if dist.get_rank(ctx.group) == 0:
+            comm.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def test_a_deadlock_in_f_backward_is_pointed_at_f_backward(no_leftover_workers, monkeypatch):
+    monkeypatch.setattr(grading_core, "TIMEOUT", 2.0)
+    check_conjugate_pair(CopyByAddition, _ReduceFromRegion)            # right, written differently
+    with fails("a deadlock") as info:
+        check_conjugate_pair(CopySkippingOnOneRank, _ReduceFromRegion)
+    assert re.search(r"rank 0 was waiting in backward, line \d+: comm.all_reduce", info.value.details), info.value.details
+    assert "waiting in forward" not in info.value.details
+
+
+def loss_max_summed(local, targets, vocab_start, group=None):
+    """Wrong: the max all-reduced with op="sum"."""
+    m = local.detach().amax(-1)
+    comm.all_reduce(m, op="sum", group=group)
+    sum_exp, target = _loss_parts(local, targets, vocab_start, group, m)
+    return (sum_exp.log() - target).mean()
+
+
+def loss_one_max_for_all_tokens(local, targets, vocab_start, group=None):
+    """Wrong: one max for the whole tensor, not one per token."""
+    m = local.detach().max().expand(targets.shape).clone()
+    comm.all_reduce(m, op="max", group=group)
+    sum_exp, target = _loss_parts(local, targets, vocab_start, group, m)
+    return (sum_exp.log() - target).mean()
+
+
+def loss_by_local_logsumexp(local, targets, vocab_start, group=None):
+    """Right, written differently: the max per token, then torch.logsumexp's exponentials summed
+    over the ranks."""
+    from picolib.tensor_parallel import reduce_from_tp
+    m = local.detach().amax(-1, keepdim=True)
+    comm.all_reduce(m, op="max", group=group)
+    z = local - m
+    total = reduce_from_tp(torch.logsumexp(z, -1).exp(), group)
+    idx = (targets - vocab_start).unsqueeze(-1)
+    mine = (idx >= 0) & (idx < local.shape[-1])
+    target = reduce_from_tp(torch.where(mine, z.gather(-1, idx.clamp(0, local.shape[-1] - 1)), 0.0), group)
+    return (total.log() - target.squeeze(-1)).mean()
+
+
+@pytest.mark.parametrize("wrong", [loss_max_summed, loss_one_max_for_all_tokens])
+def test_the_overflow_hint_only_for_an_overflow(wrong):
+    check_vocab_parallel_loss(loss_by_local_logsumexp)
+    with pytest.raises(ExerciseFailed) as info:
+        check_vocab_parallel_loss(wrong)
+    assert "overflows" not in info.value.details, info.value.details

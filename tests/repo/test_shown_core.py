@@ -38,6 +38,22 @@ CORE: dict[str, dict[str, list[str]]] = {
     "09_expert_parallel": {"MoE dispatch/combine": ["picolib.moe.Router.forward", "picolib.moe.sort_by_expert",
                                                     "picolib.moe.MoE.dispatch_combine",
                                                     "picolib.expert_parallel.dispatch_combine"]},
+    "04_tensor_parallel": {
+        "TP column/row and the f/g pair": [
+            "picolib.tensor_parallel.ColumnParallelLinear.forward",
+            "picolib.tensor_parallel.RowParallelLinear.forward",
+            "picolib.mappings._CopyToRegion", "picolib.mappings._ReduceFromRegion",
+            "picolib.tensor_parallel.ParallelAttention._kv", "picolib.mappings._CopyToReplicas"],
+        "vocab-parallel embedding and loss": [
+            "picolib.vocab_parallel.VocabParallelEmbedding.forward",
+            "picolib.vocab_parallel.vocab_parallel_cross_entropy"],
+    },
+    "05_sequence_parallel": {
+        "SP": ["picolib.mappings._AllGatherToRegion", "picolib.mappings._ReduceScatterToRegion",
+               "picolib.sequence_parallel.sequence_parallel_region",
+               "picolib.sequence_parallel.SequenceParallelRMSNorm.forward",
+               "picolib.tensor_parallel.ParallelSwiGLU.forward"],
+    },
 }
 
 
