@@ -70,8 +70,7 @@ def shard_sequence(x: torch.Tensor, layout: str, rank: int, n: int, dim: int = 1
 # ------------------------------------------------------------------ the core: ring attention
 
 def ring_attention_forward(q, k, v, group=None, layout: str = "zigzag", work=None, timeline=None):
-    """(output, lse) of this rank's queries against the K/V blocks of every rank. Each of N
-    steps posts the hop of the block held, attends to it, merges, and takes the next block."""
+    """(output, lse) of this rank's queries against every rank's K/V, passed round the ring."""
     n, me, right, left = ring_neighbours(group)
     mine = chunk_ids(layout, me, n)                  # this rank's query chunks
     qs = q.chunk(len(mine), 2)
@@ -94,8 +93,7 @@ def ring_attention_forward(q, k, v, group=None, layout: str = "zigzag", work=Non
 
 
 def ring_attention_backward(do, q, k, v, out, lse, group=None, layout: str = "zigzag"):
-    """(dq, dk, dv): K/V go around the ring again; each block's dK/dV travels one hop behind
-    it, every rank adding its queries' share, and a last hop brings each rank its own."""
+    """(dq, dk, dv): K/V go round the ring again, each block's dK/dV one hop behind it."""
     n, me, right, left = ring_neighbours(group)
     mine = chunk_ids(layout, me, n)
     delta = (do * out).sum(-1)                       # Δ = rowsum(dO ∘ O), one per query
@@ -122,8 +120,7 @@ def ring_attention_backward(do, q, k, v, out, lse, group=None, layout: str = "zi
 # ------------------------------------------------------------------ the core: all-gather K/V, Ulysses
 
 def allgather_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | None = None):
-    """Llama 3's variant: all-gather K and V (one collective; backward: reduce-scatter of
-    dK/dV), then attend locally to all of them."""
+    """Llama 3's variant: all-gather K/V (backward: reduce-scatter dK/dV), attend locally."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
     kv = all_gather_to_region(torch.stack((k, v)), 3, group)   # (2, b, kv, s, d), rank order
     all_ids = [i for r in range(n) for i in chunk_ids(layout, r, n)]
@@ -131,8 +128,7 @@ def allgather_attention(q, k, v, group=None, layout: str = "zigzag", work: dict 
 
 
 def seq_to_heads(x, group=None):
-    """(b, h, s/N, d) → (b, h/N, s, d): send head group j to rank j, receive every rank's
-    tokens of this rank's heads (one all-to-all); tokens end in rank order."""
+    """(b, h, s/N, d) → (b, h/N, s, d) by one all-to-all; tokens end in rank order."""
     n = dist.get_world_size(group)
     b, h, m, d = x.shape
     send = x.reshape(b, n, h // n, m, d).movedim(1, 0).contiguous()   # send[j]: head group j
@@ -152,9 +148,7 @@ def heads_to_seq(x, group=None):
 
 
 def ulysses_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | None = None):
-    """DeepSpeed-Ulysses: all-to-all from sequence-sharded to head-sharded, attention over
-    the whole sequence for a/N heads, all-to-all back. K/V heads that do not divide by N are
-    repeated to the query heads first."""
+    """DeepSpeed-Ulysses: all-to-all to a/N heads of all tokens, attention, all-to-all back."""
     n, a = dist.get_world_size(group), q.shape[1]
     if a % n:
         raise ValueError(f"Ulysses splits {a} query heads over {n} ranks: they must divide")

@@ -24,6 +24,15 @@ NOT_CORE = ("picolib.tryit", "picolib.grading", "picolib.source")
 
 # lesson -> technique -> the functions (module-qualified) whose source the lesson shows
 CORE: dict[str, dict[str, list[str]]] = {
+    "06_context_parallel": {
+        "ring attention (forward and backward)": ["picolib.blockwise_attention.merge",
+                                                  "picolib.context_parallel.ring_attention_forward",
+                                                  "picolib.context_parallel.ring_attention_backward"],
+        "zig-zag": ["picolib.context_parallel.chunk_ids", "picolib.blockwise_attention.visible"],
+        "all-gather K/V": ["picolib.context_parallel.allgather_attention"],
+        "Ulysses": ["picolib.context_parallel.seq_to_heads", "picolib.context_parallel.heads_to_seq",
+                    "picolib.context_parallel.ulysses_attention"],
+    },
 }
 
 
