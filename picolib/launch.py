@@ -19,7 +19,8 @@ The contract (lesson 00 shows each part):
   (no port to pick, no name lookup), so two notebooks running at once never collide;
 - a rank that raises becomes a `WorkerError` in the caller, naming the rank and carrying
   its traceback; a rank that dies without a word (killed, crashed) is named with the
-  signal that ended it, even when its peers' errors arrive first;
+  signal that ended it, even when its peers' errors arrive first, and with its C/C++ code's
+  last words on stderr (gloo's "collective mismatch" before it aborts);
 - a run that does not finish in `timeout` seconds becomes a `WorkerTimeout` that shows
   where each stuck rank was; an interrupt (the notebook's stop button) ends every rank;
 - no rank, nothing a rank started, and not the server outlives the caller;
