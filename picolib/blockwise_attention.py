@@ -35,7 +35,7 @@ import torch
 
 from .model import repeat_kv, upcast
 
-__all__ = ["merge", "block_forward", "block_backward", "add_block_grads", "visible",
+__all__ = ["merge", "block_forward", "block_backward", "add_block_grads", "visible", "visible_pairs",
            "unmasked_scores", "count",
            "ChunkedAttention", "chunked_attention"]
 
@@ -46,18 +46,10 @@ def visible(q_id: int, k_id: int) -> str | None:
     return "full" if k_id < q_id else "diagonal" if k_id == q_id else None
 
 
-def unmasked_scores(kind: str, c: int) -> int:
-    """Query-key pairs a c×c block really uses: c² for a full block, c(c+1)/2 on the diagonal."""
-    return c * c if kind == "full" else c * (c + 1) // 2
-
-
-def _scores(q, k, diagonal: bool):
-    s = upcast(q) @ upcast(k).transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if diagonal:
-        c = s.shape[-1]
-        future = torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(future, float("-inf"))
-    return s
+def visible_pairs(q_ids, k_ids) -> list[tuple[int, int, str]]:
+    """(a, b, kind) for query chunk q_ids[a] against key chunk k_ids[b], the masked pairs left out."""
+    return [(a, b, visible(i, j)) for a, i in enumerate(q_ids) for b, j in enumerate(k_ids)
+            if visible(i, j)]
 
 
 def block_forward(q, k, v, diagonal: bool):
@@ -76,12 +68,6 @@ def merge(o, lse, o_blk, lse_blk):
     return o, lse
 
 
-def _sum_groups(g, kv_heads: int):
-    """(b, kv·n_rep, c, d) → (b, kv, c, d): a key head's gradient is the sum over its queries."""
-    b, a, c, d = g.shape
-    return g.view(b, kv_heads, a // kv_heads, c, d).sum(2)
-
-
 def block_backward(do, q, k, v, lse, delta, diagonal: bool):
     """Gradients (dq, dk, dv) of one block, from the output gradient `do` (fp32), the
     saved lse and Δ = rowsum(dO ∘ O) of the query rows."""
@@ -93,6 +79,28 @@ def block_backward(do, q, k, v, lse, delta, diagonal: bool):
     dq = ds @ k_rep
     dk = _sum_groups(ds.transpose(-2, -1) @ upcast(q), kv)
     return dq, dk, dv
+
+
+# ------------------------------------------------------------------ the machinery
+
+def unmasked_scores(kind: str, c: int) -> int:
+    """Query-key pairs a c×c block really uses: c² for a full block, c(c+1)/2 on the diagonal."""
+    return c * c if kind == "full" else c * (c + 1) // 2
+
+
+def _scores(q, k, diagonal: bool):
+    s = upcast(q) @ upcast(k).transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if diagonal:
+        c = s.shape[-1]
+        future = torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(future, float("-inf"))
+    return s
+
+
+def _sum_groups(g, kv_heads: int):
+    """(b, kv·n_rep, c, d) → (b, kv, c, d): a key head's gradient is the sum over its queries."""
+    b, a, c, d = g.shape
+    return g.view(b, kv_heads, a // kv_heads, c, d).sum(2)
 
 
 class ChunkedAttention(torch.autograd.Function):

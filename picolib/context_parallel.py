@@ -39,31 +39,136 @@ import torch.nn as nn
 from . import comm
 from .comm import ring_neighbours
 from .blockwise_attention import (add_block_grads, block_forward, chunked_attention, count, merge,
-                                  unmasked_scores, visible)
+                                  unmasked_scores, visible_pairs)
 from .mappings import all_gather_to_region
 from .mesh import dim_group
 from .model import AttentionCore, LlamaConfig, TinyLlama, repeat_kv, upcast
 
 __all__ = ["LAYOUTS", "ALGORITHMS", "chunk_len", "chunk_ids", "positions", "shard_sequence",
-           "unshard_sequence", "check_context_parallel", "ring_attention", "allgather_attention",
-           "ulysses_attention", "ContextParallelAttention", "apply_context_parallel",
+           "unshard_sequence", "check_context_parallel", "ring_attention", "ring_attention_forward",
+           "ring_attention_backward", "post_hop", "allgather_attention", "seq_to_heads",
+           "heads_to_seq", "ulysses_attention", "ContextParallelAttention", "apply_context_parallel",
            "ring_step_cost"]
 
 LAYOUTS = ("contiguous", "zigzag")
 ALGORITHMS = ("ring", "allgather", "ulysses")
 
 
-# ------------------------------------------------------------------ layouts
+# ------------------------------------------------------------------ the core: layouts
+
+def chunk_ids(layout: str, rank: int, n: int) -> list[int]:
+    """The chunks rank `rank` of `n` holds: [r] of n (contiguous), [r, 2n−1−r] of 2n (zigzag)."""
+    return [rank] if _layout(layout) == "contiguous" else [rank, 2 * n - 1 - rank]
+
+
+def shard_sequence(x: torch.Tensor, layout: str, rank: int, n: int, dim: int = 1) -> torch.Tensor:
+    """The tokens rank `rank` holds of `x` (its chunks along `dim`, concatenated)."""
+    c = chunk_len(layout, n, x.shape[dim])
+    return torch.cat([x.narrow(dim, i * c, c) for i in chunk_ids(layout, rank, n)], dim)
+
+
+# ------------------------------------------------------------------ the core: ring attention
+
+def ring_attention_forward(q, k, v, group=None, layout: str = "zigzag", work=None, timeline=None):
+    """(output, lse) of this rank's queries against every rank's K/V, passed round the ring."""
+    n, me, right, left = ring_neighbours(group)
+    mine = chunk_ids(layout, me, n)                  # this rank's query chunks
+    qs = q.chunk(len(mine), 2)
+    o = [qc.new_zeros(qc.shape, dtype=upcast(qc).dtype) for qc in qs]   # running output and
+    lse = [oc.new_full(oc.shape[:-1], float("-inf")) for oc in o]       # lse of each chunk
+    kv = torch.stack((k, v))                         # this rank's K and V: one message per hop
+    for step in range(n):
+        src = (me - step) % n                        # whose K/V this rank holds now
+        if step < n - 1:
+            hop = post_hop(kv, right, left, group)   # send it right, receive the left's (async)
+        theirs = chunk_ids(layout, src, n)
+        ks, vs = kv[0].chunk(len(theirs), 2), kv[1].chunk(len(theirs), 2)
+        pairs = visible_pairs(mine, theirs)          # (query chunk, key chunk, kind), unmasked
+        with _attend(timeline, work, pairs, qs, step=step, src=src):
+            for a, b, kind in pairs:
+                merge(o[a], lse[a], *block_forward(qs[a], ks[b], vs[b], kind == "diagonal"))
+        if step < n - 1:
+            kv = hop.wait(timeline, step=step)       # the next block has arrived
+    return torch.cat(o, 2), torch.cat(lse, 2)
+
+
+def ring_attention_backward(do, q, k, v, out, lse, group=None, layout: str = "zigzag"):
+    """(dq, dk, dv): K/V go round the ring again, each block's dK/dV one hop behind it."""
+    n, me, right, left = ring_neighbours(group)
+    mine = chunk_ids(layout, me, n)
+    delta = (do * out).sum(-1)                       # Δ = rowsum(dO ∘ O), one per query
+    dq = torch.zeros_like(q, dtype=do.dtype)
+    kv, dkv_hop = torch.stack((k, v)), None
+    for step in range(n):
+        src = (me - step) % n                        # whose K/V this rank holds now
+        if step < n - 1:
+            kv_hop = post_hop(kv, right, left, group)
+        dkv = torch.zeros_like(kv, dtype=do.dtype)   # this rank's share of src's dK/dV
+        add_block_grads(do, q, kv[0], kv[1], lse, delta, mine, chunk_ids(layout, src, n),
+                        dq, dkv[0], dkv[1])
+        if dkv_hop is not None:                      # plus the shares of the ranks src passed
+            dkv += dkv_hop.wait()
+        if n > 1:                                    # pass src's dK/dV on, behind its K/V
+            dkv_hop = post_hop(dkv, right, left, group)
+        if step < n - 1:
+            kv = kv_hop.wait()
+    if dkv_hop is not None:
+        dkv = dkv_hop.wait()                         # the last hop: this rank's own block
+    return dq, dkv[0], dkv[1]
+
+
+# ------------------------------------------------------------------ the core: all-gather K/V, Ulysses
+
+def allgather_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | None = None):
+    """Llama 3's variant: all-gather K/V (backward: reduce-scatter dK/dV), attend locally."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    kv = all_gather_to_region(torch.stack((k, v)), 3, group)   # (2, b, kv, s, d), rank order
+    all_ids = [i for r in range(n) for i in chunk_ids(layout, r, n)]
+    return chunked_attention(q, kv[0], kv[1], chunk_ids(layout, me, n), all_ids, work)
+
+
+def seq_to_heads(x, group=None):
+    """(b, h, s/N, d) → (b, h/N, s, d) by one all-to-all; tokens end in rank order."""
+    n = dist.get_world_size(group)
+    b, h, m, d = x.shape
+    send = x.reshape(b, n, h // n, m, d).movedim(1, 0).contiguous()   # send[j]: head group j
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, group=group)                          # recv[j]: rank j's tokens
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * m, d)
+
+
+def heads_to_seq(x, group=None):
+    """(b, h/N, s, d) → (b, h, s/N, d): the inverse all-to-all."""
+    n = dist.get_world_size(group)
+    b, hn, s, d = x.shape
+    send = x.reshape(b, hn, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()   # send[j]: j's tokens
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, group=group)                          # recv[j]: head group j
+    return recv.movedim(0, 1).reshape(b, n * hn, s // n, d)
+
+
+def ulysses_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | None = None):
+    """DeepSpeed-Ulysses: all-to-all to a/N heads of all tokens, attention, all-to-all back."""
+    n, a = dist.get_world_size(group), q.shape[1]
+    if a % n:
+        raise ValueError(f"Ulysses splits {a} query heads over {n} ranks: they must divide")
+    if k.shape[1] % n:
+        k, v = repeat_kv(k, a // k.shape[1]), repeat_kv(v, a // k.shape[1])
+    kv_heads = k.shape[1]
+    # one all-to-all for all three: head group j of q, k and v side by side goes to rank j
+    qkv = torch.cat([t.unflatten(1, (n, t.shape[1] // n)) for t in (q, k, v)], 2).flatten(1, 2)
+    q, k, v = _SeqHeads.apply(qkv, group, True).split((a // n, kv_heads // n, kv_heads // n), 1)
+    all_ids = [i for r in range(n) for i in chunk_ids(layout, r, n)]   # the sequence, rank order
+    out = chunked_attention(q, k, v, all_ids, all_ids, work)           # a/N heads, all tokens
+    return _SeqHeads.apply(out, group, False)
+
+
+# ------------------------------------------------------------------ layouts: checks and inverses
 
 def _layout(layout: str) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; known: {list(LAYOUTS)}")
     return layout
-
-
-def chunk_ids(layout: str, rank: int, n: int) -> list[int]:
-    """The chunks rank `rank` of `n` holds: [r] of n (contiguous), [r, 2n−1−r] of 2n (zigzag)."""
-    return [rank] if _layout(layout) == "contiguous" else [rank, 2 * n - 1 - rank]
 
 
 def chunk_len(layout: str, n: int, seq: int) -> int:
@@ -80,12 +185,6 @@ def positions(layout: str, rank: int, n: int, seq: int) -> torch.Tensor:
     """Positions (for RoPE) of the tokens rank `rank` holds of a `seq`-token sequence."""
     c = chunk_len(layout, n, seq)
     return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_ids(layout, rank, n)])
-
-
-def shard_sequence(x: torch.Tensor, layout: str, rank: int, n: int, dim: int = 1) -> torch.Tensor:
-    """The tokens rank `rank` holds of `x` (its chunks along `dim`, concatenated)."""
-    c = chunk_len(layout, n, x.shape[dim])
-    return torch.cat([x.narrow(dim, i * c, c) for i in chunk_ids(layout, rank, n)], dim)
 
 
 def unshard_sequence(parts: list[torch.Tensor], layout: str, dim: int = 1) -> torch.Tensor:
@@ -114,42 +213,47 @@ def check_context_parallel(cfg: LlamaConfig, cp: int, algorithm: str = "ring",
         chunk_len(layout, cp, seq)
 
 
-# ------------------------------------------------------------------ ring attention
+# ------------------------------------------------------------------ ring attention: the machinery
 
-def _hop(buf, right, left, group):
+class _Hop:
+    """A posted hop: `buf` on its way to the right neighbour, the left one's arriving."""
+
+    def __init__(self, buf, right, left, group):
+        self.t0 = time.perf_counter()
+        self.incoming = torch.empty_like(buf)
+        self.work = comm.exchange([(buf, right)], [(self.incoming, left)], group, async_op=True)
+
+    def wait(self, timeline=None, **meta):
+        """The block that arrived (a `Timeline` records the hop as "kv", posting to arrival)."""
+        if timeline is None:
+            self.work.wait()
+        else:
+            timeline.wait("kv", self.work, self.t0, **meta)
+        return self.incoming
+
+
+def post_hop(buf, right, left, group) -> _Hop:
     """Post: send `buf` to the right neighbour, receive the left one's into a new buffer."""
-    incoming = torch.empty_like(buf)
-    return comm.exchange([(buf, right)], [(incoming, left)], group, async_op=True), incoming
+    return _Hop(buf, right, left, group)
+
+
+def _attend(timeline, work, pairs, qs, **meta):
+    """Count a step's blocks into `work`; a `Timeline` records the step as "attn", its emulated
+    cost per (s/N)² unmasked scores, any layout."""
+    c, local = qs[0].shape[2], sum(qc.shape[2] for qc in qs)
+    for *_, kind in pairs:
+        count(work, kind, c)
+    if timeline is None:
+        return nullcontext()
+    units = sum(unmasked_scores(kind, c) for *_, kind in pairs) / local ** 2
+    return timeline.span("attn", size=units, **meta)     # emulated cost: emulate["attn"] × units
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, work, timeline):
-        n, me, right, left = ring_neighbours(group)
-        mine = chunk_ids(layout, me, n)
-        qs = q.chunk(len(mine), 2)
-        o = [qc.new_zeros(qc.shape, dtype=upcast(qc).dtype) for qc in qs]
-        lse = [oc.new_full(oc.shape[:-1], float("-inf")) for oc in o]
-        kv = torch.stack((k, v))                 # one message per hop
-        for step in range(n):
-            src = (me - step) % n                # whose K/V this rank holds now
-            if step < n - 1:
-                t0 = time.perf_counter()
-                work_, incoming = _hop(kv, right, left, group)
-            theirs = chunk_ids(layout, src, n)
-            pairs = [(a, b, visible(i, j)) for a, i in enumerate(mine) for b, j in enumerate(theirs)
-                     if visible(i, j)]
-            c = q.shape[2] // len(mine)          # emulated cost: per (s/N)² scores, any layout
-            units = sum(unmasked_scores(kind, c) for *_, kind in pairs) / q.shape[2] ** 2
-            with _span(timeline, "attn", units, step=step, src=src):
-                ks, vs = kv[0].chunk(len(theirs), 2), kv[1].chunk(len(theirs), 2)
-                for a, b, kind in pairs:
-                    merge(o[a], lse[a], *block_forward(qs[a], ks[b], vs[b], kind == "diagonal"))
-                    count(work, kind, qs[a].shape[2])
-            if step < n - 1:
-                _wait(timeline, "kv", work_, t0, step=step)
-                kv = incoming
-        out, lse = torch.cat(o, 2).to(q.dtype), torch.cat(lse, 2)
+        out, lse = ring_attention_forward(q, k, v, group, layout, work, timeline)
+        out = out.to(q.dtype)
         ctx.group, ctx.layout = group, layout
         ctx.save_for_backward(q, k, v, out, lse)  # this rank's K/V only: one block
         return out
@@ -157,45 +261,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout = ctx.group, ctx.layout
-        n, me, right, left = ring_neighbours(group)
-        mine = chunk_ids(layout, me, n)
-        do = upcast(dout)
-        delta = (do * upcast(out)).sum(-1)
-        dq = torch.zeros_like(q, dtype=do.dtype)
-        kv, arriving = torch.stack((k, v)), None
-        for step in range(n):
-            src = (me - step) % n
-            if step < n - 1:
-                kv_work, incoming = _hop(kv, right, left, group)
-            theirs = chunk_ids(layout, src, n)
-            dkv = torch.zeros_like(kv, dtype=do.dtype)   # this rank's share of src's dK/dV
-            add_block_grads(do, q, kv[0], kv[1], lse, delta, mine, theirs, dq, dkv[0], dkv[1])
-            if arriving is not None:             # the shares of the ranks src has passed
-                arriving[0].wait()
-                dkv += arriving[1]
-            if n > 1:                            # pass src's dK/dV on, one hop behind its K/V
-                arriving = _hop(dkv, right, left, group)
-            if step < n - 1:
-                kv_work.wait()
-                kv = incoming
-        if arriving is not None:                 # the last hop brings this rank's own block home
-            arriving[0].wait()
-            dkv = arriving[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
-
-
-def _span(timeline, name, units, **meta):
-    if timeline is None:
-        return nullcontext()
-    return timeline.span(name, size=units, **meta)     # emulated cost: emulate[name] × units
-
-
-def _wait(timeline, name, work, t0, **meta):
-    if timeline is None:
-        work.wait()
-    else:
-        timeline.wait(name, work, t0, **meta)
+        dq, dk, dv = ring_attention_backward(upcast(dout), q, k, v, upcast(out), lse,
+                                             ctx.group, ctx.layout)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | None = None,
@@ -207,37 +275,7 @@ def ring_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | Non
     return _RingAttention.apply(q, k, v, group, layout, work, timeline)
 
 
-# ------------------------------------------------------------------ all-gather K/V, Ulysses
-
-def allgather_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | None = None):
-    """Llama 3's variant: all-gather K and V (one collective; backward: reduce-scatter of
-    dK/dV), then attend locally to all of them."""
-    n, me = dist.get_world_size(group), dist.get_rank(group)
-    kv = all_gather_to_region(torch.stack((k, v)), 3, group)   # (2, b, kv, s, d), rank order
-    all_ids = [i for r in range(n) for i in chunk_ids(layout, r, n)]
-    return chunked_attention(q, kv[0], kv[1], chunk_ids(layout, me, n), all_ids, work)
-
-
-def _seq_to_heads(x, group):
-    """(b, h, s/N, d) → (b, h/N, s, d): send head group j to rank j, receive every rank's
-    tokens of this rank's heads (one all-to-all); tokens end in rank order."""
-    n = dist.get_world_size(group)
-    b, h, m, d = x.shape
-    send = x.reshape(b, n, h // n, m, d).movedim(1, 0).contiguous()
-    recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, group=group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * m, d)
-
-
-def _heads_to_seq(x, group):
-    """(b, h/N, s, d) → (b, h, s/N, d): the inverse all-to-all."""
-    n = dist.get_world_size(group)
-    b, hn, s, d = x.shape
-    send = x.reshape(b, hn, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, group=group)
-    return recv.movedim(0, 1).reshape(b, n * hn, s // n, d)
-
+# ------------------------------------------------------------------ Ulysses: the autograd wrapper
 
 class _SeqHeads(torch.autograd.Function):
     """Sequence-sharded → head-sharded (`to_heads`) or back; the backward is the other way."""
@@ -245,29 +283,12 @@ class _SeqHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, to_heads: bool):
         ctx.group, ctx.to_heads = group, to_heads
-        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
+        return (seq_to_heads if to_heads else heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        back = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        back = heads_to_seq if ctx.to_heads else seq_to_heads
         return back(grad.contiguous(), ctx.group), None, None
-
-
-def ulysses_attention(q, k, v, group=None, layout: str = "zigzag", work: dict | None = None):
-    """DeepSpeed-Ulysses: all-to-all from sequence-sharded to head-sharded, attention over
-    the whole sequence for a/N heads, all-to-all back. K/V heads that do not divide by N are
-    repeated to the query heads first."""
-    n, a = dist.get_world_size(group), q.shape[1]
-    if a % n:
-        raise ValueError(f"Ulysses splits {a} query heads over {n} ranks: they must divide")
-    if k.shape[1] % n:
-        k, v = repeat_kv(k, a // k.shape[1]), repeat_kv(v, a // k.shape[1])
-    kv_heads = k.shape[1]
-    # one all-to-all for all three: head group j of q, k and v side by side goes to rank j
-    qkv = torch.cat([t.unflatten(1, (n, t.shape[1] // n)) for t in (q, k, v)], 2).flatten(1, 2)
-    q, k, v = _SeqHeads.apply(qkv, group, True).split((a // n, kv_heads // n, kv_heads // n), 1)
-    all_ids = [i for r in range(n) for i in chunk_ids(layout, r, n)]
-    return _SeqHeads.apply(chunked_attention(q, k, v, all_ids, all_ids, work), group, False)
 
 
 # ------------------------------------------------------------------ the transform

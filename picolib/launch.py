@@ -19,7 +19,8 @@ The contract (lesson 00 shows each part):
   (no port to pick, no name lookup), so two notebooks running at once never collide;
 - a rank that raises becomes a `WorkerError` in the caller, naming the rank and carrying
   its traceback; a rank that dies without a word (killed, crashed) is named with the
-  signal that ended it, even when its peers' errors arrive first;
+  signal that ended it, even when its peers' errors arrive first, and with its C/C++ code's
+  last words on stderr (gloo's "collective mismatch" before it aborts);
 - a run that does not finish in `timeout` seconds becomes a `WorkerTimeout` that shows
   where each stuck rank was; an interrupt (the notebook's stop button) ends every rank;
 - no rank, nothing a rank started, and not the server outlives the caller;
@@ -288,10 +289,12 @@ def _restarting(step, *args):
 
 
 class _Rank:
-    """The caller's view of one rank: its pipe, its status pipe, its stack file."""
+    """The caller's view of one rank: its pipe, its status pipe, its stack file, the file
+    its C/C++ code writes to as stderr."""
 
-    def __init__(self, rank, conn, status, stack):
+    def __init__(self, rank, conn, status, stack, stderr=None):
         self.rank, self.conn, self.status, self.stack = rank, conn, status, stack
+        self.stderr = stderr
         self.pid: int | None = None
         self.exit_code: int | None = None  # set once the server reports it
         self.exited = False
@@ -300,10 +303,10 @@ class _Rank:
     def start(cls, rank, payload) -> "_Rank":
         ours, theirs = mpc.Pipe(duplex=True)
         status_r, status_w = os.pipe()
-        r = cls(rank, ours, status_r, tempfile.TemporaryFile("w+b"))
+        r = cls(rank, ours, status_r, tempfile.TemporaryFile("w+b"), tempfile.TemporaryFile("w+b"))
         try:
-            r.pid = _SERVER.spawn(rank, status_w,
-                                  [theirs.fileno(), r.stack.fileno(), payload.fileno()])
+            r.pid = _SERVER.spawn(rank, status_w, [theirs.fileno(), r.stack.fileno(),
+                                                   payload.fileno(), r.stderr.fileno()])
         except BaseException:
             r.close()
             raise
@@ -329,12 +332,25 @@ class _Rank:
                  if ln.strip()]
         return f"--- rank {self.rank} was here ---\n" + with_source("\n".join(lines[:12]), index)
 
+    def stderr_text(self) -> str:
+        """What the rank's C/C++ code wrote to stderr (Python's stderr travels on the pipe)."""
+        if self.stderr is None or self.stderr.closed:
+            return ""
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace")
+
     def close(self) -> None:
         self.conn.close()
         if self.status >= 0:
             os.close(self.status)
             self.status = -1
         self.stack.close()
+        if self.stderr is not None:
+            text = self.stderr_text()
+            if text.strip():      # where it went before it was captured: the caller's fd 2
+                os.write(2, "".join(f"[rank {self.rank}] {line}\n"
+                                    for line in text.rstrip().splitlines()).encode())
+            self.stderr.close()
 
 
 _FRAME_LINE = re.compile(r'^(\s*)File "([^"]+)", line (\d+)')
@@ -436,8 +452,25 @@ def _death(r: _Rank) -> str:
         why = {signal.SIGKILL: " (out of memory? killed by someone?)",
                signal.SIGSEGV: " (a crash in C or C++ code)",
                signal.SIGABRT: " (a C/C++ assertion or abort())"}.get(sig, "")
-        return f"the process was killed by {sig.name}: {signal.strsignal(sig)}{why}"
-    return f"the process exited with code {code} without returning a result"
+        return f"the process was killed by {sig.name}: {signal.strsignal(sig)}{why}{_last_words(r)}"
+    return f"the process exited with code {code} without returning a result{_last_words(r)}"
+
+
+_ENFORCE = re.compile(r"^\[enforce fail at [^\]]*\]\s*")
+
+
+def _last_words(r: _Rank) -> str:
+    """What a rank that died wrote to stderr from C/C++ before it went: an uncaught C++
+    exception's `what()` (gloo's "... Is there a distributed collective mismatch in your
+    code?"), else its last line; "" when it wrote nothing."""
+    lines = [ln.strip() for ln in r.stderr_text().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    thrown = next((ln for ln in lines if ln.startswith("terminate called after throwing")), "")
+    what = next((ln.split("what():", 1)[1].strip() for ln in lines if "what():" in ln), "")
+    kind = re.search(r"instance of '([^']+)'", thrown)
+    said = _ENFORCE.sub("", what) if what else lines[-1]
+    return f"; it wrote: {kind[1] + ': ' if kind else ''}{said}"
 
 
 def _collect(ranks: list[_Rank], timeout: float, index: dict | None = None) -> list[Any]:

@@ -127,10 +127,16 @@ def _describe(e: BaseException) -> tuple[str, str]:
     return line, tb
 
 
-def rank_main(rank: int, conn_fd: int, stack_fd: int, payload_fd: int) -> int:
-    """A rank's life, in the process the fork server just forked. Returns the exit code."""
+def rank_main(rank: int, conn_fd: int, stack_fd: int, payload_fd: int,
+              stderr_fd: int | None = None) -> int:
+    """A rank's life, in the process the fork server just forked. Returns the exit code.
+    `stderr_fd`: a file for what C/C++ code writes to fd 2 (gloo's last words before an
+    abort), which the caller reads when the rank dies without a Python error."""
     global _IN_WORKER
     _IN_WORKER = True
+    if stderr_fd is not None:
+        os.dup2(stderr_fd, 2)
+        os.close(stderr_fd)
     torch.set_num_threads(1)
     conn = mpc.Connection(conn_fd)
     faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=False)

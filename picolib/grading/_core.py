@@ -86,8 +86,14 @@ _PEER_NOT_IN_GROUP = re.compile(r"(global|group) rank -?\d+ is not part of (the 
                                 r"|rank -?\d+ is out of (range|bounds)", re.IGNORECASE)
 
 
+_RUN_NOTE = re.compile(r"^picolib\.grading: (in the .*)$", re.MULTILINE)
+
+
 def _error_message(e: WorkerError) -> str:
     first = str(e).split("\n")[0]
+    run_ = _RUN_NOTE.search(e.remote_traceback)
+    if run_:
+        first += f" — {run_[1]}"
     frames = _student_frames(e.remote_traceback)
     last = e.remote_traceback.strip().splitlines()[-1:] or [first]
     msg = first if not frames else f"{first}\n  raised {_where(frames)}"
@@ -104,7 +110,7 @@ def run_student(worker, world_size: int, *args, name: str = "your function",
     student's source line."""
     timeout = TIMEOUT if timeout is None else timeout
     try:
-        return run(worker, world_size, *args, timeout=timeout, **kwargs)
+        return run(_naming_the_run, world_size, worker, *args, timeout=timeout, **kwargs)
     except WorkerTimeout as e:
         message = _timeout_message(e, name, world_size, timeout)
     except WorkerError as e:
@@ -117,9 +123,30 @@ def run_student(worker, world_size: int, *args, name: str = "your function",
                          message.split("\n")[1:]) from None
 
 
+_RUN = None   # on a rank: "world" or "group", which run of a check this is (set by my_group)
+
+
+def _naming_the_run(worker, *args, **kwargs):
+    """On a rank: `worker(*args, **kwargs)`; an error it raises after `my_group` says which run
+    it came from, the world's or the sub-groups' (a note in its traceback)."""
+    global _RUN
+    _RUN = None
+    try:
+        return worker(*args, **kwargs)
+    except Exception as e:
+        if _RUN == "group":
+            e.add_note(f"picolib.grading: in the sub-group run (4 ranks as the groups "
+                       f"{' and '.join(map(str, SUBGROUPS))})")
+        elif _RUN == "world":
+            e.add_note(f"picolib.grading: in the world run ({dist.get_world_size()} ranks, group=None)")
+        raise
+
+
 def my_group(split: bool):
     """On a rank: None (the world) or, when `split`, this rank's group of `SUBGROUPS` (every
     rank creates every group, as torch.distributed requires)."""
+    global _RUN
+    _RUN = "group" if split else "world"
     if not split:
         return None
     from ..mesh import Mesh
@@ -235,7 +262,7 @@ def diagnose(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6,
     neither fits."""
     g, e = got.double().flatten(), expected.double().flatten()
     big = e.abs() > atol
-    if big.any():
+    if big.any() and (g.abs() > atol).any():        # all zeros: no factor to speak of
         ratio = (g[big] / e[big]).median().item()
         if abs(ratio - 1) > 1e-3 and torch.allclose(g, ratio * e, atol=atol, rtol=rtol):
             whole = round(ratio) if abs(ratio - round(ratio)) < 1e-3 else None

@@ -263,14 +263,15 @@ _MATMULS = [(989e12, 3.35e12, 2), (2.25e15, 8e12, 2), (1979e12, 3.35e12, 1), (67
 def check_critical_rows(fn) -> None:
     """`fn(peak, bandwidth, elem) -> rows`: the fewest rows B of x for x[B, D] @ W[D, F] (D, F
     large, so the weight's bytes dominate) to reach the ridge: 2BDF FLOPs over elem·DF bytes
-    reaches peak / bandwidth when B ≥ elem · peak / (2 · bandwidth) — a whole number of rows,
-    so the fewest is its ceiling (295.2 → 296 for an H100 in bf16)."""
+    reaches peak / bandwidth when B ≥ elem · peak / (2 · bandwidth) — rows are a count, and the
+    course's rule (stated in the exercise, shared with lesson 11's exercise 5) rounds a count up:
+    its ceiling (295.2 → 296 for an H100 in bf16); exactly that is accepted."""
     answers = [(a, call_student(fn, *a)) for a in _MATMULS]
     rows = lambda c, w, e: e * c / (2 * w)
     up = lambda bound: (lambda c, w, e: (bound(c, w, e), math.ceil(bound(c, w, e))))  # raw or whole
     rules = {
-        "not a whole number: B counts rows — the fewest whole rows at or above "
-        "elem·peak / (2·bandwidth) is its ceiling (295.2 → 296)": rows,
+        "not a whole number: B counts rows, and a count is rounded up (the statement's rule) — "
+        "the ceiling of elem·peak / (2·bandwidth) (295.2 → 296)": rows,
         "rounded to the nearest: 295 rows fall short of 295.2 — the fewest whole rows that reach "
         "the ridge is the ceiling, 296": lambda c, w, e: round(rows(c, w, e)),
         "rounded down: ⌊B⌋ rows stay below the ridge — round up (ceil)":

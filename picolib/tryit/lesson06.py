@@ -4,12 +4,12 @@
     score_grid(n, layout)            # the knob cell: the matrix, blocks coloured by rank
 
 Both read the layout from `picolib.context_parallel.chunk_ids` and the mask from
-`picolib.blockwise_attention.visible`; tests/lessons/test_tryit_06.py checks `work_per_rank`
+`picolib.blockwise_attention.visible` (the code lesson 06 §3 shows); tests/lessons/test_tryit_06.py checks `work_per_rank`
 against the blocks a real ring counts on its ranks.
 """
 from __future__ import annotations
 
-from ..blockwise_attention import unmasked_scores, visible
+from ..blockwise_attention import unmasked_scores, visible, visible_pairs
 from ..context_parallel import LAYOUTS, chunk_len, chunk_ids
 from ..style import rank_color
 
@@ -19,10 +19,9 @@ __all__ = ["work_per_rank", "score_grid"]
 def work_per_rank(n: int, layout: str = "zigzag", seq: int = 256) -> list[int]:
     """Unmasked scores (query-key pairs) rank r computes in causal attention over `seq`
     tokens cut over `n` ranks in `layout`: rank r's query chunks against every key chunk."""
-    c = chunk_len(layout, n, seq)
-    all_ids = [j for r in range(n) for j in chunk_ids(layout, r, n)]
-    return [sum(unmasked_scores(kind, c) for i in chunk_ids(layout, r, n) for j in all_ids
-                if (kind := visible(i, j))) for r in range(n)]
+    c, all_ids = chunk_len(layout, n, seq), [j for r in range(n) for j in chunk_ids(layout, r, n)]
+    return [sum(unmasked_scores(kind, c) for *_, kind in visible_pairs(chunk_ids(layout, r, n), all_ids))
+            for r in range(n)]
 
 
 def score_grid(n: int = 4, layout: str = "zigzag", seq: int = 1680, ax=None) -> dict:

@@ -47,6 +47,23 @@ def test_merge_check():
         check_merge_partials(not_written)
 
 
+def merge_by_softmax(o1, lse1, o2, lse2):
+    """Right, written differently: the two weights are a softmax over (lse₁, lse₂)."""
+    w = torch.stack((lse1, lse2)).softmax(0).unsqueeze(-1)
+    return w[0] * o1 + w[1] * o2, torch.stack((lse1, lse2)).logsumexp(0)
+
+
+def test_a_cast_gets_the_cast_hint_not_the_formula_hint():
+    """06.1 (issue 60): a dtype cast was told its formula is wrong."""
+    check_merge_partials(merge_by_softmax)
+    with fails("o is torch.float32 and lse is torch.float32, the inputs torch.float64 — a cast") as info:
+        check_merge_partials(lambda *a: tuple(t.float() for t in merge(*a)))
+    assert "normalised by its own" not in info.value.details
+    with fails("right to about 7 digits only") as info:     # float32 inside, float64 returned
+        check_merge_partials(lambda *a: tuple(t.double() for t in merge(*(x.float() for x in a))))
+    assert "normalised by its own" not in info.value.details
+
+
 def zigzag(rank, n, seq):
     c = seq // (2 * n)
     return list(range(rank * c, (rank + 1) * c)) + list(range((2 * n - 1 - rank) * c, (2 * n - rank) * c))

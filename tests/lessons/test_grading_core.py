@@ -46,3 +46,35 @@ def test_a_flattened_model_is_compared_parameter_by_parameter():
     (line,) = compare_parameters("weights", got, want, model)
     assert line.startswith("weights: 1 of 11 values wrong, the first 1.weight[0, 0]: got"), line
     assert compare_parameters("weights", want, want, model) == []
+
+
+def test_all_zeros_get_no_factor_hint():
+    """A result never written (all 0, or −0) is not "off by the same factor 0/−0"; beside it a
+    right answer written differently (float64, from a mean) passes."""
+    want = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    for zeros in (torch.zeros(4), -torch.zeros(4)):
+        assert diagnose(zeros, want) == ""
+        (line,) = compare("grad", zeros, want)
+        assert "factor" not in line and line.startswith("grad: 3 of 4 elements wrong"), line
+    assert compare("grad", torch.stack([want, want]).double().mean(0), want) == []
+
+
+def _shapes(split, slip):
+    """A worker whose reshape is wrong only in the run `slip` names ("world" or "group")."""
+    import torch.distributed as dist
+    from picolib.grading._core import my_group
+    group = my_group(split)
+    x = torch.ones(2 * dist.get_world_size(group))
+    wrong = slip == ("group" if split else "world")
+    return x.view(-1, 5).sum().item() if wrong else x.view(2, -1).sum().item()
+
+
+def test_an_error_on_a_rank_names_the_run_it_came_from():
+    import pytest
+    from picolib.grading._core import ExerciseFailed, run_student
+    with pytest.raises(ExerciseFailed, match=r"in the sub-group run \(4 ranks as the groups \[0, 2\] and \[1, 3\]\)"):
+        run_student(_shapes, 4, True, "group")
+    with pytest.raises(ExerciseFailed, match=r"in the world run \(3 ranks, group=None\)"):
+        run_student(_shapes, 3, False, "world")
+    assert run_student(_shapes, 4, True, "world") == [4.0] * 4      # right in that run: passes
+    assert run_student(_shapes, 3, False, "group") == [6.0] * 3

@@ -62,7 +62,7 @@ def test_fine_grained_fp8_scales_survive_an_outlier():
 
 def test_a_short_fp8_run_tracks_bf16():
     from picolib.tryit.lesson12 import fp8_runs
-    runs = fp8_runs(steps=20, modes=("bf16", "fp8, 1×128 tiles"))
+    runs = fp8_runs(steps=20, runs={"bf16": None, "fp8, 1×128 tiles": ("tile", "e4m3")})
     late = {m: sum(l[-5:]) / 5 for m, l in runs.items()}
     assert runs["bf16"][0] - late["bf16"] > 1.5
     assert abs(late["fp8, 1×128 tiles"] - late["bf16"]) < 0.02

@@ -122,6 +122,31 @@ def test_a_rank_that_dies_silently_is_named_not_a_peer(how, words):
         assert words in str(info.value)
 
 
+def _mismatched_collectives(order):
+    """Two ranks disagree on the collective: "sizes", rank 0 all-reduces 4 numbers where rank 1
+    all-reduces 8; "order", both call the same two all-reduces in opposite orders."""
+    sizes = {"sizes": [4 if dist.get_rank() == 0 else 8], "order": [4, 8][::1 - 2 * dist.get_rank()]}
+    for n in sizes[order]:
+        dist.all_reduce(torch.ones(n))
+
+
+@pytest.mark.parametrize("order", ["sizes", "order"])
+def test_a_collective_mismatch_is_named_in_gloos_own_words(order):
+    """gloo aborts the process (SIGABRT) after writing why to fd 2: the error names it, not
+    only the signal."""
+    with pytest.raises(WorkerError) as info:
+        run(_mismatched_collectives, 2, order, timeout=30)
+    first = str(info.value).split("\n")[0]
+    assert "SIGABRT" in first and "collective mismatch" in first, first
+    assert "gloo::EnforceNotMet" in first and ("4 vs 8" in first or "8 vs 4" in first), first
+
+
+def test_a_silent_abort_adds_no_words():
+    with pytest.raises(WorkerError) as info:
+        run(_die, 2, "abort", 1, timeout=30)
+    assert "SIGABRT" in str(info.value) and "it wrote" not in str(info.value)
+
+
 def test_an_exception_whose_str_raises_keeps_its_traceback():
     class Nasty(Exception):
         def __str__(self):

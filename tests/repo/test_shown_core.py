@@ -53,6 +53,14 @@ CORE: dict[str, dict[str, list[str]]] = {
                "picolib.sequence_parallel.sequence_parallel_region",
                "picolib.sequence_parallel.SequenceParallelRMSNorm.forward",
                "picolib.tensor_parallel.ParallelSwiGLU.forward"],
+    "06_context_parallel": {
+        "ring attention (forward and backward)": ["picolib.blockwise_attention.merge",
+                                                  "picolib.context_parallel.ring_attention_forward",
+                                                  "picolib.context_parallel.ring_attention_backward"],
+        "zig-zag": ["picolib.context_parallel.chunk_ids", "picolib.blockwise_attention.visible"],
+        "all-gather K/V": ["picolib.context_parallel.allgather_attention"],
+        "Ulysses": ["picolib.context_parallel.seq_to_heads", "picolib.context_parallel.heads_to_seq",
+                    "picolib.context_parallel.ulysses_attention"],
     },
 }
 
