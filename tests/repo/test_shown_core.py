@@ -53,6 +53,7 @@ CORE: dict[str, dict[str, list[str]]] = {
                "picolib.sequence_parallel.sequence_parallel_region",
                "picolib.sequence_parallel.SequenceParallelRMSNorm.forward",
                "picolib.tensor_parallel.ParallelSwiGLU.forward"],
+    },
     "06_context_parallel": {
         "ring attention (forward and backward)": ["picolib.blockwise_attention.merge",
                                                   "picolib.context_parallel.ring_attention_forward",
