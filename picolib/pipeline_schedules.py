@@ -260,7 +260,13 @@ class Schedule:
         return [s for s, r in enumerate(self.stage_ranks) if r == rank]
 
     def chunk(self, stage: int) -> int:
-        return self.stages_of(self.stage_ranks[stage]).index(stage)
+        """The stage's chunk on its rank: chunk 0 is the stage the data reaches first on that
+        rank (the stage of its first op), chunk 1 the next (DualPipe's ranks p/2..p−1 meet
+        their up stage first)."""
+        rank = self.stage_ranks[stage]
+        order = list(dict.fromkeys(op.stage for op in self.ops[rank]))
+        order += [s for s in self.stages_of(rank) if s not in order]
+        return order.index(stage)
 
 
 
