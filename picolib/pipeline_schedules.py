@@ -121,9 +121,8 @@ def zb_h1(p: int, m: int) -> Schedule:
 
 
 def dualpipev_rank(p: int, m: int, r: int, stage: tuple, mbs: tuple):
-    """Rank r's op list in DualPipeV (p ranks, m micro-batches), DeepSeek's eight phases, and
-    the positions of its overlapped F&B pairs. Chunk c is stage `stage[c]` with micro-batches
-    `mbs[c]` (DualPipe reuses this with its own stages)."""
+    """Rank r's op list in DualPipeV (p ranks, m micro-batches) and the positions of its F&B
+    pairs; chunk c is stage `stage[c]`, micro-batches `mbs[c]` (DualPipe passes its own)."""
     seq, pairs, f, b, wq = [], set(), [0, 0], [0, 0], deque()   # wq: the W's still to run
 
     def F(c):                                       # chunk c's next forward
@@ -171,9 +170,8 @@ def dualpipev_rank(p: int, m: int, r: int, stage: tuple, mbs: tuple):
 
 
 def dualpipev(p: int, m: int) -> Schedule:
-    """DualPipeV (DeepSeek, the "cut-in-half" DualPipe): 2p stages folded into a V; rank r holds
-    stage r (chunk 0, going down) and stage 2p−1−r (chunk 1, coming back up). Needs m ≥ 2p.
-    Its idle time: `idle_formula`."""
+    """DualPipeV (DeepSeek's "cut-in-half" DualPipe): 2p stages folded into a V, rank r holds
+    stage r (chunk 0, going down) and 2p−1−r (chunk 1, coming back up). Needs m ≥ 2p."""
     ops, overlap = [], []
     for r in range(p):
         seq, pairs = dualpipev_rank(p, m, r, (r, 2 * p - 1 - r), (range(m), range(m)))
