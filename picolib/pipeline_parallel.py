@@ -1,27 +1,28 @@
 """Pipeline parallelism: cut the tiny Llama into stages and run any schedule on real ranks
-(lesson 07).
+(lessons 07 and 07b).
 
     sched = make_schedule("1f1b", p, m)                       # pipeline_schedules.py: plain data
     stages = schedule_stages(model, sched)                    # split_stages(model, p·v) mostly
     out = run_schedule(sched, my_stages, tokens_mb, targets_mb, timeline=tl)   # on every rank
 
-The executor walks this rank's op list. F receives the input activation (or takes the
-tokens), runs the stage, keeps what backward needs and sends the output on; BW runs the
-full backward and sends ∂L/∂x back. The split backward is the zero-bubble one:
-B = torch.autograd.grad w.r.t. the input (and the cheap norm weights) only — autograd then
-skips every ∂L/∂W matmul — while hooks keep each Linear's input x and output gradient g;
-W = the skipped matmuls, ∂L/∂W = gᵀx, later. (The first stage has no input gradient: its B
-is empty and its W the whole backward.) Figures use cost emulation (picolib.timeline).
+The file opens with its core, `Executor`: one rank walks its op list and runs each op. F
+receives the input activation (or takes the tokens), runs the stage, keeps what backward
+needs and sends the output on; BW receives ∂L/∂y, backpropagates it and sends ∂L/∂x back.
+The split backward (lesson 07b): B = `torch.autograd.grad` w.r.t. the input (and the few
+weights that are not a Linear's) — autograd then skips every Linear's ∂L/∂W matmul — while
+hooks keep each Linear's input x and output gradient g; W = the skipped matmuls, ∂L/∂W = gᵀx,
+later. (The first stage has no input gradient: its B is empty and its W the whole backward.)
 
-Messages: sends are eager — each is posted with a non-blocking `comm.isend` in program
-order, so a rank never waits for its receiver; receives are posted ahead (`comm.irecv`, the
-next two of each sender), so a message lands as it arrives and the op that needs it waits
-only if it has not. Activations and their
-gradients have the same shape, so the messages between two ranks form one FIFO: the receiver knows the
+The machinery follows. Messages (`_Mailbox`): sends are eager — each is posted with a
+non-blocking `comm.isend` in program order, so a rank never waits for its receiver; receives
+are posted ahead (`comm.irecv`, the next two of each sender), so a message lands as it
+arrives and the op that needs it waits only if it has not. Activations and their gradients
+have the same shape, so the messages between two ranks form one FIFO: the receiver knows the
 sender's op list and takes messages in the sender's order, keeping any that arrive before
 they are needed. With this model `pipeline_simulator.validate` predicts exactly which
 schedules deadlock (a message must never wait behind one to another rank — with blocking
-sends torch's interleaved zero-bubble schedule hangs).
+sends torch's interleaved zero-bubble schedule hangs). Figures use cost emulation
+(picolib.timeline): `run_schedule` hands the executor a span per op.
 
 Two pipelines (DualPipe): each direction runs its own copy of the model, so a layer's
 gradient is the sum over its two copies; `schedule_stages` builds both copies' stages from
@@ -46,9 +47,171 @@ from .parallel_layout import ZERO3_PIPELINE, stage_ranges
 from .pipeline_schedules import Schedule
 from .pipeline_simulator import validate
 
-__all__ = ["partition", "split_stages", "schedule_stages", "run_schedule", "stage_grads", "backward_weights",
-           "accumulate_grads", "pair_gradient_groups"]
+__all__ = ["Executor", "partition", "split_stages", "schedule_stages", "run_schedule", "stage_grads",
+           "backward_weights", "accumulate_grads", "pair_gradient_groups"]
 
+
+class Executor:
+    """One rank's part of a schedule: `run` walks its op list; `mail` carries the messages,
+    `span(op)` times an op. Built by `run_schedule`."""
+
+    def run(self):
+        """Every op of this rank, in the schedule's order; returns this rank's part of the loss."""
+        handler = {"F": self.forward, "BW": self.backward,
+                   "B": self.backward_input, "W": self.backward_weight}
+        for i, op in enumerate(self.ops):
+            if op.kind != "F":
+                self.sync_gradients(i, op)
+            handler[op.kind](op)
+            self.mail.flush()                   # the op's sends leave now
+        return self.loss
+
+    def forward(self, op):
+        """F: receive the input activation (the first stage: the tokens), run the stage, keep
+        x and y for backward, send y on (the last stage: add its share of the loss)."""
+        s, mb = op.stage, op.mb
+        if self.sched.is_first(s):
+            x = self.tokens[mb]
+        else:
+            x = self.mail.recv("act", s, mb).requires_grad_()   # a leaf: backward fills x.grad
+        with self.span(op), self.record_linears(op) as linears:
+            y = self.stages[s](x)
+            if self.sched.is_last(s):
+                y = self.loss_fns[s](y, self.targets[mb]) / self.sched.n_micro
+                self.loss = y.detach() if self.loss is None else self.loss + y.detach()
+            else:
+                self.mail.send("act", self.sched.next_stage(s), mb, y.detach())
+        self.saved[(s, mb)] = (x, y, linears)
+
+    def backward(self, op):
+        """BW: receive ∂L/∂y (the last stage: y is the loss), backpropagate through the stage —
+        its weight gradients accumulate in .grad — and send ∂L/∂x back."""
+        s, mb = op.stage, op.mb
+        x, y, _ = self.saved.pop((s, mb))
+        dy = None if self.sched.is_last(s) else self.mail.recv("grad", s, mb)
+        with self.span(op):
+            torch.autograd.backward(y, dy)
+            if not self.sched.is_first(s):
+                self.mail.send("grad", self.sched.prev_stage(s), mb, x.grad)
+
+    def backward_input(self, op):
+        """B: only ∂L/∂x, what the previous stage waits for. autograd.grad w.r.t. x and the
+        weights no hook recorded (the norms) skips every Linear's ∂L/∂W; the hooks keep g."""
+        s, mb = op.stage, op.mb
+        x, y, linears = self.saved[(s, mb)]
+        dy = None if self.sched.is_last(s) else self.mail.recv("grad", s, mb)
+        with self.span(op):
+            if self.sched.is_first(s):          # no ∂L/∂x to send: W runs the whole backward
+                self.saved[(s, mb)] = (x, y, dy)
+                return
+            recorded = {id(linear.weight) for linear, _, _ in linears}
+            rest = [w for w in self.stages[s].parameters() if id(w) not in recorded]
+            x.grad, *grads = torch.autograd.grad(y, [x] + rest, dy)
+            accumulate_grads(rest, grads)
+            self.mail.send("grad", self.sched.prev_stage(s), mb, x.grad)
+
+    def backward_weight(self, op):
+        """W: the weight gradients B skipped, gᵀx for each recorded Linear (the first stage:
+        its whole backward, with the ∂L/∂y its B kept)."""
+        x, y, linears_or_dy = self.saved.pop((op.stage, op.mb))
+        with self.span(op):
+            if self.sched.is_first(op.stage):
+                torch.autograd.backward(y, linears_or_dy)
+            else:
+                backward_weights(linears_or_dy)
+
+    # ------------------------------------------------------------------ machinery
+
+    def __init__(self, sched, stages, tokens, targets, mail, span=None, loss_fn=None,
+                 data_parallel=None):
+        self.sched, self.stages, self.mail = sched, stages, mail
+        self.tokens, self.targets, self.loss = tokens, targets, None
+        self.span = span or (lambda op: contextlib.nullcontext())
+        self.loss_fns = {s: loss_fn or st.loss_fn for s, st in stages.items()}
+        self.data_parallel = data_parallel or {}
+        self.recorders = {s: _LinearRecorder(st) for s, st in stages.items()}
+        self.ops = sched.ops[mail.me]
+        self.saved: dict = {}  # (stage, mb) -> (x, y, recorded Linears | B's ∂L/∂y on a first stage)
+        self.split = {(op.stage, op.mb) for op in self.ops if op.kind == "W"}
+        self.last_backward = {op.stage: i for i, op in enumerate(self.ops) if op.kind != "F"}
+
+    def record_linears(self, op):
+        """During F of a micro-batch whose backward is split (not on a first stage): the list
+        the stage's Linears are recorded into (else None)."""
+        on = (op.stage, op.mb) in self.split and not self.sched.is_first(op.stage)
+        return self.recorders[op.stage].recording(on)
+
+    def sync_gradients(self, i, op):
+        """A stage's gradients are final after its last backward op of the step: only that op
+        lets its DDP/ZeRO wrapper communicate."""
+        if op.stage in self.data_parallel:
+            self.data_parallel[op.stage].set_requires_gradient_sync(i == self.last_backward[op.stage])
+
+    def close(self):
+        for recorder in self.recorders.values():
+            recorder.remove()
+        for wrapper in self.data_parallel.values():
+            wrapper.set_requires_gradient_sync(True)
+
+
+def backward_weights(linears) -> None:
+    """W's matmuls: ∂L/∂W = gᵀx for every Linear recorded during a forward (input x) and its
+    B (output gradient g), accumulated into .grad."""
+    with torch.no_grad():
+        grads = [g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+                 for _, x, g in linears]
+    accumulate_grads([linear.weight for linear, _, _ in linears], grads)
+
+
+class _LinearRecorder:
+    """For the split backward: while `recording(True)` is open, every plain nn.Linear of the
+    stage that runs appends [module, input, output gradient] (the gradient arrives in B)."""
+
+    def __init__(self, stage: nn.Module):
+        self.linears = None
+        self.handles = [m.register_forward_hook(self._record)
+                        for m in stage.modules() if type(m) is nn.Linear]
+
+    @contextlib.contextmanager
+    def recording(self, on: bool):
+        self.linears = [] if on else None
+        try:
+            yield self.linears
+        finally:
+            self.linears = None
+
+    def _record(self, mod, args, out):
+        if self.linears is not None and out.requires_grad:
+            entry = [mod, args[0], None]
+            self.linears.append(entry)
+            out.register_hook(lambda g: entry.__setitem__(2, g))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+class _Into(torch.autograd.Function):
+    """A leaf's gradient, handed to autograd: its backward *is* the given gradient."""
+
+    @staticmethod
+    def forward(ctx, leaf, grad):
+        ctx.grad = grad
+        return leaf.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.grad, None
+
+
+def accumulate_grads(params, grads) -> None:
+    """params[i].grad += grads[i] — through autograd, never by assigning `.grad`, so every
+    hook that watches a gradient arrive (DDP's buckets, ZeRO's reduce-scatters) sees it."""
+    if params:
+        torch.autograd.backward([_Into.apply(p, g) for p, g in zip(params, grads, strict=True)])
+
+
+# --------------------------------------------------------------------------- the stages
 
 def partition(n_layers: int, n_stages: int, layer_costs=None) -> list[range]:
     """Contiguous layer ranges, one per stage. Without costs: the one stage split
@@ -128,53 +291,7 @@ def stage_grads(stage: nn.Module, model: TinyLlama) -> dict[str, torch.Tensor]:
             if id(p) in ids and p.grad is not None}
 
 
-class _LinearRecorder:
-    """For the split backward: while `capture` is a list, every plain nn.Linear of the
-    stage that runs records [module, input, output gradient] (the gradient arrives in B)."""
-
-    def __init__(self, stage: nn.Module):
-        self.capture = None
-        self.handles = [m.register_forward_hook(self._record)
-                        for m in stage.modules() if type(m) is nn.Linear]
-
-    def _record(self, mod, args, out):
-        if self.capture is not None and out.requires_grad:
-            entry = [mod, args[0], None]
-            self.capture.append(entry)
-            out.register_hook(lambda g: entry.__setitem__(2, g))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
-def backward_weights(captured) -> None:
-    """W: accumulate ∂L/∂W = gᵀx of every Linear recorded during a forward (after B)."""
-    with torch.no_grad():
-        grads = [g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-                 for _, x, g in captured]
-    accumulate_grads([mod.weight for mod, _, _ in captured], grads)
-
-
-class _Into(torch.autograd.Function):
-    """A leaf's gradient, handed to autograd: its backward *is* the given gradient."""
-
-    @staticmethod
-    def forward(ctx, leaf, grad):
-        ctx.grad = grad
-        return leaf.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _):
-        return ctx.grad, None
-
-
-def accumulate_grads(params, grads) -> None:
-    """params[i].grad += grads[i] — through autograd, never by assigning `.grad`, so every
-    hook that watches a gradient arrive (DDP's buckets, ZeRO's reduce-scatters) sees it."""
-    if params:
-        torch.autograd.backward([_Into.apply(p, g) for p, g in zip(params, grads, strict=True)])
-
+# --------------------------------------------------------------------------- running a schedule
 
 def _check_inputs(sched: Schedule, stages: dict, tokens, targets) -> None:
     """Clear errors for stages that do not fit the schedule and for micro-batches that do not
@@ -218,7 +335,7 @@ class _Mailbox:
     waits for a receiver); receives are posted AHEAD messages ahead on each sender's channel
     (`comm.irecv`); a receive takes the sender's messages in the sender's order, keeping any
     that come before they are needed; a message to a stage on this rank never leaves it.
-    `deliver` collects inside an op's span, `post` sends when the span ends (so emulated op
+    `send` collects inside an op's span, `flush` sends when the op ends (so emulated op
     costs are not overlapped by the sends)."""
 
     AHEAD = 2
@@ -241,7 +358,7 @@ class _Mailbox:
             buf = torch.empty(self.shape, device=self.like.device, dtype=self.like.dtype)
             self.posted[src].append((key, buf, comm.irecv(buf, self.glob(src), group=self.group)))
 
-    def take(self, kind, stage, mb):
+    def recv(self, kind, stage, mb):
         key, sr = (kind, stage, mb), self.sched.stage_ranks
         src = sr[self.sched.prev_stage(stage) if kind == "act" else self.sched.next_stage(stage)]
         while key not in self.inbox:
@@ -251,10 +368,10 @@ class _Mailbox:
             self._post_recv(src)
         return self.inbox.pop(key)
 
-    def deliver(self, kind, stage, mb, tensor):
+    def send(self, kind, stage, mb, tensor):
         self.outbox.append((kind, stage, mb, tensor))
 
-    def post(self):
+    def flush(self):
         for kind, stage, mb, tensor in self.outbox:
             dst = self.sched.stage_ranks[stage]
             if dst == self.me:
@@ -270,65 +387,6 @@ class _Mailbox:
             for work, _ in self.pending:
                 work.wait()
         self.pending.clear()
-
-
-class _Executor:
-    """The per-op handlers of one rank: F, and the backward ops BW, B and W."""
-
-    def __init__(self, sched, stages, tokens, targets, mailbox, loss_fn, data_parallel):
-        self.sched, self.stages, self.mail = sched, stages, mailbox
-        self.tokens, self.targets, self.loss_fn = tokens, targets, loss_fn
-        self.data_parallel, self.loss = data_parallel, None
-        self.recorders = {s: _LinearRecorder(st) for s, st in stages.items()}
-        ops = sched.ops[mailbox.me]
-        self.saved: dict = {}  # (stage, mb) -> (input, output, captured Linears | output grad)
-        self.split = {(op.stage, op.mb) for op in ops if op.kind == "W"}
-        self.last_backward = {op.stage: i for i, op in enumerate(ops) if op.kind != "F"}
-
-    def forward(self, op, span):
-        s, mb, sched = op.stage, op.mb, self.sched
-        first = sched.is_first(s)
-        x = self.tokens[mb] if first else self.mail.take("act", s, mb).requires_grad_()
-        recorder = self.recorders[s]
-        captured = recorder.capture = [] if (s, mb) in self.split and not first else None
-        with span:
-            y = self.stages[s](x)
-            recorder.capture = None
-            if sched.is_last(s):
-                loss_fn = self.loss_fn or self.stages[s].loss_fn
-                y = loss_fn(y, self.targets[mb]) / self.sched.n_micro
-                self.loss = y.detach() + (0 if self.loss is None else self.loss)
-            else:
-                self.mail.deliver("act", sched.next_stage(s), mb, y.detach())
-        self.mail.post()
-        self.saved[(s, mb)] = (x, y, captured)
-
-    def backward(self, i, op, span):
-        s, mb, sched = op.stage, op.mb, self.sched
-        first = sched.is_first(s)
-        x, y, captured = self.saved[(s, mb)]
-        dy = None if sched.is_last(s) or op.kind == "W" else self.mail.take("grad", s, mb)
-        if s in self.data_parallel:  # every gradient of the stage is final after its last op
-            self.data_parallel[s].set_requires_gradient_sync(i == self.last_backward[s])
-        with span:
-            if op.kind == "BW":
-                torch.autograd.backward(y, dy)
-            elif op.kind == "B" and not first:   # input (and norm) grads; hooks keep g
-                linear = {id(e[0].weight) for e in captured}
-                rest = [p for p in self.stages[s].parameters() if id(p) not in linear]
-                x.grad, *gs = torch.autograd.grad(y, [x] + rest, dy)
-                accumulate_grads(rest, gs)
-            elif op.kind == "B":              # first stage: no input gradient
-                self.saved[(s, mb)] = (x, y, dy)
-            elif not first:                   # W: the weight matmuls B skipped
-                backward_weights(captured)
-            else:
-                torch.autograd.backward(y, captured)  # the first stage's W: all of backward
-            if op.kind in ("B", "BW") and not first:
-                self.mail.deliver("grad", sched.prev_stage(s), mb, x.grad)
-        self.mail.post()
-        if op.kind != "B":
-            del self.saved[(s, mb)]
 
 
 def _check_data_parallel(data_parallel: dict, stages: dict) -> None:
@@ -370,26 +428,19 @@ def run_schedule(sched: Schedule, stages: dict, tokens, targets, timeline=None,
     first = stages[min(stages)]
     mail = _Mailbox(sched, me, glob, group, first.hidden_shape(*tokens[0].shape),
                     like=next(first.parameters()))  # receive buffers: the stage's device, dtype
-    run = _Executor(sched, stages, tokens, targets, mail, loss_fn, data_parallel)
 
     def span(op):
         if timeline is None:
             return contextlib.nullcontext()
         return timeline.span(op.kind, mb=op.mb, stage=op.stage, chunk=sched.chunk(op.stage))
 
+    run = Executor(sched, stages, tokens, targets, mail, span, loss_fn, data_parallel)
     ok = False
     try:
         with measure if measure is not None else contextlib.nullcontext():
-            for i, op in enumerate(sched.ops[me]):
-                if op.kind == "F":
-                    run.forward(op, span(op))
-                else:
-                    run.backward(i, op, span(op))
+            loss = run.run()
         ok = True
     finally:
         mail.close(wait=ok)
-        for recorder in run.recorders.values():
-            recorder.remove()
-        for wrapper in data_parallel.values():
-            wrapper.set_requires_gradient_sync(True)
-    return {"loss": run.loss}
+        run.close()
+    return {"loss": loss}

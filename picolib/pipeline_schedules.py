@@ -23,8 +23,9 @@ other, the simulator can time them as one chunk.
 The generators: `afab` (GPipe), `one_f_one_b`, `interleaved_1f1b`, `zb_h1` (the Zero Bubble
 paper's hand-made ZB-H1), `zb_greedy` (B, then F, then W, whichever is ready), `dualpipev`,
 `dualpipe`; `make_schedule(name, p, m, v)` checks the numbers first; `idle_formula` and
-`bubble_formula` are the published closed forms. Checking a schedule and playing it on ideal
-devices is `pipeline_simulator.py`; running it on real ranks, `pipeline_parallel.py`.
+`bubble_formula` are the published closed forms. The generators open the file; the
+`Schedule` record follows them. Checking a schedule and playing it on ideal devices is
+`pipeline_simulator.py`; running it on real ranks, `pipeline_parallel.py`.
 """
 from __future__ import annotations
 
@@ -45,6 +46,166 @@ class Op:
     def __repr__(self):
         return f"{self.kind}(s{self.stage},mb{self.mb})"
 
+
+# --------------------------------------------------------------------------- the generators
+
+def afab(p: int, m: int) -> Schedule:
+    """All forward, all backward (GPipe): every rank runs F0..F(m−1), then BW0..BW(m−1)."""
+    ops = [[Op("F", r, i) for i in range(m)] + [Op("BW", r, i) for i in range(m)] for r in range(p)]
+    return Schedule("afab", m, tuple(range(p)), ops)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B: rank r warms up with p−1−r forwards, then alternates one F and one BW, then
+    drains the backwards. At most p−r micro-batches wait for their backward on rank r."""
+    ops = []
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        seq = [Op("F", r, i) for i in range(warm)]
+        for i in range(m - warm):
+            seq += [Op("F", r, warm + i), Op("BW", r, i)]
+        seq += [Op("BW", r, i) for i in range(m - warm, m)]
+        ops.append(seq)
+    return Schedule("1f1b", m, tuple(range(p)), ops)
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): rank r holds v chunks, stages
+    r, r+p, r+2p, ... 1F1B's loop over the rank's m·v chunk-ops: forwards go in rounds of p
+    micro-batches through chunk 0, then chunk 1, ...; backwards in the same rounds from the
+    last chunk down. Needs m to divide by p."""
+    def forward(k, r):                          # rank r's k-th forward
+        chunk, mb = (k // p) % v, (k // (p * v)) * p + k % p
+        return Op("F", chunk * p + r, mb)
+
+    def backward(k, r):                         # rank r's k-th backward: chunks in reverse
+        chunk, mb = v - 1 - (k // p) % v, (k // (p * v)) * p + k % p
+        return Op("BW", chunk * p + r, mb)
+
+    ops = []
+    for r in range(p):
+        warm = min((p - 1 - r) * 2 + (v - 1) * p, m * v)
+        seq = [forward(k, r) for k in range(warm)]
+        for i in range(m * v - warm):
+            seq += [forward(warm + i, r), backward(i, r)]
+        seq += [backward(i, r) for i in range(m * v - warm, m * v)]
+        ops.append(seq)
+    return Schedule("interleaved", m, tuple(s % p for s in range(p * v)), ops)
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §2.1): 1F1B with the
+    backward split into B (∂L/∂x) and W (∂L/∂W), rank r's W's started r micro-batches late
+    (lesson 07b §1). Idle per rank (p−1)(F+B−W) for W ≤ B; at most p micro-batches alive."""
+    ops = []
+    for r in range(p):
+        seq, n = [], {"F": 0, "B": 0, "W": 0}     # ops of each kind so far: the next one's mb
+
+        def run(*kinds):
+            for kind in kinds:
+                seq.append(Op(kind, r, n[kind]))
+                n[kind] += 1
+
+        for _ in range(min(p - r, m)):          # warm-up: 1F1B's p−1−r forwards and one more
+            run("F")
+        for _ in range(min(r, m - n["F"])):     # r rounds of B F: the W's start r late
+            run("B", "F")
+        while n["F"] < m:                       # steady state
+            run("B", "W", "F")
+        while n["B"] < m:                       # drain the backwards
+            run("B", "W")
+        while n["W"] < m:                       # the deferred W's fill the tail
+            run("W")
+        ops.append(seq)
+    return Schedule("zb_h1", m, tuple(range(p)), ops)
+
+
+def dualpipev_rank(p: int, m: int, r: int, stage: tuple, mbs: tuple):
+    """Rank r's op list in DualPipeV (p ranks, m micro-batches) and the positions of its F&B
+    pairs; chunk c is stage `stage[c]`, micro-batches `mbs[c]` (DualPipe passes its own)."""
+    seq, pairs, f, b, wq = [], set(), [0, 0], [0, 0], deque()   # wq: the W's still to run
+
+    def F(c):                                       # chunk c's next forward
+        seq.append(Op("F", stage[c], mbs[c][f[c]])); f[c] += 1
+
+    def B(c, split=False):                          # its next backward: BW, or B (W queued)
+        seq.append(Op("B" if split else "BW", stage[c], mbs[c][b[c]]))
+        if split:
+            wq.append(Op("W", stage[c], mbs[c][b[c]]))
+        b[c] += 1
+
+    def W():                                        # the oldest queued W
+        seq.append(wq.popleft())
+
+    def FB(cf, cb):                                 # one overlapped F&B chunk
+        pairs.add(len(seq)); F(cf); B(cb)
+
+    for _ in range((p - r - 1) * 2):                # 1: forwards of chunk 0
+        F(0)
+    for _ in range(r + 1):                          # 2: F0 F1
+        F(0); F(1)
+    for _ in range(p - r - 1):                      # 3: B1 W F1 (zero bubble)
+        B(1, split=True); W(); F(1)
+    for i in range(m - 2 * p + r + 1):              # 4: steady: F0&B1, F1&B0
+        if i == 0 and r == p - 1:                   # the turn rank's first: F0 then B1, not
+            F(0); B(1)                              # overlapped (as DeepSeek's reference)
+        else:
+            FB(0, 1)
+        FB(1, 0)
+    for _ in range(p - r - 1):                      # 5: B1, F1&B0
+        B(1); FB(1, 0)
+    split = False
+    for i in range(r + 1):                          # 6: B1 B0, the second half split
+        if i == (r + 1) // 2 and r % 2 == 1:
+            split = True
+        B(1, split)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            split = True
+        B(0, split)
+    for _ in range(p - r - 1):                      # 7: W B0
+        W(); B(0, split=True)
+    while wq:                                       # 8: the remaining W's
+        W()
+    return seq, frozenset(pairs)
+
+
+def dualpipev(p: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek's "cut-in-half" DualPipe): 2p stages folded into a V, rank r holds
+    stage r (chunk 0, going down) and 2p−1−r (chunk 1, coming back up). Needs m ≥ 2p."""
+    ops, overlap = [], []
+    for r in range(p):
+        seq, pairs = dualpipev_rank(p, m, r, (r, 2 * p - 1 - r), (range(m), range(m)))
+        ops.append(seq)
+        overlap.append(pairs)
+    ranks = tuple(list(range(p)) + list(reversed(range(p))))
+    return Schedule("dualpipev", m, ranks, ops, overlap=overlap)
+
+
+def dualpipe(p: int, m: int) -> Schedule:
+    """DualPipe (DeepSeek-V3 technical report, §3.2.1): two pipelines, one copy of the model
+    each. Micro-batches 0..m/2−1 go down stages 0..p−1 (ranks 0..p−1), m/2..m−1 up stages
+    p..2p−1 (ranks p−1..0); ranks r and p−1−r hold the same layers (their gradients are summed,
+    `pipeline_parallel.pair_gradient_groups`). Both run rank min(r, p−1−r)'s op order of a
+    DualPipeV with p/2 ranks and m/2 micro-batches, each with its own stages. Needs p and m
+    even, m ≥ 2p."""
+    half, k = p // 2, m // 2
+    down, up = range(0, k), range(k, m)
+    ops, overlap = [], []
+    for r in range(p):
+        h = min(r, p - 1 - r)
+        if r < half:   # chunk 0 = the down stage r, chunk 1 = the up stage that sits on r
+            stage, mbs = (r, 2 * p - 1 - r), (down, up)
+        else:          # the mirror: chunk 0 = the up stage, chunk 1 = the down stage r
+            stage, mbs = (2 * p - 1 - r, r), (up, down)
+        seq, pairs = dualpipev_rank(half, k, h, stage, mbs)
+        ops.append(seq)
+        overlap.append(pairs)
+    ranks = tuple(list(range(p)) + list(reversed(range(p))))
+    pipes = ((range(0, p), down), (range(p, 2 * p), up))
+    return Schedule("dualpipe", m, ranks, ops, pipes=pipes, overlap=overlap)
+
+
+# --------------------------------------------------------------------------- the record
 
 @dataclass
 class Schedule:
@@ -97,86 +258,17 @@ class Schedule:
         return [s for s, r in enumerate(self.stage_ranks) if r == rank]
 
     def chunk(self, stage: int) -> int:
-        return self.stages_of(self.stage_ranks[stage]).index(stage)
+        """The stage's chunk on its rank: chunk 0 is the stage the data reaches first on that
+        rank (the stage of its first op), chunk 1 the next (DualPipe's ranks p/2..p−1 meet
+        their up stage first)."""
+        rank = self.stage_ranks[stage]
+        order = list(dict.fromkeys(op.stage for op in self.ops[rank]))
+        order += [s for s in self.stages_of(rank) if s not in order]
+        return order.index(stage)
 
 
-# --------------------------------------------------------------------------- generators
 
-def afab(p: int, m: int) -> Schedule:
-    """All forward, all backward (GPipe): every rank runs F0..F(m−1), then BW0..BW(m−1)."""
-    ops = [[Op("F", r, i) for i in range(m)] + [Op("BW", r, i) for i in range(m)] for r in range(p)]
-    return Schedule("afab", m, tuple(range(p)), ops)
-
-
-def one_f_one_b(p: int, m: int) -> Schedule:
-    """1F1B: rank r warms up with p−1−r forwards, then alternates one F and one BW, then
-    drains the backwards. At most p−r micro-batches wait for their backward on rank r."""
-    ops = []
-    for r in range(p):
-        warm = min(p - 1 - r, m)
-        seq = [Op("F", r, i) for i in range(warm)]
-        for i in range(m - warm):
-            seq += [Op("F", r, warm + i), Op("BW", r, i)]
-        seq += [Op("BW", r, i) for i in range(m - warm, m)]
-        ops.append(seq)
-    return Schedule("1f1b", m, tuple(range(p)), ops)
-
-
-def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
-    """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): stage c·p + r lives on rank r,
-    chunk c. Forwards go in rounds of p micro-batches through chunk 0, then chunk 1, ...;
-    backwards in the same rounds from the last chunk down. Needs m to divide by p."""
-    S, total = p * v, m * v
-
-    def nth(k, kind, r):
-        c = (k // p) % v
-        if kind == "BW":
-            c = v - 1 - c
-        return Op(kind, c * p + r, (k // (p * v)) * p + k % p)
-
-    ops = []
-    for r in range(p):
-        warm = min((p - 1 - r) * 2 + (v - 1) * p, total)
-        seq = [nth(k, "F", r) for k in range(warm)]
-        for i in range(total - warm):
-            seq += [nth(warm + i, "F", r), nth(i, "BW", r)]
-        seq += [nth(i, "BW", r) for i in range(total - warm, total)]
-        ops.append(seq)
-    return Schedule("interleaved", m, tuple(s % p for s in range(S)), ops)
-
-
-def zb_h1(p: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §2.1): 1F1B with the
-    backward split into B (∂L/∂x) and W (∂L/∂W), and the W's of rank r started r micro-batches
-    late. Rank r runs p−r forwards (1F1B's warm-up and its first steady F), then r rounds of
-    B F without a W — its B's reach the previous rank sooner, which shortens everyone's wait —
-    then B W F in the steady state, B W while the backwards drain, and the r deferred W's last,
-    in the slots where 1F1B's rank r would sit idle. Every rank keeps at most p micro-batches
-    alive (F done, W not yet): rank 0 exactly as in 1F1B, the later ranks more.
-    Per-rank idle time (p−1)(F+B−W) against 1F1B's (p−1)(F+B+W) (for W ≤ B)."""
-    ops = []
-    for r in range(p):
-        seq, n = [], {"F": 0, "B": 0, "W": 0}
-
-        def run(*kinds):
-            for kind in kinds:
-                seq.append(Op(kind, r, n[kind]))
-                n[kind] += 1
-
-        warm = min(p - r, m)
-        for _ in range(warm):
-            run("F")
-        for _ in range(min(r, m - warm)):       # the W's of rank r start r micro-batches late
-            run("B", "F")
-        while n["F"] < m:                       # steady state
-            run("B", "W", "F")
-        while n["B"] < m:                       # drain the backwards
-            run("B", "W")
-        while n["W"] < m:                       # the deferred W's fill the tail
-            run("W")
-        ops.append(seq)
-    return Schedule("zb_h1", m, tuple(range(p)), ops)
-
+# --------------------------------------------------------------------------- more generators
 
 def zb_greedy(p: int, m: int) -> Schedule:
     """A greedy zero-bubble order (not the paper's ZB-H1): play the pipeline in unit steps
@@ -204,103 +296,6 @@ def zb_greedy(p: int, m: int) -> Schedule:
             done[(op.kind, op.stage, op.mb)] = t
         t += 1
     return Schedule("zb_greedy", m, tuple(range(p)), ops)
-
-
-def _v_rank(p: int, m: int, r: int, stage: tuple, mbs: tuple):
-    """The op list of rank r of DualPipeV (p ranks, m micro-batches), in the eight phases of
-    DeepSeek's DualPipe, and the positions of its overlapped F&B pairs. `stage[c]` and
-    `mbs[c]` name chunk c's stage and micro-batches (DualPipe reuses this with other names)."""
-    seq, pairs, f, b, wq = [], set(), [0, 0], [0, 0], deque()
-
-    def F(c):
-        seq.append(Op("F", stage[c], mbs[c][f[c]])); f[c] += 1
-
-    def B(c, zb=False):
-        seq.append(Op("B" if zb else "BW", stage[c], mbs[c][b[c]]))
-        if zb:
-            wq.append(Op("W", stage[c], mbs[c][b[c]]))
-        b[c] += 1
-
-    def FB(cf, cb):                                 # one overlapped F&B chunk
-        pairs.add(len(seq)); F(cf); B(cb)
-
-    for _ in range((p - r - 1) * 2):                # 1: forwards of chunk 0
-        F(0)
-    for _ in range(r + 1):                          # 2: F0 F1
-        F(0); F(1)
-    for _ in range(p - r - 1):                      # 3: B1 W F1 (zero bubble)
-        B(1, zb=True); seq.append(wq.popleft()); F(1)
-    for i in range(m - 2 * p + r + 1):              # 4: steady: F0&B1, F1&B0
-        if i == 0 and r == p - 1:                   # the turn rank's first: F0 then B1, not
-            F(0); B(1)                              # overlapped (as DeepSeek's reference)
-        else:
-            FB(0, 1)
-        FB(1, 0)
-    for _ in range(p - r - 1):                      # 5: B1, F1&B0
-        B(1); FB(1, 0)
-    zb = False
-    for i in range(r + 1):                          # 6: B1 B0, second half split
-        if i == (r + 1) // 2 and r % 2 == 1:
-            zb = True
-        B(1, zb)
-        if i == (r + 1) // 2 and r % 2 == 0:
-            zb = True
-        B(0, zb)
-    for _ in range(p - r - 1):                      # 7: W B0
-        seq.append(wq.popleft()); B(0, zb=True)
-    seq += list(wq)                                 # 8: the remaining W's
-    return seq, frozenset(pairs)
-
-
-def dualpipev(p: int, m: int) -> Schedule:
-    """DualPipeV (DeepSeek, the "cut-in-half" DualPipe): 2p stages folded into a V, rank r
-    holds stage r (chunk 0, going down) and stage 2p−1−r (chunk 1, coming back up); the last
-    rank turns the data around, rank 0 holds both the embedding and the loss. Every rank
-    overlaps a forward of one chunk with a backward of the other in the steady state (the
-    F&B pairs in `overlap`; the turn rank's first steady pair excepted, as in DeepSeek's
-    reference) and defers W's into the gaps. Eight phases as in DeepSeek's reference;
-    needs m ≥ 2p.
-
-    Idle time per rank at F = B = W = c per op of its (half-size) stages, counted on the op
-    lists (tests/lib/test_pipeline_dualpipe_bubble.py): (p−1)c when each op starts as soon as its
-    own input is there (picolib's executor runs a pair so); 2(p−1)c when an F&B pair waits
-    for both inputs (DeepSeek's overlapped chunk) — (p−1)(F&B + B+W − 3W), DeepSeek's formula
-    with PP = 2p. With c half of a p-stage cut's op, the second is ZB-H1's (p−1)(F+B−W)."""
-    ops, overlap = [], []
-    for r in range(p):
-        seq, pairs = _v_rank(p, m, r, (r, 2 * p - 1 - r), (range(m), range(m)))
-        ops.append(seq)
-        overlap.append(pairs)
-    ranks = tuple(list(range(p)) + list(reversed(range(p))))
-    return Schedule("dualpipev", m, ranks, ops, overlap=overlap)
-
-
-def dualpipe(p: int, m: int) -> Schedule:
-    """DualPipe (DeepSeek-V3 technical report, §3.2.1): two pipelines of p stages each, one
-    copy of the model per direction. Micro-batches 0..m/2−1 go "down", stages 0..p−1 on
-    ranks 0..p−1; micro-batches m/2..m−1 go "up", stages p..2p−1 on ranks p−1..0. Rank r
-    holds down-stage r and up-stage p+(p−1−r): the layers of stages r and p−1−r of the
-    model, twice the parameters of 1F1B. The gradient of a layer is the sum of its two
-    copies' (ranks r and p−1−r all-reduce them before the optimizer step).
-
-    Ranks r and p−1−r run the same op order, that of rank min(r, p−1−r) of DualPipeV with
-    p/2 ranks and m/2 micro-batches, each with its own two stages in it. Needs p even, m even
-    and m ≥ 2p (m/2 ≥ p per direction)."""
-    half, k = p // 2, m // 2
-    down, up = range(0, k), range(k, m)
-    ops, overlap = [], []
-    for r in range(p):
-        h = min(r, p - 1 - r)
-        if r < half:   # chunk 0 = the down stage r, chunk 1 = the up stage that sits on r
-            stage, mbs = (r, 2 * p - 1 - r), (down, up)
-        else:          # the mirror: chunk 0 = the up stage, chunk 1 = the down stage r
-            stage, mbs = (2 * p - 1 - r, r), (up, down)
-        seq, pairs = _v_rank(half, k, h, stage, mbs)
-        ops.append(seq)
-        overlap.append(pairs)
-    ranks = tuple(list(range(p)) + list(reversed(range(p))))
-    pipes = ((range(0, p), down), (range(p, 2 * p), up))
-    return Schedule("dualpipe", m, ranks, ops, pipes=pipes, overlap=overlap)
 
 
 def from_torch(pipeline_order: dict, n_micro: int, name: str = "torch") -> Schedule:
@@ -365,7 +360,13 @@ def idle_formula(name: str, p: int, cost: dict) -> float:
       zb_h1          (p−1)(F+B−W)                           (Qi et al. 2024, for W ≤ B)
       dualpipe       (p/2−1)(F&B+B'−3W), B' = B+W          (DeepSeek-V3: B' = full backward)
       dualpipev      (p−1)(F&B+B'−3W): DualPipe of 2p stages on p ranks
-    No formula for zb_greedy (None)."""
+    No formula for zb_greedy (None).
+
+    DualPipeV counted on the op lists at F = B = W = c per op of its half-size stages
+    (tests/lib/test_pipeline_dualpipe_bubble.py): idle (p−1)c when each op starts as soon as
+    its own input is there (picolib's executor runs a pair so); 2(p−1)c when an F&B pair waits
+    for both inputs (DeepSeek's overlapped chunk) — the formula with PP = 2p. With c half of a
+    p-stage cut's op, the second is ZB-H1's (p−1)(F+B−W)."""
     F, B, W = cost["F"], cost["B"], cost["W"]
     FB = cost.get("F&B", F + B + W)
     full = B + W                                    # DeepSeek's B: the whole backward

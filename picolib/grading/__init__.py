@@ -26,7 +26,8 @@ from .lesson09 import (check_moe_critical_batch, check_sort_by_expert, check_spl
                        check_top_k_capacity)
 from .lesson11 import (check_all_reduce_time, check_critical_tokens, check_fits,
                        check_sharded_all_reduce, check_spine_batch)
-from .lesson07 import check_bubble, check_broken_schedules, check_one_f_one_b
+from .lesson07 import check_afab_stage, check_bubble, check_broken_schedules, check_one_f_one_b
+from .lesson07b import check_backward_input, check_split_backward, check_zb_h1_ops
 from .lesson12 import (check_attention_bytes, check_critical_rows, check_cuda_cores, check_fp8_quantize,
                        check_on_chip_bytes, check_roofline_time, check_vector_flops)
 
@@ -45,7 +46,8 @@ __all__ = [
     "check_gather_sequence", "check_reduce_scatter_sequence", "check_sp_activation_bytes", "check_sp_norm_weight_grad",
     "check_tokens_per_day",
     "check_merge_partials", "check_ring_pairs", "check_zigzag_positions",
-    "check_bubble", "check_broken_schedules", "check_one_f_one_b",
+    "check_afab_stage", "check_bubble", "check_broken_schedules", "check_one_f_one_b",
+    "check_backward_input", "check_split_backward", "check_zb_h1_ops",
     "check_dp_slicer", "check_pipeline_latency", "check_slice_mask",
     "check_all_reduce_time", "check_critical_tokens", "check_fits", "check_sharded_all_reduce",
     "check_spine_batch",

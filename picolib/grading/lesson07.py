@@ -6,16 +6,23 @@
 - `check_broken_schedules(fn)`: `fn(reason)` → a 2-rank, 2-micro-batch `Schedule` that the
   validator must reject for exactly that reason: "missing", "B before F", "W before B",
   "deadlock" (every rank's own list is fine, the ranks wait for each other).
+- `check_afab_stage(fn)`: `fn(stage, rank, p, tokens, targets)` runs one AFAB step of this
+  rank's stage on real ranks, as the executor's forward and backward do (receive, run, send on;
+  receive ∂ℒ/∂y, backward, send ∂ℒ/∂x back) → the loss on the last rank, None elsewhere; the
+  stage's .grad must equal one process's.
 """
 from __future__ import annotations
 
+import torch
+
+from ..model import LlamaConfig, TinyLlama, random_tokens
 from ..pipeline_schedules import Op, Schedule, make_schedule, one_f_one_b
 from .. import pipeline_simulator
 from ..pipeline_simulator import ScheduleError, simulate, validate
 from ..timeline import bubble_ratio
-from ._core import call_student, compare, report
+from ._core import call_student, compare, report, run_student
 
-__all__ = ["check_one_f_one_b", "check_bubble", "check_broken_schedules", "REASONS"]
+__all__ = ["check_one_f_one_b", "check_bubble", "check_broken_schedules", "check_afab_stage", "REASONS"]
 
 REASONS = {"missing": "missing", "B before F": "before its F", "W before B": "before its B",
            "deadlock": "deadlock"}
@@ -140,3 +147,64 @@ def check_broken_schedules(fn) -> None:
                 problems.append(f"'deadlock': every op must be present and in a valid order on "
                                 f"its rank, but: {e}")
     report("broken schedules", problems, len(REASONS))
+
+
+# (p, layers, m micro-batches, b, s): stages of unequal size, m not a multiple of p
+_AFAB_CASES = [(2, 3, 3, 2, 5), (3, 5, 4, 1, 7)]
+
+
+def _afab_cfg(layers):
+    return LlamaConfig(hidden=16, n_layers=layers, n_heads=2, n_kv_heads=1, ffn_hidden=24, max_seq=8)
+
+
+def _afab_data(cfg, m, b, s):
+    tokens, targets = random_tokens(b * m, s, cfg.vocab_size, seed=7)
+    return list(tokens.chunk(m)), list(targets.chunk(m))
+
+
+def _afab_worker(fn, p, layers, m, b, s):
+    import torch.distributed as dist
+
+    from ..pipeline_parallel import split_stages, stage_grads
+    rank, cfg = dist.get_rank(), _afab_cfg(layers)
+    model = TinyLlama(cfg)
+    stage = split_stages(model, p)[rank]
+    held = {id(w) for w in stage.parameters()}
+    loss = fn(stage, rank, p, *_afab_data(cfg, m, b, s))
+    return ((None if loss is None else float(loss)), stage_grads(stage, model),
+            [n for n, w in model.named_parameters() if id(w) in held])
+
+
+def check_afab_stage(fn, timeout: float | None = None) -> None:
+    """On 2 and 3 ranks, stages of unequal size, m = 3 and 4 micro-batches: the last rank's
+    loss and every rank's gradients against one process on the whole batch (fp32: 1e-5)."""
+    problems, checks = [], 0
+    for p, layers, m, b, s in _AFAB_CASES:
+        ranks = run_student(_afab_worker, p, fn, p, layers, m, b, s, name="afab_stage", timeout=timeout)
+        ref = TinyLlama(_afab_cfg(layers))
+        tokens, targets = _afab_data(_afab_cfg(layers), m, b, s)
+        ref_loss = ref.loss(torch.cat(tokens), torch.cat(targets))
+        ref_loss.backward()
+        where = f"p={p}, {layers} layers, m={m}"
+        for rank, (loss, grads, held) in enumerate(ranks):
+            checks += 1
+            if rank < p - 1 and loss is not None:
+                problems.append(f"{where}, rank {rank}: returned a loss — only the last stage computes "
+                                "it (return None elsewhere)")
+            if rank == p - 1:
+                if loss is None:
+                    problems.append(f"{where}, rank {rank}: returned None — the last stage returns the "
+                                    "loss, summed over the micro-batches")
+                else:
+                    problems += compare(f"{where}, rank {rank}: the loss", loss, ref_loss.item(), atol=1e-5)
+            missing = [n for n in held if n not in grads]
+            if missing:
+                problems.append(f"{where}, rank {rank}: no gradient in {missing[0]}.grad — run the "
+                                "backward of every micro-batch through the stage")
+                continue
+            want = dict(ref.named_parameters())
+            for name in held:
+                problems += compare(f"{where}, rank {rank}: ∂ℒ/∂{name}", grads[name], want[name].grad, atol=1e-5)
+        if problems:
+            break
+    report("AFAB stage on real ranks", problems, checks)

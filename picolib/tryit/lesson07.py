@@ -14,7 +14,7 @@ from ..pipeline_simulator import simulate
 from ..timeline import bubble_ratio, plot_gantt
 
 __all__ = ["schedule_gantt", "CASES", "T_OP", "op_costs", "param_bytes", "every_schedule",
-           "idle_gaps", "idle_per_rank", "schedule_figure", "name_ops", "activation_peaks"]
+           "idle_gaps", "idle_per_rank", "schedule_figure", "name_ops", "activation_peaks", "stage_map_figure"]
 
 _CHUNKS = {"interleaved": 2, "dualpipev": 2}    # stages per rank when v is not given
 
@@ -182,3 +182,28 @@ def activation_peaks(cfg, p: int, ms=(1, 2, 4, 8), mb: int = 2, seq: int = 8,
                          list(tokens[:mb * m].chunk(m)), list(targets[:mb * m].chunk(m)), measure=act)
             out[(name, m)] = act.peak
     return out
+
+
+def stage_map_figure(p: int):
+    """Lesson 07b §2: which rank holds which stage in DualPipeV and DualPipe (p ranks, m = 2p),
+    one panel each, a line per pipeline. Returns the figure (the caller shows it)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2), layout="constrained")
+    for ax, name in zip(axes, ("dualpipev", "dualpipe")):
+        s = make_schedule(name, p, 2 * p)
+        for k, (stage_range, mbs) in enumerate(s.pipes):
+            xs = list(stage_range)
+            way = "" if len(s.pipes) == 1 else ("down: " if k == 0 else "up: ")
+            ax.plot(xs, [s.stage_ranks[x] for x in xs], "o-", color=f"C{k}",
+                    label=f"{way}micro-batches {mbs.start}–{mbs.stop - 1}")
+            for x in xs:
+                ax.annotate(str(x), (x, s.stage_ranks[x]), textcoords="offset points", xytext=(0, 6),
+                            ha="center", fontsize=9)
+        ax.set_ylim(p - 0.5, -0.7)
+        ax.set_yticks(range(p))
+        ax.set_yticklabels([f"rank {r}" for r in range(p)])
+        ax.set_xlabel("stage (data-flow order)")
+        ax.set_title(f"{name}: stage → rank")
+        ax.legend(fontsize=9, loc="upper center")
+    return fig

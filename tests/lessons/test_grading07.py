@@ -3,7 +3,7 @@ import re
 import contextlib
 import pytest
 
-from picolib.grading import (ExerciseFailed, check_broken_schedules, check_bubble,
+from picolib.grading import (ExerciseFailed, check_afab_stage, check_broken_schedules, check_bubble,
                              check_one_f_one_b)
 from picolib.pipeline_schedules import Op, Schedule
 
@@ -93,3 +93,61 @@ def test_broken_schedules_rejects_a_schedule_broken_in_two_ways():
         check_broken_schedules(broken_twice)
     with fails("'W before B': broken in more than one way"):
         check_broken_schedules(broken_twice)
+
+
+# --- one stage of AFAB on real ranks ------------------------------------------------------------
+
+def afab_stage(stage, rank, p, tokens, targets, divide=True, loss_everywhere=False, leaf=True):
+    """The solution, with switches that plant one mistake each."""
+    import torch
+    from picolib import comm
+    m, saved, loss = len(tokens), [], None
+    for mb in range(m):
+        if rank == 0:
+            x = tokens[mb]
+        else:
+            x = torch.empty(stage.hidden_shape(*tokens[mb].shape))
+            comm.recv(x, rank - 1)
+            if leaf:
+                x.requires_grad_()
+        y = stage(x)
+        if rank == p - 1:
+            y = stage.loss_fn(y, targets[mb]) / (m if divide else 1)
+            loss = y.detach() if loss is None else loss + y.detach()
+        else:
+            comm.send(y.detach(), rank + 1)
+            if loss_everywhere:
+                loss = y.detach().sum()
+        saved.append((x, y))
+    for x, y in saved:
+        dy = None
+        if rank < p - 1:
+            dy = torch.empty_like(y)
+            comm.recv(dy, rank + 1)
+        torch.autograd.backward(y, dy)
+        if rank > 0:
+            comm.send(x.grad, rank - 1)
+    return loss
+
+
+def afab_by_the_library(stage, rank, p, tokens, targets):
+    """A right answer written differently: picolib's own executor."""
+    from picolib.pipeline_parallel import run_schedule
+    from picolib.pipeline_schedules import afab
+    return run_schedule(afab(p, len(tokens)), {rank: stage}, tokens, targets)["loss"]
+
+
+def test_afab_stage_check_accepts_right_answers():
+    check_afab_stage(afab_stage)
+    check_afab_stage(afab_by_the_library)
+
+
+def test_afab_stage_check_rejects_wrong_answers():
+    with fails(r"p=2, 3 layers, m=3, rank 0: ∂ℒ/∂embed.weight: .*every value is 3× too large"):
+        check_afab_stage(lambda *a: afab_stage(*a, divide=False))          # the loss not divided by m
+    with fails(r"p=2, 3 layers, m=3, rank 0: returned a loss — only the last stage computes it"):
+        check_afab_stage(lambda *a: afab_stage(*a, loss_everywhere=True))
+    with fails(r"raised in afab_stage, line \d+: comm.send\(x.grad, rank - 1\)"):   # x not a leaf: x.grad is None
+        check_afab_stage(lambda *a: afab_stage(*a, leaf=False))
+    with fails(r"not written yet"):
+        check_afab_stage(lambda *a: (_ for _ in ()).throw(NotImplementedError()))

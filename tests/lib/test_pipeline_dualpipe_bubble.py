@@ -145,3 +145,16 @@ def test_tick_count_catches_a_wrong_op_list():
     unit = {"F": 1, "B": 1, "W": 1}
     count = _tick_play(s, unit, joint=False)
     assert count != [3] * 4 and count == _sim_idle(s, unit, joint=False)
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (6, 12), (8, 16), (8, 24)])
+def test_dualpipe_is_dualpipev_on_half_the_ranks(p, m):
+    """Lesson 07b §2: every DualPipe rank's ops, rewritten as DualPipeV's (its chunk 0 → stage
+    min(r, p−1−r), its chunk 1 → the V's way back, up micro-batch m/2 + i → i), equal the ops
+    of rank min(r, p−1−r) of DualPipeV with p/2 ranks and m/2 micro-batches, op for op."""
+    d, v = make_schedule("dualpipe", p, m), make_schedule("dualpipev", p // 2, m // 2)
+    for r in range(p):
+        h, chunk0 = min(r, p - 1 - r), (r if r < p // 2 else 2 * p - 1 - r)
+        as_v = [(o.kind, h if o.stage == chunk0 else p - 1 - h, o.mb % (m // 2)) for o in d.ops[r]]
+        assert as_v == [(o.kind, o.stage, o.mb) for o in v.ops[h]], (p, m, r)
+        assert d.overlap[r] == v.overlap[h]

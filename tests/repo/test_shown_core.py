@@ -63,6 +63,19 @@ CORE: dict[str, dict[str, list[str]]] = {
         "Ulysses": ["picolib.context_parallel.seq_to_heads", "picolib.context_parallel.heads_to_seq",
                     "picolib.context_parallel.ulysses_attention"],
     },
+    "07_pipeline_parallel": {
+        "the executor": ["picolib.pipeline_parallel.Executor.run", "picolib.pipeline_parallel.Executor.forward",
+                         "picolib.pipeline_parallel.Executor.backward"],
+        "AFAB/1F1B": ["picolib.pipeline_schedules.afab", "picolib.pipeline_schedules.one_f_one_b"],
+        "interleaving": ["picolib.pipeline_schedules.interleaved_1f1b"],
+    },
+    "07b_zero_bubble_dualpipe": {
+        "ZB-H1 and the split backward": ["picolib.pipeline_schedules.zb_h1",
+                                         "picolib.pipeline_parallel.Executor.backward_input",
+                                         "picolib.pipeline_parallel.Executor.backward_weight",
+                                         "picolib.pipeline_parallel.backward_weights"],
+        "DualPipe(V)": ["picolib.pipeline_schedules.dualpipev_rank", "picolib.pipeline_schedules.dualpipev"],
+    },
 }
 
 
