@@ -24,6 +24,12 @@ NOT_CORE = ("picolib.tryit", "picolib.grading", "picolib.source")
 
 # lesson -> technique -> the functions (module-qualified) whose source the lesson shows
 CORE: dict[str, dict[str, list[str]]] = {
+    "03_zero": {
+        "ZeRO-1": ["picolib.zero.ZeRO.step", "picolib.zero.ZeRO._reduce_scatter"],
+        "ZeRO-2": ["picolib.sharded_optim.ShardedUnit.flat_grads", "picolib.zero.ZeRO._backward_done"],
+        "ZeRO-3": ["picolib.zero.ZeRO._pre_forward", "picolib.zero.ZeRO._post_forward",
+                   "picolib.sharded_optim.ShardedUnit.all_gather", "picolib.sharded_optim.ShardedUnit.free"],
+    },
 }
 
 
