@@ -150,6 +150,34 @@ class ShardedUnit:
     [(group, start, stop, parameter)], each parameter a view of the master over its part of
     the shard — what the optimizer steps. Without groups the one piece is the master."""
 
+    # ---------------------------------------------------------------- the core (lesson 03 §2)
+    def flat_grads(self) -> torch.Tensor:
+        """The unit's gradients as one flat buffer, padded to a multiple of N, to reduce-scatter."""
+        if self.grad_full is not None:     # ZeRO-1: the .grads are views of one lasting buffer
+            for p, view in views(self.grad_full, self.params):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():   # replaced by the user:
+                    view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
+                    p.grad = view                                             # put back in place
+            return self.grad_full
+        flat = torch.zeros(self.full.numel(), dtype=self.grad.dtype, device=self.grad.device)
+        for p, view in views(flat, self.params):   # ZeRO-2/3: a new buffer; the .grads dropped,
+            if p.grad is not None:                 # so once it is sent only the shard stays
+                view.copy_(p.grad)
+            p.grad = None
+        return flat
+
+    def all_gather(self, group):
+        """Every rank's shard into the whole flat buffer (the parameters are views of it)."""
+        if self.is_free():                 # ZeRO-3: its storage back first
+            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        with comm.tagged(purpose="gradients"):   # the weights' traffic: data parallelism's
+            return comm.all_gather(self.full, self.shard, group=group, async_op=True)
+
+    def free(self):
+        """ZeRO-3: the whole buffer's storage released; the views (and autograd's) stay."""
+        self.full.untyped_storage().resize_(0)
+
+    # ---------------------------------------------------------------- the rest
     def __init__(self, module, named, stage: int, group, dtype, group_index=None):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         self.module, self.names = module, [name for name, _ in named]
@@ -222,33 +250,17 @@ class ShardedUnit:
     def complete(self) -> bool:
         return self.ready == len(self.params)
 
-    def free(self):
-        self.full.untyped_storage().resize_(0)
-
     def is_free(self) -> bool:
         return self.full.untyped_storage().nbytes() == 0
 
-    def start_gather(self, group):
-        """Stage 3: give `full` its storage back and start filling it from all shards."""
-        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        with comm.tagged(purpose="gradients"):   # ZeRO-3's weights: data parallelism's
-            return comm.all_gather(self.full, self.shard, group=group, async_op=True)
-
-    def flat_grads(self) -> torch.Tensor:
-        """The gradients in one padded flat buffer, to reduce-scatter. Stage 1: its
-        persistent buffer; stages 2-3: a new one, and the .grads are dropped."""
-        if self.grad_full is not None:
-            for p, view in views(self.grad_full, self.params):   # a .grad replaced? back in place
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad if p.grad is not None else torch.zeros_like(view))
-                    p.grad = view
-            return self.grad_full
-        flat = torch.zeros(self.full.numel(), dtype=self.grad.dtype, device=self.grad.device)
-        for p, view in views(flat, self.params):
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = None
-        return flat
+    def shard_from_master(self) -> None:
+        """After the optimizer's step, with a bf16 (or fp16) compute copy: the updated fp32
+        master copied into the shard, and the master's fp32 gradient copy dropped. In fp32 the
+        shard is the master: nothing to do."""
+        if self.shard.data_ptr() != self.master.data_ptr():
+            self.shard.copy_(self.master)
+            self.master.grad = None
+            self.set_piece_grads()
 
     def zero_grad(self):
         """Stage 1 zeroes its flat gradient; stages 2-3 drop the .grads not yet reduced."""

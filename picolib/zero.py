@@ -22,40 +22,10 @@ with k bytes of state per owned element; one that needs a parameter's shape is r
 a probe (`sharded_optim.check_elementwise`). A torch.optim.lr_scheduler works on
 `zero.optimizer`. `param_dtype=torch.bfloat16` computes in bf16 with an fp32 master (k + 4).
 
-Param groups (`param_groups=[{"params": [...], "weight_decay": 0.1}, {"params": [...],
-"weight_decay": 0.0}]`, torch's shape): a unit's flat buffer mixes 2-D weights and 1-D norm
-weights, and a torch param group needs whole parameters of its own. So each unit's buffer
-is laid out group by group (group 0's parameters first, then group 1's), and a rank's
-master shard is cut where the groups meet into one nn.Parameter per (unit, group) —
-views of the same fp32 shard, `unit.pieces`. The collectives, the padding and the bytes do
-not change (one buffer per unit as before); the optimizer gets the pieces of group g in
-its group g, with that group's options, so weight decay, learning rates and schedulers work
-per group as in one process. Without `param_groups` a unit's one piece is its master.
-
-One order on every rank. Collectives are matched by their order, so every rank issues
-them in a fixed unit order, whatever order its backward finishes the units in: a unit's
-reduce-scatter starts once its gradients are complete *and* the units before it have
-started; the rest start when backward ends. In stage 3 each forward and each backward
-all-gathers every unit in a fixed order (one this rank does not use is gathered and freed
-at the end of the pass), and a backward's reduce-scatters come after all its
-all-gathers: any other interleaving could deadlock a rank that visits the units in
-another order (the price: a unit finished before the last all-gather keeps its full
-gradient until then).
-
-Parameters whose holders are another set of ranks than `group` — an expert's edp ranks
-(fewer), a DualPipe stage's pair × dp × cp (more) — get `groups={param: group}` (stages 1-2):
-they form units of their own, sharded and reduced over their group, and still divided by
-`group`'s size (the data shards) like the rest.
-
-Accumulation: inside `no_sync()` (or after `set_requires_gradient_sync(False)`) backward
-only accumulates, through autograd, into full gradients (stages 2-3 too, until the
-reduce-scatter); the step's last backward (or `step()`) reduce-scatters the sum once. So with m micro-batches (a pipeline's m ≥ p) a stage-2 rank
-holds whole gradients between them, as stage 1 does. `reduce_every_micro_batch=True`
-(stages 2-3) is the other choice (FSDP's gradient accumulation with communication, and
-DeepSpeed ZeRO-2's): every backward reduce-scatters and adds the result into the shard, so
-only 1/N of the gradients stays between micro-batches, at m reduce-scatters per step
-(lesson 10). A NaN or inf gradient makes every rank raise FloatingPointError in `step()`,
-before any update.
+The file opens with the core, the few methods lesson 03 §2 reads: `step`, `_reduce_scatter`,
+`_backward_done`, `_pre_forward`, `_post_forward` (and `ShardedUnit.flat_grads`, `all_gather`,
+`free`); the machinery they stand on (the fixed orders, prefetch, hooks, accumulation, the NaN
+alarm, param groups, checkpoints, the timeline) follows, with its notes there.
 """
 from __future__ import annotations
 
@@ -99,6 +69,97 @@ class ZeRO(GradientSyncSwitch):
     ranks (module docstring; stages 1-2). `reduce_every_micro_batch` (stages 2-3): every
     backward reduce-scatters, even inside `no_sync()`, and accumulates into the shards.
     """
+
+    # ================================================================ the core (lesson 03 §2)
+    # ZeRO-1/2/3: when a unit's backward is over, its gradient is reduce-scattered; the step
+    # updates this rank's shard alone; stages 1-2 then all-gather the whole parameters back.
+
+    @torch.no_grad()
+    def step(self):
+        """Reduce-scatter what is left, step this rank's shards, all-gather them (stages 1-2)."""
+        self.finish_gradient_sync()        # every unit's shard of the mean gradient, waited for
+        self.steps += 1
+        self.optimizer.step()              # element-wise: it steps this rank's fp32 shards alone
+        for u in self.units:
+            u.shard_from_master()          # bf16 compute: the fp32 update copied into the shard
+        if self.stage < 3:                 # ZeRO-3 gathers a unit only when it runs
+            gathers = [(i, self.units[i].all_gather(self._groups[i]), time.perf_counter())
+                       for i in self._rs_order]
+            for i, handle, t0 in gathers:
+                self._wait(handle, "all_gather", t0, i)
+        self._new_step()
+
+    def _reduce_scatter(self, i):
+        """Unit i's gradients as one flat buffer, padded to a multiple of N, reduce-scattered:
+        this rank receives the mean over the group of its shard, [r·S, (r+1)·S)."""
+        u = self.units[i]
+        flat = self._prepared(i, u.flat_grads())   # NaN alarm, sub-group scale (below)
+        out = u.grad if i not in self._reduced else torch.empty_like(u.grad)   # see _drain
+        self._reduced.add(i)
+        with comm.tagged(purpose="gradients"):
+            handle = comm.reduce_scatter(out, flat, op="avg", group=self._groups[i], async_op=True)
+        self._pending.append((handle, time.perf_counter(), i, flat, out))
+        if self.stage > 1:
+            self._drain(keep=1)            # ZeRO-2/3: older flat gradients waited for, dropped
+
+    def _backward_done(self, i):
+        """Autograd has accumulated every gradient of unit i: its backward is over."""
+        if self.stage == 3:
+            self._record_compute("B", i)
+            self.units[i].free()           # ZeRO-3: the gathered parameters go again
+        if self._sync or self.reduce_every_micro_batch:
+            self._reduce_in_order()        # its reduce-scatter, in the one order every rank keeps
+
+    # ZeRO-3: a unit is whole only while it computes.
+    def _pre_forward(self, i):
+        """Before unit i's forward, and again when backward reaches it."""
+        self._gather(i)                    # its all-gather issued (with prefetch the next one's)
+        self._t = time.perf_counter()      # and waited for; its compute starts
+
+    def _post_forward(self, i, out):
+        """After unit i's forward: free it; backward gathers it again before its own pass."""
+        self._record_compute("F", i)
+        self.units[i].free()
+        t = next((x for x in _tensors(out) if x.requires_grad), None)
+        if torch.is_grad_enabled() and t is not None:   # runs when backward reaches the unit
+            t.register_hook(lambda grad, i=i: self._pre_backward(i))
+
+    # ================================================================ the machinery
+    # Param groups (`param_groups=[{"params": [...], "weight_decay": 0.1}, {"params": [...],
+    # "weight_decay": 0.0}]`, torch's shape): a unit's flat buffer mixes 2-D weights and 1-D norm
+    # weights, and a torch param group needs whole parameters of its own. So each unit's buffer
+    # is laid out group by group (group 0's parameters first, then group 1's), and a rank's
+    # master shard is cut where the groups meet into one nn.Parameter per (unit, group) —
+    # views of the same fp32 shard, `unit.pieces`. The collectives, the padding and the bytes do
+    # not change (one buffer per unit as before); the optimizer gets the pieces of group g in
+    # its group g, with that group's options, so weight decay, learning rates and schedulers work
+    # per group as in one process. Without `param_groups` a unit's one piece is its master.
+    #
+    # One order on every rank. Collectives are matched by their order, so every rank issues
+    # them in a fixed unit order, whatever order its backward finishes the units in: a unit's
+    # reduce-scatter starts once its gradients are complete *and* the units before it have
+    # started; the rest start when backward ends. In stage 3 each forward and each backward
+    # all-gathers every unit in a fixed order (one this rank does not use is gathered and freed
+    # at the end of the pass), and a backward's reduce-scatters come after all its
+    # all-gathers: any other interleaving could deadlock a rank that visits the units in
+    # another order (the price: a unit finished before the last all-gather keeps its full
+    # gradient until then).
+    #
+    # Parameters whose holders are another set of ranks than `group` — an expert's edp ranks
+    # (fewer), a DualPipe stage's pair × dp × cp (more) — get `groups={param: group}` (stages 1-2):
+    # they form units of their own, sharded and reduced over their group, and still divided by
+    # `group`'s size (the data shards) like the rest.
+    #
+    # Accumulation: inside `no_sync()` (or after `set_requires_gradient_sync(False)`) backward
+    # only accumulates, through autograd, into full gradients (stages 2-3 too, until the
+    # reduce-scatter); the step's last backward (or `step()`) reduce-scatters the sum once.
+    # So with m micro-batches (a pipeline's m ≥ p) a stage-2 rank
+    # holds whole gradients between them, as stage 1 does. `reduce_every_micro_batch=True`
+    # (stages 2-3) is the other choice (FSDP's gradient accumulation with communication, and
+    # DeepSpeed ZeRO-2's): every backward reduce-scatters and adds the result into the shard, so
+    # only 1/N of the gradients stays between micro-batches, at m reduce-scatters per step
+    # (lesson 10). A NaN or inf gradient makes every rank raise FloatingPointError in `step()`,
+    # before any update.
 
     def __init__(self, model: nn.Module, stage: int, group=None, optimizer=torch.optim.AdamW,
                  *, param_dtype=torch.float32, units=None,
@@ -186,7 +247,7 @@ class ZeRO(GradientSyncSwitch):
         """Start this pass's all-gathers, in its fixed order, up to position `stop`."""
         while self._issued < stop:
             u, self._issued = self.units[self._order[self._issued]], self._issued + 1
-            u.work = u.start_gather(self.group), time.perf_counter()
+            u.work = u.all_gather(self.group), time.perf_counter()
 
     def _gather(self, i: int):
         """Start the all-gathers up to unit i (with prefetch, one more); wait for unit i's."""
@@ -211,18 +272,6 @@ class ZeRO(GradientSyncSwitch):
         (handle, t0), self.units[i].work = self.units[i].work, None
         self._wait(handle, "all_gather", t0, i)
 
-    def _pre_forward(self, i):
-        self._gather(i)
-        self._t = time.perf_counter()
-
-    def _post_forward(self, i, out):
-        if not self._is_root(i):
-            self._record("F", self._t, unit=i)
-        self.units[i].free()
-        t = next((x for x in _tensors(out) if x.requires_grad), None)
-        if torch.is_grad_enabled() and t is not None:   # runs when backward reaches the unit
-            t.register_hook(lambda grad, i=i: self._pre_backward(i))
-
     def _pre_backward(self, i):
         self._enter_backward()
         self._pre_forward(i)    # the same: gather the unit, start its clock
@@ -244,15 +293,9 @@ class ZeRO(GradientSyncSwitch):
         """After autograd has accumulated p.grad (once per parameter and backward)."""
         self._enter_backward()
         i = self._unit_of[p]
-        u = self.units[i]
-        u.ready += 1
-        if u.complete():    # this unit's backward is over
-            if self.stage == 3:
-                if not self._is_root(i):
-                    self._record("B", self._t, unit=i)
-                u.free()
-            if self._sync or self.reduce_every_micro_batch:
-                self._reduce_in_order()
+        self.units[i].ready += 1
+        if self.units[i].complete():
+            self._backward_done(i)
 
     def _end_backward(self):
         if self.stage == 3:
@@ -277,29 +320,20 @@ class ZeRO(GradientSyncSwitch):
             if not (finish or self.units[i].complete()):
                 return
             self._rs_next += 1
-            self._reduce(i)
+            self._reduce_scatter(i)
 
-    def _reduce(self, i):
-        u = self.units[i]
-        flat = u.flat_grads()
+    def _prepared(self, i, flat):
+        """Unit i's flat gradient before its reduce-scatter. An alarm in band: a rank whose own
+        gradient is not finite writes NaN into the first element of every shard, so that every
+        rank's reduced shard shows it and all ranks raise together (only finite gradients whose
+        sum overflows the dtype — 3e38 in fp32, 6.5e4 in fp16 — would reach one rank alone).
+        A sub-group's average is made an average over `group`."""
         bad = ~is_finite(flat)
         self._local_bad |= bad
-        # An alarm in band: a rank whose own gradient is not finite writes NaN into the first
-        # element of every shard, so that every rank's reduced shard shows it and all ranks
-        # raise together (only finite gradients whose sum overflows the dtype — 3e38 in
-        # fp32, 6.5e4 in fp16 — would reach one rank alone).
-        flat[u.starts] = torch.where(bad, torch.nan, flat[u.starts])
-        if self._scales[i] != 1.0:     # a sub-group's average, made an average over `group`
+        flat[self.units[i].starts] = torch.where(bad, torch.nan, flat[self.units[i].starts])
+        if self._scales[i] != 1.0:
             flat.mul_(self._scales[i])
-        # a step's first reduce-scatter of a unit writes its shard; later ones (one per
-        # micro-batch with reduce_every_micro_batch) land in a buffer added to it
-        out = torch.empty_like(u.grad) if i in self._reduced else u.grad
-        self._reduced.add(i)
-        with comm.tagged(purpose="gradients"):
-            handle = comm.reduce_scatter(out, flat, op="avg", group=self._groups[i], async_op=True)
-        self._pending.append((handle, time.perf_counter(), i, flat, out))
-        if self.stage > 1:
-            self._drain(keep=1)   # at most two full gradient buckets alive at once
+        return flat
 
     def in_flight(self) -> list[torch.Tensor]:
         """The buffers of the reduce-scatters started and not yet waited for (each unit's
@@ -326,27 +360,7 @@ class ZeRO(GradientSyncSwitch):
             u.master.grad = u.grad if u.grad.dtype == torch.float32 else u.grad.float()
             u.set_piece_grads()
 
-    # ------------------------------------------------------------------ the step
-    @torch.no_grad()
-    def step(self):
-        """Finish the gradient sync; the torch optimizer steps this rank's master shards;
-        the compute-dtype shards follow and (stages 1-2) every unit is all-gathered."""
-        self.finish_gradient_sync()
-        self.steps += 1
-        self.optimizer.step()
-        gathers = []
-        for i in self._rs_order:
-            u = self.units[i]
-            if u.shard.data_ptr() != u.master.data_ptr():   # bf16 compute: copy the update
-                u.shard.copy_(u.master)
-                u.master.grad = None                         # and drop the fp32 gradient copy
-                u.set_piece_grads()
-            if self.stage < 3:
-                with comm.tagged(purpose="gradients"):   # the updated shards: DP's too
-                    gathers.append((comm.all_gather(u.full, u.shard, group=self._groups[i],
-                                                    async_op=True), time.perf_counter(), i))
-        for handle, t0, i in gathers:
-            self._wait(handle, "all_gather", t0, i)
+    def _new_step(self):
         self._rs_next = 0
         self._reduced.clear()
         self._local_bad.zero_()
@@ -359,9 +373,7 @@ class ZeRO(GradientSyncSwitch):
             u.zero_grad()
             u.master.grad = None
             u.set_piece_grads()
-        self._rs_next = 0
-        self._reduced.clear()
-        self._local_bad.zero_()
+        self._new_step()
 
     # ------------------------------------------------------------------ inspection
     def memory(self) -> dict[str, int]:
@@ -501,6 +513,11 @@ class ZeRO(GradientSyncSwitch):
         else:
             lane = {"all_gather": "gather", "reduce_scatter": "reduce"}[name]
             self.timeline.wait(name, handle, t0, lane=lane, unit=i)
+
+    def _record_compute(self, name, i):
+        """A block's forward (F) or backward (B) on the timeline, from its gather to now."""
+        if not self._is_root(i):
+            self._record(name, self._t, unit=i)
 
     def _record(self, name, t0, **meta):
         """Span `name` (a unit's forward or backward) from t0 to now, at least its cost."""

@@ -8,17 +8,22 @@
 - `check_zero1_step(fn)`: `fn(param, grad, lr, group=None)` → the new full parameter
   vector after one ZeRO-1 SGD step: reduce-scatter (mean) the gradient, update this rank's
   shard, all-gather — through picolib.comm, on 2 and 3 ranks, with a size that does not
-  divide by either. What each rank hands the all-gather must be its updated parameter shard
+  divide by either, and 5 elements on 4 ranks (torch.chunk makes 3 pieces there: an answer
+  that takes chunk's piece is told so). What each rank hands the all-gather must be its updated parameter shard
   (gathering the mean gradient and stepping the whole vector gives the same values and bytes).
 - `check_reduce_scatter_gradients(fn)`: ZeRO-2's gradient step: `fn(grads, group=None)`
   takes this rank's gradients of one unit (a list of tensors), flattens and pads them
   and reduce-scatters (mean), returning this rank's shard — compared with the shard
-  picolib's `ZeRO(model, 2)` holds after the same backward, on 2 and 4 ranks.
+  picolib's `ZeRO(model, 2)` holds after the same backward, on 2 and 4 ranks, and on a unit
+  of 5 elements whose values differ from rank to rank.
 - `check_gather_unit(fn)`: ZeRO-3's gather before forward: `fn(shard, shapes, group=None)`
   all-gathers every rank's shard of one unit and returns the unit's parameters (padding
-  dropped) in the given shapes — compared with picolib's `ZeRO(model, 3)` after a step.
+  dropped) in the given shapes — compared with picolib's `ZeRO(model, 3)` after a step, and
+  on the 5-element unit.
 A problem every rank shares is reported once; a sum where a mean was wanted, a shard
-taken whole, padding kept or shards in the wrong order each get a one-line diagnosis.
+taken whole, padding kept, shards in reverse rank order or the gathered buffer read column
+by column each get a one-line diagnosis — only when it reproduces the answer (03.2: in every
+case, so that ×2 at N = 2 is not taken for fp32).
 """
 from __future__ import annotations
 
@@ -32,8 +37,8 @@ from ..comm import Ledger
 from ..model import LlamaConfig, TinyLlama, random_tokens
 from ..sharded_optim import split_units
 from ..zero import ZeRO, padded_numel, shard_bounds, zero_memory_bytes
-from ._core import (SUBGROUPS, ExerciseFailed, call_student, compare, members, my_group,
-                    on_world_not_group, report, run_student, world_calls)
+from ._core import (SUBGROUPS, ExerciseFailed, call_student, compare, explain, fits, members,
+                    my_group, on_world_not_group, report, run_student, world_calls)
 
 __all__ = ["check_shard_bounds", "check_zero_memory", "check_zero1_step",
            "check_reduce_scatter_gradients", "check_gather_unit"]
@@ -78,50 +83,81 @@ _SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}   # the stage that sta
 _WHAT = {"optimizer": "the optimizer state", "grads": "the gradients", "params": "the parameters"}
 
 
-def _zero_memory_hint(got: dict, stage: int, psi: int, n: int, k: int) -> str:
-    """Name the slip behind a wrong dict: another stage's answer, a part sharded or kept
-    whole at the wrong stage, no padding, a fixed 12 for k."""
-    want = zero_memory_bytes(stage, psi, n, k, param_bytes=2)
-    if set(got) != set(want):
-        return f"the keys must be {sorted(want)}, not {sorted(got)}"
+def _other_stage(got: dict, stage: int, psi: int, n: int, k: int) -> str:
+    """The answer is another stage's, whole: name it (one case; at N = 1 every stage is the same,
+    and then the answer is right or not another stage's)."""
     other = [s for s in range(4) if s != stage and got == zero_memory_bytes(s, psi, n, k, param_bytes=2)]
-    if other:
-        which = " or ".join(f"stage {s}'s" for s in other)
-        return (f"this is {which} memory, not stage {stage}'s" +
-                (" (a stage off by one)" if all(abs(s - stage) == 1 for s in other) else "")
-                + ": stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also "
-                "the parameters")
-    padded, lines = -(-psi // n) * n, []
+    if not other:
+        return ""
+    which = " or ".join(f"stage {s}'s" for s in other)
+    return (f"this is {which} memory, not stage {stage}'s" +
+            (" (a stage off by one)" if all(abs(s - stage) == 1 for s in other) else "")
+            + ": stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also "
+            "the parameters")
+
+
+def _slips(key: str):
+    """The known slips for one part, each (diagnosis, rule): `rule(stage, psi, n, k)` is the
+    value an answer with that slip (and no other) gives. A slip is named only when its rule
+    gives the student's value in every case: at N = 2 a part kept whole is also twice the right
+    value, as fp32 would be, and only the other cases tell the two apart."""
+    first, per = _SHARDED_FROM[key], (2 if key != "optimizer" else None)
+
+    def right(stage, psi, n, k):
+        return zero_memory_bytes(stage, psi, n, k, param_bytes=2)[key]
+
+    def size(k):
+        return per if per is not None else k
+    out = [(f"{key} sharded, but only stage ≥ {first} shards {_WHAT[key]}",
+            lambda s, psi, n, k: size(k) * (-(-psi // n) if s >= 1 else psi / n) if s < first
+            else right(s, psi, n, k)),
+           (f"{key} kept whole, but stage ≥ {first} shards {_WHAT[key]} (÷ n)",
+            lambda s, psi, n, k: size(k) * (-(-psi // n) * n) if s >= first else right(s, psi, n, k))]
+    for shard in (lambda psi, n: psi / n, lambda psi, n: psi // n):
+        out.append((f"{key} not padded: stages 1-3 use Ψ' = n⌈Ψ/n⌉",
+                    lambda s, psi, n, k, shard=shard: size(k) * (shard(psi, n) if s >= first else psi)))
+    if key == "optimizer":
+        out.append(("optimizer with 12 bytes per parameter: use the argument k",
+                    lambda s, psi, n, k: right(s, psi, n, k) * 12 / k))
+    else:
+        out.append((f"{key} at 4 bytes per value: bf16 is 2", lambda s, psi, n, k: 2 * right(s, psi, n, k)))
+    return out
+
+
+def _close(a, b) -> bool:
+    try:
+        return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(b)))
+    except (TypeError, ValueError):
+        return False
+
+
+def _zero_memory_hints(answers: list) -> dict:
+    """{part: diagnosis} for each part whose values one known slip reproduces in every case
+    (`answers`: [((stage, psi, n, k), got dict)]); when several slips fit, all are named."""
+    hints = {}
     for key in ("params", "grads", "optimizer"):
-        if got[key] == want[key]:
+        cases = [(args, got[key]) for args, got in answers if isinstance(got, dict) and key in got]
+        if len(cases) != len(answers) or all(_close(v, zero_memory_bytes(*args, param_bytes=2)[key])
+                                             for args, v in cases):
             continue
-        per = 2 if key != "optimizer" else k
-        sharded = stage >= _SHARDED_FROM[key]
-        as_full = {per * padded, per * psi}
-        as_shard = {per * (padded // n), per * (psi // n), per * psi / n}
-        if key == "optimizer" and k != 12 and got[key] * k == want[key] * 12:
-            lines.append("optimizer with 12 bytes per parameter: use the argument k")
-        elif key != "optimizer" and got[key] == 2 * want[key]:
-            lines.append(f"{key} at 4 bytes per value: bf16 is 2")
-        elif not sharded and got[key] in as_shard:
-            lines.append(f"{key} sharded, but only stage ≥ {_SHARDED_FROM[key]} shards "
-                         f"{_WHAT[key]}")
-        elif sharded and got[key] in as_full and n > 1:
-            lines.append(f"{key} kept whole, but stage {stage} shards {_WHAT[key]} (÷ n)")
-        elif got[key] in {per * psi, per * (psi // n), per * psi / n} and padded != psi:
-            lines.append(f"{key} not padded: stages 1-3 use Ψ' = n⌈Ψ/n⌉ = {padded}")
-    if lines and all("not padded" in line for line in lines):
-        return f"no padding: stages 1-3 use Ψ' = n⌈Ψ/n⌉ = {padded} for the full buffers, Ψ'/n a shard"
-    return "; ".join(lines)
+        fitting = list(dict.fromkeys(why for why, rule in _slips(key)
+                                     if fits(rule, cases, _close)))
+        if fitting:
+            hints[key] = explain(fitting)
+    if hints and all("not padded" in h for h in hints.values()):
+        return {"all": "no padding: stages 1-3 use Ψ' = n⌈Ψ/n⌉ for the full buffers, Ψ'/n a shard"}
+    return hints
 
 
 def check_zero_memory(fn) -> None:
     """DP and the three stages, against the formula, padding included; a wrong answer is
-    told which stage it is, or which part is sharded at the wrong stage."""
+    told which stage it is, or which part is sharded at the wrong stage — a diagnosis only
+    when it explains the answers of every case."""
     cases = [(s, 7_500_000_000, 64, 12) for s in range(4)]               # the ZeRO paper's model
     cases += [(s, 10, 4, 12) for s in range(4)] + [(s, 6498, 8, 12) for s in range(4)]
-    cases += [(s, 1000, 1, 12) for s in range(4)] + [(2, 99, 2, 8), (3, 3, 8, 4)]
-    problems, hinted = [], {}
+    cases += [(s, 1000, 1, 12) for s in range(4)] + [(2, 99, 2, 8), (3, 99, 2, 8), (3, 3, 8, 4),
+                                                     (1, 5, 2, 8)]   # N = 2: ×N is ×2
+    answers, wrong = [], []
     for stage, psi, n, k in cases:
         got = call_student(fn, stage, psi, n, k)
         if isinstance(got, dict):
@@ -129,12 +165,34 @@ def check_zero_memory(fn) -> None:
                 got = {key: int(v) if float(v).is_integer() else float(v) for key, v in got.items()}
             except (TypeError, ValueError):
                 pass
-        line = compare(f"stage={stage}, Ψ={psi}, N={n}, k={k}", got,
-                       zero_memory_bytes(stage, psi, n, k, param_bytes=2))
-        hint = _zero_memory_hint(got, stage, psi, n, k) if line and isinstance(got, dict) else ""
-        if hint:
-            hinted.setdefault(hint, []).append(f"stage={stage}, Ψ={psi}, N={n}, k={k}")
-        problems += [] if hint else line
+        want = zero_memory_bytes(stage, psi, n, k, param_bytes=2)
+        where = f"stage={stage}, Ψ={psi}, N={n}, k={k}"
+        if isinstance(got, dict) and set(got) != set(want):
+            report("ZeRO memory per rank", [f"{where}: the keys must be {sorted(want)}, not "
+                                            f"{sorted(got)}"], len(cases))
+        answers.append(((stage, psi, n, k), got))
+        line = compare(where, got, want)
+        if line:
+            wrong.append((where, (stage, psi, n, k), got, line))
+    staged = {where: _other_stage(got, *args) for where, args, got, _ in wrong
+              if isinstance(got, dict)}
+    problems, hinted = [], {}
+    parts = _zero_memory_hints(answers)
+    for where, args, got, line in wrong:
+        want = zero_memory_bytes(*args, param_bytes=2)
+        bad = [key for key in want if isinstance(got, dict) and not _close(got.get(key), want[key])]
+        if staged.get(where):                      # the whole answer is another stage's
+            named = [staged[where]]
+        elif "all" in parts:
+            named = [parts["all"]]
+        elif bad and all(key in parts for key in bad):
+            named = [parts[key] for key in bad]
+        else:
+            named = []
+        for hint in named:
+            hinted.setdefault(hint, []).append(where)
+        if not named:
+            problems += line
     problems = [f"{where[0]}: {hint}" + (f" (and {len(where) - 1} more case(s) alike)"
                                          if len(where) > 1 else "")
                 for hint, where in hinted.items()] + problems
@@ -249,14 +307,37 @@ def _zero1_problem(where, out, param, grads, rank, lr, split) -> list[str]:
     return lines
 
 
+@contextmanager
+def _short_pieces(numel: int, n: int):
+    """A rank that raised IndexError on a line calling torch.chunk or .split, at a size those
+    cut into fewer than n pieces, is told so (one more line under run_student's)."""
+    try:
+        yield
+    except ExerciseFailed as e:
+        pieces = {"chunk": len(torch.empty(numel).chunk(n)),
+                  "split": len(torch.empty(numel).split(-(-numel // n)))}
+        called = [f for f in pieces if re.search(rf"\b{f}\(", e.details) and pieces[f] < n]
+        if "IndexError" not in e.details or not called:
+            raise
+        size = -(-numel // n)
+        hint = (f"{numel} elements on {n} ranks: {' and '.join(called)}() cut them into "
+                f"{pieces[called[0]]} pieces of at most {size}, not {n} — rank r's shard is "
+                f"elements [r·{size}, (r+1)·{size}) of the buffer padded to {n * size}: pad first")
+        print(f"  ✗ {hint}")
+        raise ExerciseFailed(e.args[0], e.problems + [hint]) from None
+
+
 def check_zero1_step(fn, timeout: float | None = None) -> None:
     """Values equal to one SGD step on the mean gradient of the group, the same on every rank,
     and the traffic of a reduce-scatter plus an all-gather of the padded buffer (no
     all-reduce): on 2 and 3 ranks and on 4 ranks split into two groups of 2."""
     problems, count = [], 0
-    for n, numel, split in [(2, 11, False), (3, 11, False), (3, 12, False), (4, 11, True)]:
-        ranks = run_student(_zero1_worker, n, fn, numel, 0.1, split, name="zero1_step",
-                            timeout=timeout)
+    # 5 elements on 4 ranks: shards of 2, but torch.chunk(4) gives 3 pieces (2, 2, 1)
+    for n, numel, split in [(2, 11, False), (3, 11, False), (3, 12, False), (4, 5, False),
+                            (4, 11, True)]:
+        with _short_pieces(numel, 2 if split else n):
+            ranks = run_student(_zero1_worker, n, fn, numel, 0.1, split, name="zero1_step",
+                                timeout=timeout)
         per_rank = []
         for rank, (out, led, world, gathered) in enumerate(ranks):
             count += 1
@@ -290,6 +371,24 @@ def check_zero1_step(fn, timeout: float | None = None) -> None:
 # odd sizes: every unit needs padding on 4 ranks (the checks run 4 ranks first)
 _CFG = LlamaConfig(vocab_size=61, hidden=18, n_layers=2, n_heads=3, n_kv_heads=1,
                    ffn_hidden=23, max_seq=16)
+# and a unit of 5 elements: on 4 ranks shards of 2, where torch.chunk(4) makes 3 pieces;
+# its values differ from rank to rank
+_TINY = [(3,), (2,)]
+
+
+def _tiny(rank: int, size: int | None = None, index: int = 0) -> list[torch.Tensor] | torch.Tensor:
+    """Rank `rank`'s gradients of the 5-element unit (or, given `size`, its parameter shard
+    as the `index`-th rank of its group, padding 0)."""
+    g = torch.Generator().manual_seed(50 + rank)
+    if size is None:
+        return [torch.randn(shape, generator=g) for shape in _TINY]
+    shard = torch.randn(size, generator=g)
+    shard[index * size + torch.arange(size) >= 5] = 0.0
+    return shard
+
+
+def _ranks_of(group) -> list[int]:
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
 def _label(n: int, split: bool) -> str:
@@ -342,7 +441,7 @@ def _rs_worker(fn, split):
     plain = TinyLlama(_CFG)                      # same seed: the same weights as ZeRO's
     plain.loss(x, y).backward()
     answers = []
-    for grads in _unit_grads(plain):
+    for grads in _unit_grads(plain) + [_tiny(rank)]:
         with Ledger() as led:
             got = call_student(fn, [g.clone() for g in grads], group=group)
         # the shard a reversed flattening (or the world) would give, to name those mistakes
@@ -361,7 +460,12 @@ def _rs_worker(fn, split):
     zero = ZeRO(model, 2, group=group, optimizer=torch.optim.SGD, lr=0.1)
     model.loss(x, y).backward()
     zero.finish_gradient_sync()                  # picolib's reduce-scatter, unit by unit
-    return answers, [u.grad.clone() for u in zero.units]
+    mine = _ranks_of(group)                      # the tiny unit's shard, by hand
+    mean = torch.stack([torch.cat(_tiny(r)) for r in mine]).mean(0)
+    size = -(-mean.numel() // len(mine))
+    tiny = torch.cat([mean, mean.new_zeros(size * len(mine) - mean.numel())])
+    me = mine.index(rank)
+    return answers, [u.grad.clone() for u in zero.units] + [tiny[me * size:(me + 1) * size]]
 
 
 def check_reduce_scatter_gradients(fn, timeout: float | None = None) -> None:
@@ -371,8 +475,10 @@ def check_reduce_scatter_gradients(fn, timeout: float | None = None) -> None:
     for n, split in ((4, False), (2, False), (4, True)):
         per_rank = []
         m = 2 if split else n
-        for rank, (answers, shards) in enumerate(run_student(
-                _rs_worker, n, fn, split, name="reduce_scatter_gradients", timeout=timeout)):
+        with _short_pieces(5, m):
+            results = run_student(_rs_worker, n, fn, split, name="reduce_scatter_gradients",
+                                  timeout=timeout)
+        for rank, (answers, shards) in enumerate(results):
             mine = []
             for unit, ((got, led, numel, others), want) in enumerate(zip(answers, shards)):
                 count += 1
@@ -421,11 +527,22 @@ def _gather_worker(fn, split):
             got = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in got]
         answers.append((got, led.summary(), [full[name] for name in u.names], u.numel,
                         torch.cat(world), list(u.names)))
+    mine, size = _ranks_of(group), -(-5 // dist.get_world_size(group))
+    with Ledger() as led:                        # the tiny unit: shards of rank-dependent values
+        got = call_student(fn, _tiny(rank, size, mine.index(rank)), list(_TINY), group=group)
+    if isinstance(got, (list, tuple)):
+        got = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in got]
+    whole = torch.cat([_tiny(r, size, j) for j, r in enumerate(mine)])[:5]
+    world = [_tiny(r, size, (members(r) if group is not None else mine).index(r))
+             for r in range(dist.get_world_size())]
+    answers.append((got, led.summary(), list(whole.split([3, 2])), 5, torch.cat(world),
+                    ["tiny.a", "tiny.b"]))
     return answers
 
 
 def _gather_hint(got: list, want: list, n: int, numel: int) -> str:
-    """Name the usual mistakes: padding kept, shards in the wrong order."""
+    """Name the usual mistakes: padding kept, shards in reverse rank order, the gathered buffer
+    read column by column (each named only when it reproduces the answer)."""
     flat = torch.cat([t.flatten() for t in got]).double()
     ref = torch.cat([t.flatten() for t in want]).double()
     pad = padded_numel(numel, n)
@@ -434,11 +551,17 @@ def _gather_hint(got: list, want: list, n: int, numel: int) -> str:
     if flat.numel() != numel:
         return f"{flat.numel()} elements returned; the unit has {numel}"
     size = pad // n
-    chunks = list(torch.cat([ref, ref.new_zeros(pad - numel)]).split(size))
-    if n > 1 and torch.allclose(flat, torch.cat(chunks[::-1])[:numel], atol=1e-6):
-        return ("the shards are concatenated in reverse rank order: rank r's shard goes at "
-                "elements [r·S, (r+1)·S)")
-    return ""
+    padded = torch.cat([ref, ref.new_zeros(pad - numel)])
+    fitting = []
+    if n > 1 and torch.allclose(flat, torch.cat(list(padded.split(size))[::-1])[:numel], atol=1e-6):
+        fitting.append("the shards are concatenated in reverse rank order: rank r's shard goes at "
+                       "elements [r·S, (r+1)·S)")
+    if n > 1 and size > 1 and torch.allclose(flat, padded.view(n, size).t().reshape(-1)[:numel],
+                                             atol=1e-6):
+        fitting.append("the gathered buffer was read column by column (element j of every "
+                       "rank's shard side by side): rank r's shard is one block, elements "
+                       "[r·S, (r+1)·S)")
+    return explain(fitting)
 
 
 def check_gather_unit(fn, timeout: float | None = None) -> None:
@@ -448,8 +571,9 @@ def check_gather_unit(fn, timeout: float | None = None) -> None:
     for n, split in ((4, False), (2, False), (4, True)):
         per_rank = []
         m = 2 if split else n
-        for answers in run_student(_gather_worker, n, fn, split, name="gather_unit",
-                                   timeout=timeout):
+        with _short_pieces(5, m):
+            results = run_student(_gather_worker, n, fn, split, name="gather_unit", timeout=timeout)
+        for answers in results:
             mine = []
             for unit, (got, led, want, numel, world, names) in enumerate(answers):
                 count += 1

@@ -13,9 +13,9 @@ The lesson's rank functions live here too, so that its cells show what is measur
 asserts that settle it, not the bookkeeping: `one_step` (one training step of DP and each
 ZeRO stage: bytes held, calls made, saved activations), `replay` (a list of recorded calls
 run again on picolib's own rings, which count the bytes they send), `accumulate` (one ZeRO
-step over m micro-batches), `zero3_timeline`, `gathers_under_compute` and `backward_order` (the
-prefetch figure), and `fsdp2_vs_zero` (PyTorch's FSDP2 beside picolib's ZeRO-2/3: its two
-collectives are wrapped to count the calls, and unwrapped again before it returns).
+step over m micro-batches), `zero3_timeline`, `gathers_under_compute` and `hidden_fraction` (the
+prefetch figure). The lesson's §2 runs ZeRO's core itself; the backward order of §6's timelines
+and FSDP2 beside picolib (§7) are checked in tests/lessons/test_tryit_03.py.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ..zero import optimizer_state_factor, zero_memory_bytes
 
 __all__ = ["PRECISIONS", "MODELS", "per_rank", "plot_groups", "zero_bars", "CONFIGS",
            "one_step", "replay", "accumulate", "zero3_timeline", "gathers_under_compute",
-           "hidden_fraction", "backward_order", "model_states", "fsdp2_vs_zero"]
+           "hidden_fraction", "model_states"]
 
 # bytes per parameter (params, grads) and optimizer bytes B_opt, Adam
 PRECISIONS = {"bf16 + fp32 master": (2, 12), "fp32": (4, optimizer_state_factor("adam"))}
@@ -119,7 +119,7 @@ def one_step(cfg, mb: int, seq: int) -> dict:
     ZeRO share), B_opt read from the torch optimizer's state ("b_opt": bytes per element of its
     tensors shaped like the parameter, + 4 for ZeRO's fp32 master beside bf16), the ledger's
     summary and calls (op, buffer bytes, ring-formula bytes), the saved activations' bytes,
-    ZeRO's (padded buffer, shard) sizes, and the buffers DP's buckets or ZeRO's units hold."""
+    and the buffers DP's buckets or ZeRO's units hold."""
     import torch
     import torch.distributed as dist
 
@@ -147,8 +147,6 @@ def one_step(cfg, mb: int, seq: int) -> dict:
         b_opt = state_bytes_per_element(ddp.optimizer) if name == "DP" else zero.state_factor()
         out[name] = dict(memory=mem, b_opt=b_opt, traffic=led.summary(), activations=acts.bytes,
                          calls=[(r.op, r.nbytes, r.sent_bytes) for r in led.records],
-                         layout=None if name == "DP" else [(u.full.numel(), u.shard.numel())
-                                                           for u in zero.units],
                          buckets=([b.buffer.numel() for b in ddp.buckets] if name == "DP"
                                   else zero.unit_numels()))
     return out
@@ -241,85 +239,3 @@ def gathers_under_compute(events, rank: int = 0) -> tuple:
     under = [g for g in gathers if any(min(g["end"], c["end"]) - max(g["start"], c["start"])
                                        >= 0.5 * (g["end"] - g["start"]) for c in comp)]
     return len(under), len(gathers)
-
-
-def backward_order(events, rank: int, costs: dict) -> dict:
-    """What `rank`'s ZeRO-3 backward did with its gradients, read off its timeline events:
-    "done", the blocks whose backward (B) ended before the first reduce-scatter started (their
-    whole gradients held until then); "rs_hidden", the blocks whose reduce-scatter ran under
-    some B for at least half its emulated cost; "waited", the blocks whose reduce-scatter ended
-    before block 1's B started; "gap", the time between block 2's B and block 1's."""
-    mine = [e for e in events if e["rank"] == rank]
-    back = {e["meta"]["unit"]: e for e in mine if e["name"] == "B"}
-    rs = [e for e in mine if e["name"] == "reduce_scatter"]
-
-    def under_compute(e):
-        return any(min(e["end"], c["end"]) - max(e["start"], c["start"]) >= 0.5 * costs[e["name"]]
-                   for c in back.values())
-    return dict(done=sorted(u for u, e in back.items() if e["end"] <= rs[0]["start"]),
-                rs_hidden=[e["meta"]["unit"] for e in rs if under_compute(e)],
-                waited=[e["meta"]["unit"] for e in rs if e["end"] <= back[1]["start"]],
-                gap=back[1]["start"] - back[2]["end"])
-
-
-def _local_bytes(tensors) -> int:
-    from torch.distributed.tensor import DTensor
-    return sum((t._local_tensor if isinstance(t, DTensor) else t).numel() * 4 for t in tensors)
-
-
-def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
-    """On every rank: one Adam step of PyTorch's FSDP2 (`fully_shard` on each block, then on
-    the root) and one of picolib's ZeRO-3 (`reshard_after_forward=True`) or ZeRO-2 (False) on
-    the same micro-batch. Returns (FSDP2's bytes held — the local shards of its DTensors —,
-    FSDP2's calls {op: sorted full-buffer sizes}, ZeRO's `memory()`, ZeRO's ledger summary,
-    ZeRO's unit sizes). FSDP2's calls are counted by wrapping `dist.all_gather_single` and
-    `dist.reduce_scatter_single` (before torch 2.12: `all_gather_into_tensor` and
-    `reduce_scatter_tensor`) for the duration of its step."""
-    import inspect
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    from ..comm import Ledger
-    from ..model import TinyLlama, random_tokens
-    from ..zero import ZeRO
-
-    calls = {"all_gather": [], "reduce_scatter": []}
-    names = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
-    if not hasattr(dist, "all_gather_single"):
-        names = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
-    wrapped = {op: getattr(dist, name) for op, name in names.items()}
-
-    def counting(op):
-        params = list(inspect.signature(wrapped[op]).parameters)[:2]
-
-        def call(*args, **kwargs):     # FSDP2 passes the tensors by keyword in some releases
-            output, input = (args[i] if i < len(args) else kwargs[name] for i, name in enumerate(params))
-            calls[op].append(max(output.numel(), input.numel()))    # the full buffer
-            return wrapped[op](*args, **kwargs)
-        return call
-
-    x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())
-    for op, name in names.items():
-        setattr(dist, name, counting(op))
-    try:
-        model = TinyLlama(cfg)
-        for block in model.blocks:                  # bottom-up: each block, then the root
-            fully_shard(block, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        model.loss(x, y).backward()
-        opt.step()
-    finally:
-        for op, name in names.items():
-            setattr(dist, name, wrapped[op])
-    fsdp = {"params": _local_bytes(model.parameters()),
-            "grads": _local_bytes(p.grad for p in model.parameters()),
-            "optimizer": _local_bytes(v for s in opt.state.values() for k, v in s.items() if k != "step")}
-    ours = TinyLlama(cfg)
-    zero = ZeRO(ours, 3 if reshard_after_forward else 2, optimizer=torch.optim.Adam, lr=1e-3)
-    with Ledger() as led:
-        ours.loss(x, y).backward()
-        zero.step()
-    return fsdp, {op: sorted(v) for op, v in calls.items()}, zero.memory(), led.summary(), zero.unit_numels()

@@ -132,7 +132,8 @@ def rs_all_reduce(grads, group=None):
 
 def test_reduce_scatter_gradients_right_and_wrong():
     check_reduce_scatter_gradients(rs_right)
-    with fails(r"N=4, every rank \(12 cases like this one\): unit 0 .* 4× too large: a sum where a mean"):
+    # 4 units on 4 ranks, less the 5-element unit's last shard: all padding, 0 either way
+    with fails(r"N=4, every rank \(15 cases like this one\): unit 0 .* 4× too large: a sum where a mean"):
         check_reduce_scatter_gradients(rs_sum)
     with fails("the whole gradient; return only this rank's shard"):
         check_reduce_scatter_gradients(rs_all_reduce)
@@ -413,3 +414,82 @@ def test_gather_unit_says_which_parameter_differs():
                r"first at \[\d+(, \d+)?\]: got") as info:
         check_gather_unit(gather_drops_the_wrong_end)
     assert "values differ" not in info.value.details
+
+
+# ---------------------------------------------------------------- issue 60: uneven sizes, one cause per hint
+def zero1_chunk_param(param, grad, lr, group=None):
+    """Wrong: the shard is torch.chunk's piece of the unpadded parameter, padded afterwards —
+    right wherever chunk makes n pieces, an IndexError at 5 elements on 4 ranks (3 pieces)."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    pad = -param.numel() % n
+    mine = torch.empty((param.numel() + pad) // n)
+    comm.reduce_scatter(mine, F.pad(grad, (0, pad)), op="avg", group=group)
+    shard = param.chunk(n)[r]
+    shard = F.pad(shard, (0, mine.numel() - shard.numel())) - lr * mine
+    out = torch.empty(mine.numel() * n)
+    comm.all_gather(out, shard, group=group)
+    return out[:param.numel()]
+
+
+def zero1_tensor_split(param, grad, lr, group=None):
+    """Right, written differently: the padded vectors cut with tensor_split (n pieces always)."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    pad = -param.numel() % n
+    g_mine = torch.empty((param.numel() + pad) // n)
+    comm.reduce_scatter(g_mine, F.pad(grad, (0, pad)), op="avg", group=group)
+    shard = F.pad(param, (0, pad)).tensor_split(n)[r] - lr * g_mine
+    out = torch.empty(g_mine.numel() * n)
+    comm.all_gather(out, shard.contiguous(), group=group)
+    return out[:param.numel()]
+
+
+def test_zero1_step_tries_a_size_chunk_cuts_short():
+    check_zero1_step(zero1_tensor_split)
+    with fails(r"5 elements on 4 ranks: chunk\(\) cut them into 3 pieces of at most 2, not 4"):
+        check_zero1_step(zero1_chunk_param)
+
+
+def zero_memory_grads_whole_from_stage_2(stage, psi, n, k):
+    """Wrong: the gradients never sharded (stages 2 and 3 keep them whole). At N = 2 stage 3's
+    gradients are then twice the right value, as fp32 gradients would be: only the other cases
+    tell the two apart, and the check names the one that fits them all."""
+    right = zero_memory_bytes(stage, psi, n, k, param_bytes=2)
+    return {**right, "grads": 2 * (n * -(-psi // n) if stage >= 1 else psi)}
+
+
+def test_zero_memory_names_the_slip_that_fits_every_case():
+    check_zero_memory(zero_memory_variant())                  # right, written by parts
+    with fails("grads kept whole, but stage ≥ 2 shards the gradients") as info:
+        check_zero_memory(zero_memory_grads_whole_from_stage_2)
+    assert "4 bytes per value" not in info.value.details
+
+
+def gather_column_major(shard, shapes, group=None):
+    """Wrong: the gathered buffer read as a (S, N) matrix — element j of every shard together."""
+    n = dist.get_world_size(group)
+    full = torch.empty(n * shard.numel())
+    comm.all_gather(full, shard, group=group)
+    return _split(full.view(n, -1).t().reshape(-1), shapes)
+
+
+def test_gather_unit_names_column_major_not_a_rank_order():
+    check_gather_unit(gather_into_a_list)                      # right, written differently
+    with fails("read column by column") as info:
+        check_gather_unit(gather_column_major)
+    assert "rank order" not in info.value.details
+
+
+def rs_chunk_of_the_unpadded(grads, group=None):
+    """Wrong: the output shaped like torch.chunk's piece of the unpadded buffer — an IndexError
+    at 5 elements on 4 ranks, and a short last shard wherever numel does not divide."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    mine = torch.empty_like(flat.chunk(n)[r])
+    comm.reduce_scatter(mine, F.pad(flat, (0, mine.numel() * n - flat.numel())), op="avg", group=group)
+    return mine
+
+
+def test_reduce_scatter_gradients_tries_an_uneven_tiny_unit():
+    check_reduce_scatter_gradients(rs_with_F)                  # right, on the 5-element unit too
+    with fails("rank 3 failed"):                               # its short shard: no hang
+        check_reduce_scatter_gradients(rs_chunk_of_the_unpadded)

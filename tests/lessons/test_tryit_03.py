@@ -77,3 +77,123 @@ def test_the_lessons_bars_pass_the_figure_check():
     assert ax.get_ylabel() == "KiB per rank"          # binary units for memory
     assert problems(fig) == []
     plt.close(fig)
+
+
+# ---------------------------------------------------------------- lesson 03 §6: ZeRO-3's backward order
+COSTS = {"F": 0.03, "B": 0.06, "all_gather": 0.02, "reduce_scatter": 0.02}   # the lesson's emulated costs
+
+
+def backward_order(events, rank: int, costs: dict) -> dict:
+    """What `rank`'s ZeRO-3 backward did with its gradients, read off its timeline events:
+    "done", the blocks whose backward (B) ended before the first reduce-scatter started (their
+    whole gradients held until then); "rs_hidden", the blocks whose reduce-scatter ran under
+    some B for at least half its emulated cost; "waited", the blocks whose reduce-scatter ended
+    before block 1's B started; "gap", the time between block 2's B and block 1's."""
+    mine = [e for e in events if e["rank"] == rank]
+    back = {e["meta"]["unit"]: e for e in mine if e["name"] == "B"}
+    rs = [e for e in mine if e["name"] == "reduce_scatter"]
+
+    def under_compute(e):
+        return any(min(e["end"], c["end"]) - max(e["start"], c["start"]) >= 0.5 * costs[e["name"]]
+                   for c in back.values())
+    return dict(done=sorted(u for u, e in back.items() if e["end"] <= rs[0]["start"]),
+                rs_hidden=[e["meta"]["unit"] for e in rs if under_compute(e)],
+                waited=[e["meta"]["unit"] for e in rs if e["end"] <= back[1]["start"]],
+                gap=back[1]["start"] - back[2]["end"])
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_zero3_reduce_scatters_wait_for_the_last_gather_and_two_stay_in_flight(prefetch):
+    """The lesson's §6 timelines: a block's whole gradient stays until backward has issued its
+    last all-gather (one order on every rank); `_drain(keep=1)` keeps at most two reduce-scatters
+    in flight, so before block 1's backward a rank waits for those of blocks 4 and 3."""
+    from picolib.timeline import merge
+    from picolib.tryit.lesson03 import zero3_timeline
+    events = merge(run(zero3_timeline, 2, CFG.replace(n_layers=4), COSTS, prefetch, 2, 8))
+    for r in (0, 1):
+        o = backward_order(events, r, COSTS)
+        assert o["done"] == ([2, 3, 4] if prefetch else [1, 2, 3, 4]), (r, o)
+        assert o["rs_hidden"] == ([2] if prefetch else []), (r, o)
+        if prefetch:
+            assert o["waited"][:2] == [4, 3], (r, o)
+            assert o["gap"] >= 2 * COSTS["reduce_scatter"] * 0.99, (r, o)
+
+
+# ---------------------------------------------------------------- lesson 03 §7: FSDP2 beside picolib
+def _local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+    return sum((t._local_tensor if isinstance(t, DTensor) else t).numel() * 4 for t in tensors)
+
+
+def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
+    """On every rank: one Adam step of PyTorch's FSDP2 (`fully_shard` on each block, then on
+    the root) and one of picolib's ZeRO-3 (`reshard_after_forward=True`) or ZeRO-2 (False) on
+    the same micro-batch. Returns (FSDP2's bytes held — the local shards of its DTensors —,
+    FSDP2's calls {op: sorted full-buffer sizes}, ZeRO's `memory()`, ZeRO's ledger summary,
+    ZeRO's unit sizes). FSDP2's calls are counted by wrapping `dist.all_gather_single` and
+    `dist.reduce_scatter_single` (before torch 2.12: `all_gather_into_tensor` and
+    `reduce_scatter_tensor`) for the duration of its step."""
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+
+    from picolib.comm import Ledger
+
+    calls = {"all_gather": [], "reduce_scatter": []}
+    names = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
+    if not hasattr(dist, "all_gather_single"):
+        names = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+    wrapped = {op: getattr(dist, name) for op, name in names.items()}
+
+    def counting(op):
+        params = list(inspect.signature(wrapped[op]).parameters)[:2]
+
+        def call(*args, **kwargs):     # FSDP2 passes the tensors by keyword in some releases
+            output, input = (args[i] if i < len(args) else kwargs[name] for i, name in enumerate(params))
+            calls[op].append(max(output.numel(), input.numel()))    # the full buffer
+            return wrapped[op](*args, **kwargs)
+        return call
+
+    x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())
+    for op, name in names.items():
+        setattr(dist, name, counting(op))
+    try:
+        model = TinyLlama(cfg)
+        for block in model.blocks:                  # bottom-up: each block, then the root
+            fully_shard(block, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model.loss(x, y).backward()
+        opt.step()
+    finally:
+        for op, name in names.items():
+            setattr(dist, name, wrapped[op])
+    fsdp = {"params": _local_bytes(model.parameters()),
+            "grads": _local_bytes(p.grad for p in model.parameters()),
+            "optimizer": _local_bytes(v for s in opt.state.values() for k, v in s.items() if k != "step")}
+    ours = TinyLlama(cfg)
+    zero = ZeRO(ours, 3 if reshard_after_forward else 2, optimizer=torch.optim.Adam, lr=1e-3)
+    with Ledger() as led:
+        ours.loss(x, y).backward()
+        zero.step()
+    return fsdp, {op: sorted(v) for op, v in calls.items()}, zero.memory(), led.summary(), zero.unit_numels()
+
+
+@pytest.mark.parametrize("n, reshard_after_forward", [(2, True), (2, False), (4, True), (4, False)])
+def test_fsdp2_holds_zero3_bytes_and_makes_zero3_or_zero2_calls(n, reshard_after_forward):
+    """Lesson 03 §7: FSDP2 holds ZeRO-3's bytes per rank between steps with either setting (with
+    True: picolib ZeRO-3's, to the byte), and makes ZeRO-3's calls with True (each unit gathered
+    before forward and again before backward), ZeRO-2's with False — one call per unit."""
+    from picolib.requirements import needs
+    from picolib.zero import zero_memory_bytes
+    if not needs("2.7", "FSDP2 on the CPU"):   # CPU stream events: torch ≥ 2.7 (pytorch/pytorch#145935)
+        pytest.skip("FSDP2 on the CPU needs torch 2.7")
+    fcfg = LlamaConfig(vocab_size=64, hidden=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                       ffn_hidden=32, max_seq=16)              # every dim 0 divides by 2 and 4
+    fsdp, fcalls, zmem, zled, znumels = run(fsdp2_vs_zero, n, fcfg, reshard_after_forward, 2, 8)[0]
+    assert fsdp == zero_memory_bytes(3, znumels, n, 8)
+    if reshard_after_forward:
+        assert fsdp == zmem
+    assert len(fcalls["all_gather"]) == zled["all_gather"]["calls"] == (6 if reshard_after_forward else 3)
+    assert len(fcalls["reduce_scatter"]) == zled["reduce_scatter"]["calls"] == 3
+    assert sorted(set(fcalls["all_gather"])) == sorted(set(znumels))

@@ -76,6 +76,12 @@ CORE: dict[str, dict[str, list[str]]] = {
                                          "picolib.pipeline_parallel.backward_weights"],
         "DualPipe(V)": ["picolib.pipeline_schedules.dualpipev_rank", "picolib.pipeline_schedules.dualpipev"],
     },
+    "03_zero": {
+        "ZeRO-1": ["picolib.zero.ZeRO.step", "picolib.zero.ZeRO._reduce_scatter"],
+        "ZeRO-2": ["picolib.sharded_optim.ShardedUnit.flat_grads", "picolib.zero.ZeRO._backward_done"],
+        "ZeRO-3": ["picolib.zero.ZeRO._pre_forward", "picolib.zero.ZeRO._post_forward",
+                   "picolib.sharded_optim.ShardedUnit.all_gather", "picolib.sharded_optim.ShardedUnit.free"],
+    },
 }
 
 
