@@ -85,6 +85,27 @@ CORE: dict[str, dict[str, list[str]]] = {
 }
 
 
+# issue 55's list: every technique lesson shows each of these (the keys of its CORE entry)
+REQUIRED = {
+    "02_data_parallel": {"DDP: bucketed all-reduce with overlap"},
+    "03_zero": {"ZeRO-1", "ZeRO-2", "ZeRO-3"},
+    "04_tensor_parallel": {"TP column/row and the f/g pair", "vocab-parallel embedding and loss"},
+    "05_sequence_parallel": {"SP"},
+    "06_context_parallel": {"ring attention (forward and backward)", "zig-zag", "all-gather K/V", "Ulysses"},
+    "07_pipeline_parallel": {"the executor", "AFAB/1F1B", "interleaving"},
+    "07b_zero_bubble_dualpipe": {"ZB-H1 and the split backward", "DualPipe(V)"},
+    "08_terapipe": {"TeraPipe"},
+    "09_expert_parallel": {"MoE dispatch/combine"},
+    "10_5d_parallelism": {"the 5-D composition"},
+}
+
+
+def test_every_technique_is_shown_somewhere():
+    missing = [f"{lesson}: {t}" for lesson, techniques in REQUIRED.items()
+               for t in sorted(techniques - set(CORE.get(lesson, {})))]
+    assert missing == []
+
+
 def audit(path: Path, techniques: dict[str, list[str]]) -> list[str]:
     """The problems of one lesson against its entry in CORE (empty when it holds)."""
     name = path.stem
