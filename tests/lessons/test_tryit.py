@@ -42,6 +42,7 @@ def test_a_helper_handed_an_ax_draws_into_it_and_never_shows_it(helper, monkeypa
     import inspect
 
     import matplotlib
+    from picolib.memory import Breakdown
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     shown = []
@@ -55,7 +56,11 @@ def test_a_helper_handed_an_ax_draws_into_it_and_never_shows_it(helper, monkeypa
              "runs": {"fp32": {"losses": [5.6, 5.5, 5.4]}, "bf16": {"losses": [5.6, 5.6, 5.6]}},
              "table": {"RMSNorm": {"eager_bytes": 6.0, "fused_bytes": 2.0, "eager_s": 3.0, "compiled_s": 1.0}},
              "outliers": [1, 10, 100], "errors": {"tensor": [0.02, 0.05, 0.2], "tile": [0.02, 0.02, 0.02]},
-             "counts": {"naive": (39,), 1: (39,), 65536: (13,), 2**20: (1,)}, "caps": [1, 65536, 2**20]}
+             "counts": {"naive": (39,), 1: (39,), 65536: (13,), 2**20: (1,)}, "caps": [1, 65536, 2**20],
+             "rows": {"b=1": (Breakdown(4, 0, 8, 3), Breakdown(4, 4, 8, 3))},
+             "traffic": [{"hierarchical": (0, 0, 512), "flat ring": (0, 0, 1792)},
+                         {"hierarchical": (0, 0, 512), "flat ring": (0, 0, 0)}],
+             "per_node": 2, "nbytes": 1024, "seen": {"hierarchical": 4e11, "flat ring": 5e10}}
     args = {k: given[k] for k in needs if k in given}
     assert set(needs) <= set(args), f"give the test arguments for {helper.__name__}: {needs}"
     helper(ax=ax, **args)

@@ -137,7 +137,7 @@ def test_the_index_links_every_lesson_in_order(built):
     lessons = [h for h in hrefs if h.endswith(".html") and h[:2].isdigit()]
     assert lessons == [PAGE, "99_after.html"]
     assert all((built["out"] / h).exists() for h in hrefs if not h.startswith("http"))
-    assert "vocab-parallel loss" in _page(built, "index.html")     # the README's line for 04
+    assert "vocab-parallel embedding and loss" in _page(built, "index.html")   # the README's line for 04
 
 
 def test_previous_and_next_links(built):
