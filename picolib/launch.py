@@ -539,7 +539,7 @@ def _collect(ranks: list[_Rank], timeout: float, index: dict | None = None) -> l
                 silent.append(r.rank)
                 first_failure = first_failure or time.monotonic()
     if silent or errors:
-        culprit = silent[0] if silent else next(iter(errors))
+        culprit = _culprit(silent, errors)
         others = sorted((set(silent) | set(errors)) - {culprit})
         also = f" (rank{'s' if len(others) > 1 else ''} {others} failed too)" if others else ""
         if culprit in errors:
@@ -549,6 +549,21 @@ def _collect(ranks: list[_Rank], timeout: float, index: dict | None = None) -> l
             message, tb = _death(ranks[culprit]), ""
         raise WorkerError(culprit, message + also, tb)
     return [results[r.rank] for r in ranks]
+
+
+# What a rank raises when a peer has gone (gloo's transport, NCCL's abort): a consequence, not a cause
+_PEER_GONE = re.compile(r"gloo/transport/|Connection (closed|reset) by peer|remote process exited|"
+                        r"communicator was aborted", re.I)
+
+
+def _culprit(silent: list[int], errors: dict) -> int:
+    """The rank to blame: the first that died without a word; else the first whose error is its
+    own — not a peer's disappearance, which a failing rank causes in every rank waiting on it in
+    a collective, sometimes before its own error reaches the caller; else the first error."""
+    if silent:
+        return silent[0]
+    own = [r for r, (message, _) in errors.items() if not _PEER_GONE.search(message)]
+    return own[0] if own else next(iter(errors))
 
 
 def _wait_exits(ranks: list[_Rank], seconds: float) -> None:

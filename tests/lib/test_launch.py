@@ -513,3 +513,15 @@ def test_a_server_that_dies_during_a_run_is_the_error_and_the_next_run_works(own
         time.sleep(0.05)
     assert not any(alive(p) for p in rank_pids), "ranks outlived their server"
     assert run(rank_and_sum, 2, 1) == [(r, 2, 3.0) for r in range(2)]
+
+
+def test_the_blame_goes_to_the_rank_whose_error_is_its_own():
+    """A rank that raises makes every peer waiting on it in a collective fail with a transport
+    error, which may reach the caller first: the rank blamed is the one whose error is its own."""
+    from picolib.launch import _culprit
+    gone = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+            "[127.0.0.1]:4242: Connection reset by peer", "")
+    errors = {0: gone, 3: gone, 2: ("ValueError: bad shard 42", "tb")}      # in order of arrival
+    assert _culprit([], errors) == 2
+    assert _culprit([], {0: gone, 3: gone}) == 0                          # nothing better: the first
+    assert _culprit([1], errors) == 1                                     # a silent death comes first
