@@ -11,10 +11,16 @@ panels are empty, squeezed or clipped; the test suite runs every lesson through 
 - a panel with data but no title, in a figure without an overall title.
 Each line names the panel (its index in the figure and its title).
 
-`watch(report)` makes every figure be checked as IPython displays it (the inline backend
-prints each figure through `FigureCanvasBase.print_figure`): each problem is passed to
-`report`, with the figure's own panels named. A drawing helper that shows a figure before
+`watch(report)` makes every figure be checked as IPython displays it: each problem is passed
+to `report`, with the figure's own panels named. A drawing helper that shows a figure before
 its second panel is drawn is caught this way: the figure shown has an empty panel.
+
+The hook is IPython's display formatter API (nothing of matplotlib's is replaced): a
+mime-bundle formatter registered for `Figure` (`display_formatter.mimebundle_formatter.for_type`)
+runs each time a figure is displayed, before the image formatters; it checks the figure and
+returns nothing, so the image is made as before. Not the `image/png` formatter: the inline
+backend sets its own for `Figure` whenever it is configured (`%matplotlib inline`, the first
+`import matplotlib.pyplot` in a kernel), which would drop ours.
 """
 from __future__ import annotations
 
@@ -128,20 +134,29 @@ def problems(fig, min_points: float = MIN_POINTS, min_fill: float = 0.05,
 
 
 def watch(report) -> None:
-    """Check every figure as it is printed (IPython's inline display prints through
-    `print_figure`); call `report(line)` for each problem found."""
-    from matplotlib.backend_bases import FigureCanvasBase
+    """Check every figure as IPython displays it (module docstring); call `report(line)` for
+    each problem found, once per figure. Call it in an IPython kernel; a second call changes
+    nothing."""
+    import weakref
 
-    if getattr(FigureCanvasBase.print_figure, "_picolib_watch", False):
+    from IPython import get_ipython
+    from matplotlib.figure import Figure
+
+    shell = get_ipython()
+    if shell is None:
+        raise RuntimeError("figure_check.watch checks figures as IPython displays them: "
+                           "call it inside IPython (a notebook's kernel)")
+    bundles = shell.display_formatter.mimebundle_formatter
+    if getattr(bundles.type_printers.get(Figure), "_picolib_watch", False):
         return
-    original = FigureCanvasBase.print_figure
+    checked = weakref.WeakSet()
 
-    def print_figure(self, *args, **kwargs):
-        if not getattr(self.figure, "_picolib_checked", False):
-            self.figure._picolib_checked = True
-            for line in problems(self.figure):
+    def check(fig, *_, **__):
+        if fig not in checked:
+            checked.add(fig)
+            for line in problems(fig):
                 report(line)
-        return original(self, *args, **kwargs)
+        return None                  # no bundle of its own: the image formatters run as before
 
-    print_figure._picolib_watch = True
-    FigureCanvasBase.print_figure = print_figure
+    check._picolib_watch = True
+    bundles.for_type(Figure, check)

@@ -1,6 +1,7 @@
 """picolib.figure_check sees what a reader cannot: each kind of fault is drawn on purpose and
 must be named, with its panel; a figure without faults passes."""
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -76,16 +77,41 @@ def test_small_text_is_named_with_its_size():
     plt.close(fig)
 
 
-def test_watch_checks_each_figure_once_as_it_is_printed(tmp_path, monkeypatch):
-    from matplotlib.backend_bases import FigureCanvasBase
-    monkeypatch.setattr(FigureCanvasBase, "print_figure", FigureCanvasBase.print_figure)  # undone after
+@pytest.fixture
+def shell(tmp_path, monkeypatch):
+    """An in-process IPython shell (what a notebook's kernel runs), its history in memory,
+    removed after the test: get_ipython() is None again."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    yield InteractiveShell.instance(config=config)
+    InteractiveShell.clear_instance()
+
+
+def test_watch_checks_each_figure_once_as_ipython_displays_it(shell):
+    """The inline backend's own setup (select_figure_formats, run when a kernel imports pyplot)
+    comes after `watch` and replaces the image formatters: the check still runs, once per
+    figure, and the figure is still drawn as a PNG."""
+    from IPython.core.pylabtools import select_figure_formats
     seen = []
     watch(seen.append)
     watch(seen.append)                       # installing twice changes nothing
+    select_figure_formats(shell, {"png"})
     fig, (a, b) = plt.subplots(1, 2)
     a.plot([0, 1], [0, 1])
     a.set_title("drawn")
-    fig.savefig(tmp_path / "f.png")
-    fig.savefig(tmp_path / "g.png")
+    data, _ = shell.display_formatter.format(fig)
+    assert data["image/png"][:4] == b"\x89PNG" or data["image/png"][:4] == "iVBO", list(data)
+    shell.display_formatter.format(fig)      # shown again: reported once
     assert sum("panel 1 is empty" in s for s in seen) == 1, seen
-    plt.close(fig)
+    good = _good()
+    shell.display_formatter.format(good)
+    assert len(seen) == 1, seen
+    plt.close("all")
+
+
+def test_watch_outside_ipython_says_where_it_works():
+    with pytest.raises(RuntimeError, match="inside IPython"):
+        watch(print)
