@@ -4,7 +4,11 @@ which puts sliders and menus on it in the notebook.
 
     from picolib.tryit import knobs
     from picolib.tryit.lesson00 import ring_time
-    knobs(ring_time, n=(2, 64, 1), nbytes=[1e6, 1e8, 1e9])
+    knobs(ring_time, n=(2, 64, 1), nbytes=[1e6, 1e8, 1e9]);
+
+A try-it cell that ends on `knobs(...)` ends with `;`: IPython prints a cell's last value
+(`Out[..]`) unless the line ends with a semicolon, and here that value is the first call's
+result, which stays as it was under a figure that changes when the knobs move.
 
 The functions live in one module per lesson (`picolib/tryit/lessonNN.py`).
 """
@@ -41,8 +45,8 @@ def knobs(fn, **choices):
     """Call `fn` with knobs: a (low, high, step) tuple is a slider, a list a menu. The first
     call uses each knob's first value (a slider starts at `low`); with ipywidgets (installed
     with the notebooks extra) every change calls `fn` again, without it `fn` runs once.
-    Returns what that first call returned, for code (`bars = knobs(...)`); a notebook cell
-    does not also print it as its result (see `_not_echoed`)."""
+    Returns what that first call returned, for code (`bars = knobs(...)`); a cell that ends on
+    the call ends it with `;` (module docstring)."""
     first = {}
     for name, choice in choices.items():
         if isinstance(choice, tuple) and len(choice) == 3:
@@ -58,7 +62,7 @@ def knobs(fn, **choices):
     except ImportError:
         ipywidgets = None
     if ipywidgets is None or get_ipython() is None:
-        return _not_echoed(fn(**first))
+        return fn(**first)
     widgets = {}
     for name, choice in choices.items():
         if isinstance(choice, tuple):
@@ -90,30 +94,5 @@ def knobs(fn, **choices):
     for w in widgets.values():
         w.observe(changed, names="value")
     display(ipywidgets.HBox(list(widgets.values())), out)
-    return _not_echoed(draw(**first))
+    return draw(**first)
 
-
-def _not_echoed(value):
-    """`value`, which the running notebook cell will not print as its result.
-
-    IPython prints a cell's last expression (`Out[10]: ...`) unless it is None. For a try-it
-    cell that is the first call's value: it stays as it was when the knobs move, under a
-    figure that changes, and soon contradicts it. So while this cell runs, the display hook
-    skips this very object (anything else still shows); IPython puts its own hook back when
-    the cell ends. Outside a running cell nothing changes."""
-    import sys
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return value
-    trap = getattr(get_ipython(), "display_trap", None)
-    if trap is None or not trap.is_active:
-        return value
-    echo = sys.displayhook
-
-    def displayhook(result):
-        if result is not value:
-            echo(result)
-
-    sys.displayhook = displayhook
-    return value

@@ -75,32 +75,33 @@ CELLS = ['from picolib.tryit import knobs\n'
          'def f(n):\n'
          '    print("live", n)\n'
          '    return {"n": n}',
-         'knobs(f, n=(2, 8, 1))',                  # a try-it cell as the lessons write it
-         'shown = knobs(f, n=[3, 4])\nshown',      # the value kept for code, not printed
+         'knobs(f, n=(2, 8, 1));',                 # a try-it cell as the lessons write it
+         'shown = knobs(f, n=[3, 4])\nshown;',     # the value kept for code, not printed
          'shown',                                  # a later cell prints it as usual
-         'knobs(f, n=[5])\n7']                     # anything else the cell ends on still shows
+         'knobs(f, n=[5]);\n7']                    # anything else the cell ends on still shows
 
 
-@pytest.mark.parametrize("setup", ["widgets", "no widgets", "echoing (the old knobs)"])
+@pytest.mark.parametrize("setup", ["widgets", "no widgets", "no semicolons"])
 def test_a_try_it_cell_shows_only_its_live_output(setup):
     """Run in a real kernel (as Jupyter and nbval do): IPython prints a cell's last value
-    unless it is None; a try-it cell's would be the first call's result, which no longer
-    matches the live output once a knob moves. 'echoing' puts the old behaviour back, to
-    show the check sees an echoed value."""
+    unless it is None or the cell ends with `;`; a try-it cell's would be the first call's
+    result, which no longer matches the live output once a knob moves. 'no semicolons' is
+    the cells written without `;`: the check sees the echoed values."""
     from pathlib import Path
 
     import nbformat
     from nbclient import NotebookClient
     first = {"widgets": "", "no widgets": "import sys; sys.modules['ipywidgets'] = None\n",
-             "echoing (the old knobs)": "import picolib.tryit as t; t._not_echoed = lambda v: v\n"}
+             "no semicolons": ""}
+    cells = [c.replace(";", "") if setup == "no semicolons" else c for c in CELLS[1:]]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(first[setup] + CELLS[0])]
-                                  + [nbformat.v4.new_code_cell(c) for c in CELLS[1:]])
+                                  + [nbformat.v4.new_code_cell(c) for c in cells])
     root = Path(__file__).resolve().parents[2]
     NotebookClient(nb, timeout=120, kernel_name="python3",
                    resources={"metadata": {"path": str(root)}}).execute()
     results = [[o.data["text/plain"] for o in c.outputs if o.output_type == "execute_result"]
                for c in nb.cells]
-    if setup.startswith("echoing"):
+    if setup == "no semicolons":
         assert results[1:3] == [["{'n': 2}"], ["{'n': 3}"]]
         return
     assert results[1:] == [[], [], ["{'n': 3}"], ["7"]]
@@ -110,3 +111,31 @@ def test_a_try_it_cell_shows_only_its_live_output(setup):
         assert all("application/vnd.jupyter.widget-view+json" in o.data for o in live)
     else:                       # no widgets: the one call's own output
         assert [o.get("text") for o in live] == ["live 2\n"]
+
+
+def echoed_knobs(source: str) -> bool:
+    """True if a cell ends on a `knobs(...)` call that IPython would print (no `;`)."""
+    import ast
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return False
+    last = body[-1] if body else None
+    is_knobs = (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
+                and getattr(last.value.func, "id", None) == "knobs")
+    return is_knobs and not source.rstrip().endswith(";")
+
+
+def test_every_lessons_try_it_cell_ends_with_a_semicolon():
+    """What the kernel test above shows for one notebook, for every lesson's cells: a cell
+    ending on `knobs(...)` ends with `;`. The planted cells are one without and one with."""
+    import json
+    from pathlib import Path
+    assert echoed_knobs("knobs(f, n=[1, 2])") and not echoed_knobs("knobs(f, n=[1, 2]);")
+    assert not echoed_knobs("bars = knobs(f, n=[1])") and not echoed_knobs("knobs(f, n=[1]);\nx")
+    root = Path(__file__).resolve().parents[2]
+    echoed = [f"{path.name}, cell {i}" for path in sorted((root / "notebooks").glob("*.ipynb"))
+              for i, cell in enumerate(json.loads(path.read_text(encoding="utf-8"))["cells"])
+              if cell["cell_type"] == "code" and echoed_knobs("".join(cell["source"]))]
+    assert echoed == [], f"end these try-it cells with ';' (IPython prints their value): {echoed}"
+
