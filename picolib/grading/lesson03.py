@@ -209,36 +209,13 @@ def _zero1_data(numel, n, rank, split):
     return param, grads
 
 
-_GATHERS = ("all_gather_into_tensor", "all_gather_single", "all_gather", "_all_gather_base")
-
-
-@contextmanager
-def _gathered_inputs():
-    """Record the tensor this rank hands to every all-gather (through picolib.comm or
-    torch.distributed): what a rank gathers shows what it stepped."""
-    seen, saved = [], {name: getattr(dist, name) for name in _GATHERS if hasattr(dist, name)}
-
-    def recording(call):
-        def gather(output, input, *args, **kwargs):
-            seen.append(input.detach().clone())
-            return call(output, input, *args, **kwargs)
-        return gather
-
-    for name, call in saved.items():
-        setattr(dist, name, recording(call))
-    try:
-        yield seen
-    finally:
-        for name, call in saved.items():
-            setattr(dist, name, call)
-
-
 def _zero1_worker(fn, numel, lr, split):
     group = my_group(split)
     rank, n = dist.get_rank(), dist.get_world_size()
     param, grads = _zero1_data(numel, n, rank, split)
-    with _gathered_inputs() as gathered, Ledger() as ledger:
+    with Ledger(keep_inputs=True) as ledger:      # what this rank hands to each collective
         out = call_student(fn, param.clone(), grads[rank].clone(), lr, group=group)
+    gathered = [sent for record, sent in ledger.inputs if record.op == "all_gather"]
     if isinstance(out, torch.Tensor):
         out = out.detach().clone()
     return out, ledger.summary(), world_calls(ledger) if split else [], gathered
