@@ -26,7 +26,8 @@ What meta tensors cannot do, the dry run does not do, and says so:
 - kernels: on meta, PyTorch's fused attention takes its math path (which saves the s×s
   probabilities); picolib's attention calls the flash kernel's shapes that a CPU or GPU run
   takes (`meta.flash_attention`). Meta add/sub/mul get a shape rule in place of PyTorch's
-  Python one in the dry run's ranks (`meta.fast_arithmetic`: same shapes, 5× faster);
+  Python one while a dry run's rank builds and steps (`meta.fast_arithmetic`: same shapes,
+  5× faster; a torch.library registration undone when that block ends);
 - routing (an ASSUMPTION, the one number the dry run does not get from the code): a mixture
   of experts sends each expert the tokens the router chose, which meta tensors do not have.
   The dry run runs the router, the experts, the all-to-alls and the balancing loss as a real
@@ -123,21 +124,39 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
     import resource
 
     import torch.distributed as dist
-    from .comm import Ledger
-    from .compose import build
-    from .memory import SavedActivations
     from .mesh import Mesh
     from .meta import fast_arithmetic
-    from .step import forward_backward, sent_by_kind
+    from .step import sent_by_kind
     from .torch_compat import fake_store
     cfg = cfg if isinstance(cfg, TrainConfig) else TrainConfig(**cfg)
     check_config(cfg, world)
     torch.set_num_threads(1)
     dist.init_process_group("cpu:fake,meta:fake", rank=rank, world_size=world, store=fake_store())
     refuse(cfg)
-    shape_rules = fast_arithmetic()  # noqa: F841 — held for this process's life
-    meta = torch.device("meta")
-    mesh = Mesh("cpu", device=meta, **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
+    mesh = Mesh("cpu", device=torch.device("meta"), **{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
+    with fast_arithmetic():
+        stages, wrappers, led, act, grads_peak = _one_step(cfg, mesh)
+    state = {k: sum(w.memory()[k] for w in wrappers.values()) for k in ("params", "grads", "optimizer")}
+    by_kind = sent_by_kind(led, mesh)
+    sent = {k: by_kind.get(k.upper(), 0) for k in KINDS}
+    return {"rank": rank, "pp_rank": mesh.coordinate("pp"), **state,
+            "grads_peak": max(grads_peak + [state["grads"]]), "activations": act.peak, "sent": sent, "other": by_kind.get("other", 0),
+            "by_op": {op: s["sent_bytes"] for op, s in led.summary().items()},
+            "stages": sorted(stages), "layout": asdict(layout_of(cfg)), "loss": None,
+            "assumptions": assumptions(cfg),
+            "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _one_step(cfg: TrainConfig, mesh):
+    """Build the rank's stages on meta and run one step (forward, backward, optimizer) with the
+    ledger and saved activations open; the gradients held are sampled before each backward
+    through the wrappers' sync hook (`register_sync_hook`: the loop or the pipeline executor
+    sets the sync switch before each backward)."""
+    from .comm import Ledger
+    from .compose import build
+    from .memory import SavedActivations
+    from .step import forward_backward
+    meta = mesh.device
     with meta:
         stages, wrappers, optimizers, sched, _ = build(cfg, mesh)
     for m in stages.values():
@@ -149,26 +168,19 @@ def rank_report(cfg: dict | TrainConfig, world: int, rank: int) -> dict:
         # micro-batch (train._batch)
         out.extend(torch.empty(cfg.batch // cfg.dp // cfg.micro_batches, cfg.seq // cfg.cp,
                                dtype=torch.long, device=meta) for _ in range(cfg.micro_batches))
-    held = lambda: sum(w.memory()["grads"] for w in wrappers.values())  # noqa: E731
     grads_peak = [0]                 # gradients held before each backward (accumulated ones)
-    for w in wrappers.values():      # the loop or the pipeline executor sets it before each backward
-        def sampled(on, sync=w.set_requires_gradient_sync):
-            grads_peak.append(held())
-            return sync(on)
-        w.set_requires_gradient_sync = sampled
+
+    def sample(*_):
+        grads_peak.append(sum(w.memory()["grads"] for w in wrappers.values()))
+
+    hooks = [w.register_sync_hook(sample) for w in wrappers.values()]
     with Ledger() as led, SavedActivations() as act:
         forward_backward(cfg, stages, wrappers, sched, mesh, tokens, targets)
         for opt in optimizers:
             opt.step()
-    state = {k: sum(w.memory()[k] for w in wrappers.values()) for k in ("params", "grads", "optimizer")}
-    by_kind = sent_by_kind(led, mesh)
-    sent = {k: by_kind.get(k.upper(), 0) for k in KINDS}
-    return {"rank": rank, "pp_rank": mesh.coordinate("pp"), **state,
-            "grads_peak": max(grads_peak + [state["grads"]]), "activations": act.peak, "sent": sent, "other": by_kind.get("other", 0),
-            "by_op": {op: s["sent_bytes"] for op, s in led.summary().items()},
-            "stages": sorted(stages), "layout": asdict(layout_of(cfg)), "loss": None,
-            "assumptions": assumptions(cfg),
-            "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    for hook in hooks:
+        hook.remove()
+    return stages, wrappers, led, act, grads_peak
 
 
 # --------------------------------------------------------------------------- command line

@@ -12,7 +12,8 @@ What: the pieces DDP (picolib/data_parallel.py) and ZeRO (picolib/zero.py) both 
 - `is_finite`, `check_finite`: after a gradient reduction, every rank raises together
   when a gradient is NaN or inf, naming the ranks whose own gradient was non-finite;
 - `GradientSyncSwitch`: `no_sync()` and `set_requires_gradient_sync(flag)`, the one
-  switch both wrappers give to a training loop or a pipeline executor;
+  switch both wrappers give to a training loop or a pipeline executor, and
+  `register_sync_hook`, which tells a caller each time it is set;
 - `Held`, `Holdings`: what a wrapper's `holdings()` answers — per parameter, the elements
   this rank holds and answers for, with views of its values, gradient and optimizer state
   (checkpoints and gradient clipping read them; neither asks which wrapper it holds).
@@ -135,7 +136,21 @@ class GradientSyncSwitch:
         pipeline executor calls it before a micro-batch's backward)."""
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(f"requires_gradient_sync must be a bool, not {requires_gradient_sync!r}")
+        for hook in list(self.__dict__.get("_sync_hooks", {}).values()):
+            hook(self, requires_gradient_sync)
         self._sync = requires_gradient_sync
+
+    def register_sync_hook(self, hook):
+        """Call `hook(wrapper, requires_gradient_sync)` each time the switch is set (before
+        each backward of a pipeline's micro-batches, on entering and leaving `no_sync`): the
+        dry run samples the gradients held there. Returns a handle; `.remove()` unhooks it."""
+        from collections import OrderedDict
+
+        from torch.utils.hooks import RemovableHandle
+        hooks = self.__dict__.setdefault("_sync_hooks", OrderedDict())   # a handle refers to it weakly
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
 
     @contextmanager
     def no_sync(self):

@@ -4,15 +4,23 @@ real device would run a kernel the meta device does not choose (the dry run, les
 - `flash_attention`: on meta, PyTorch's fused attention takes its math path, which saves
   the s×s probabilities; a CPU or GPU run takes the flash kernel. `model.attention_core`
   calls this on meta tensors instead: the flash kernel's output and saved tensors.
-- `fast_arithmetic`: PyTorch's meta add/sub/mul are Python (~0.5 ms a call); the process
-  that asks for it (the dry run's own rank) gets a shape rule instead: the same shapes and
-  dtypes, about 5× faster.
+- `fast_arithmetic`: PyTorch's meta add/sub/mul are Python (~0.5 ms a call); inside this
+  block (the dry run's rank runs its step in it) they are a shape rule instead: the same
+  shapes and dtypes, about 5× faster.
+
+How: `fast_arithmetic` registers the rule as the Meta kernel of aten's ops through
+`torch.library` (PyTorch's documented way to give an operator a kernel for a dispatch key;
+nothing is assigned to a torch module or class). A kernel registration holds for the whole
+process, so it is scoped: it is undone when the block ends (`torch_compat.scoped_library`),
+and tests/lib/test_dry_run.py checks that PyTorch's own meta kernel is back afterwards.
 
 The other places where picolib reads values say what they do on meta where they read them
 (`memory.storage_key`, `flat.is_finite`, `moe.keep_mask` and `moe.sort_by_expert`,
 `comm`'s calls, `model.TinyLlama.reset_parameters`).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -54,14 +62,18 @@ def _broadcast(a, b, *_, **__):
     return torch.empty(shape, dtype=torch.result_type(a, b), device="meta")
 
 
-def fast_arithmetic() -> torch.library.Library:
-    """Register the shape rule as the meta kernel of aten's add, sub and mul in this process
-    (torch.library); it holds while the returned Library lives. Torch 2.11 keeps its own
+@contextmanager
+def fast_arithmetic():
+    """Inside this block, aten's add, sub and mul on meta tensors run the shape rule
+    (torch.library, module docstring); yields the ops registered. Torch 2.11 keeps its own
     Python meta kernel (the registration is refused): slower there, the same shapes."""
-    lib = torch.library.Library("aten", "IMPL")
-    for op in ("add.Tensor", "sub.Tensor", "mul.Tensor"):
-        try:
-            lib.impl(op, _broadcast, "Meta")
-        except RuntimeError:
-            pass
-    return lib
+    from .torch_compat import scoped_library
+    with scoped_library("aten", "IMPL") as lib:
+        done = []
+        for op in ("add.Tensor", "sub.Tensor", "mul.Tensor"):
+            try:
+                lib.impl(op, _broadcast, "Meta")
+                done.append(op)
+            except RuntimeError:
+                pass
+        yield done

@@ -3,7 +3,8 @@
 A name with a leading underscore may change in any release. picolib uses a few where torch has
 no public way yet: flattening or splitting a `DeviceMesh`'s dimensions, the fake process group
 the dry run prices 70B layouts on, a `DTensor`'s local shard, the autograd node running now,
-the dispatch mode that sees every op, and DDP's own bucket log. Each is wrapped here, so a
+the dispatch mode that sees every op, DDP's own bucket log, and a kernel registration undone
+when a block ends. Each is wrapped here, so a
 release that moves one breaks one function, and `tests/lib/test_torch_compat.py` (run under
 the oldest and newest supported torch by `make test-torch`) calls every wrapper.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["flatten", "unflatten", "fake_store", "local_tensor", "current_autograd_node",
-           "TorchDispatchMode", "ddp_bucket_sizes"]
+           "TorchDispatchMode", "ddp_bucket_sizes", "scoped_library"]
 
 from torch.utils._python_dispatch import TorchDispatchMode   # public name in no release yet
 
@@ -62,3 +63,10 @@ def ddp_bucket_sizes(ddp) -> list[int]:
     iteration (`_get_ddp_logging_data`: the bytes, comma-separated)."""
     logged = ddp._get_ddp_logging_data().get("bucket_sizes", "")
     return [int(x) for x in str(logged).split(",") if x.strip()]
+
+
+def scoped_library(ns: str, kind: str):
+    """A context manager giving a `torch.library.Library(ns, kind)` whose registrations are
+    undone when the block ends (`torch.library._scoped_library`, what torch's own tests use;
+    a plain Library's stay until the object is collected)."""
+    return torch.library._scoped_library(ns, kind)

@@ -239,3 +239,35 @@ def test_zb_h1_under_tp_syncs_every_stage_on_real_ranks():
     cfg = TrainConfig(dp=2, tp=2, pp=2, schedule="zb_h1", micro_batches=4, batch=8, seq=16)
     for pp_rank, sent in run(_step_sent_by_kind, cfg.world_size, cfg):
         assert sent.get("DP", 0) == _planner(cfg, pp_rank)[1]["dp"] > 0
+
+
+def test_fast_arithmetic_holds_inside_its_block_only():
+    """PyTorch's meta add keeps a transposed input's layout; the shape rule makes a contiguous
+    result. Inside the block the rule runs (where this torch accepts it), after it PyTorch's
+    own kernel is back: the registration does not leak."""
+    import torch
+
+    from picolib.meta import fast_arithmetic
+    a = torch.empty(4, 3, device="meta").t()                 # strides (1, 3)
+    own = (a + a).stride()
+    assert own != (4, 1), own
+    with fast_arithmetic() as ops:
+        inside = (a + a).stride(), (a * 2).shape
+    if "add.Tensor" in ops:
+        assert inside[0] == (4, 1), inside
+    assert inside[1] == (3, 4)
+    assert (a + a).stride() == own
+
+
+def test_the_sync_hook_sees_every_switch_until_removed():
+    """The hook the dry run samples gradients by: called with each setting, no_sync included."""
+    from picolib.flat import GradientSyncSwitch
+    switch, seen = GradientSyncSwitch(), []
+    handle = switch.register_sync_hook(lambda w, on: seen.append((w, on)))
+    switch.set_requires_gradient_sync(False)
+    with switch.no_sync():
+        pass
+    handle.remove()
+    switch.set_requires_gradient_sync(True)
+    assert seen == [(switch, False), (switch, False), (switch, False)]
+    assert GradientSyncSwitch()._sync is True and "_sync_hooks" not in vars(GradientSyncSwitch)
