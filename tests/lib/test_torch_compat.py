@@ -81,3 +81,12 @@ def test_ddp_bucket_sizes_add_up_to_the_gradients():
     grads = 4 * sum(p.numel() for p in nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)).parameters())
     for sizes in run(_ddp_buckets, 2, timeout=120):
         assert sizes and sum(sizes) == grads                    # every gradient byte in some bucket
+
+
+def test_scoped_library_undoes_its_registration():
+    """A kernel registered in the block runs there, and the op's own kernel is back after."""
+    x = torch.ones(2, 2)
+    with torch_compat.scoped_library("aten", "IMPL") as lib:
+        lib.impl("sub.Tensor", lambda a, b, alpha=1: a + b, "CPU")
+        inside = (x - x).sum().item()
+    assert inside == 8.0 and (x - x).sum().item() == 0.0
