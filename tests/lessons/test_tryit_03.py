@@ -129,45 +129,31 @@ def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
     """On every rank: one Adam step of PyTorch's FSDP2 (`fully_shard` on each block, then on
     the root) and one of picolib's ZeRO-3 (`reshard_after_forward=True`) or ZeRO-2 (False) on
     the same micro-batch. Returns (FSDP2's bytes held — the local shards of its DTensors —,
-    FSDP2's calls {op: sorted full-buffer sizes}, ZeRO's `memory()`, ZeRO's ledger summary,
-    ZeRO's unit sizes). FSDP2's calls are counted by wrapping `dist.all_gather_single` and
-    `dist.reduce_scatter_single` (before torch 2.12: `all_gather_into_tensor` and
-    `reduce_scatter_tensor`) for the duration of its step."""
-    import inspect
-
+    FSDP2's calls {op: count}, the elements of each of FSDP2's units (its shards' sum × N),
+    ZeRO's `memory()`, ZeRO's ledger summary, ZeRO's unit sizes). FSDP2's calls are counted by
+    PyTorch's `CommDebugMode` (a dispatch mode that sees each c10d collective)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from picolib.comm import Ledger
 
-    calls = {"all_gather": [], "reduce_scatter": []}
-    names = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
-    if not hasattr(dist, "all_gather_single"):
-        names = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
-    wrapped = {op: getattr(dist, name) for op, name in names.items()}
-
-    def counting(op):
-        params = list(inspect.signature(wrapped[op]).parameters)[:2]
-
-        def call(*args, **kwargs):     # FSDP2 passes the tensors by keyword in some releases
-            output, input = (args[i] if i < len(args) else kwargs[name] for i, name in enumerate(params))
-            calls[op].append(max(output.numel(), input.numel()))    # the full buffer
-            return wrapped[op](*args, **kwargs)
-        return call
-
     x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())
-    for op, name in names.items():
-        setattr(dist, name, counting(op))
-    try:
-        model = TinyLlama(cfg)
-        for block in model.blocks:                  # bottom-up: each block, then the root
-            fully_shard(block, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, reshard_after_forward=reshard_after_forward)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model = TinyLlama(cfg)
+    for block in model.blocks:                  # bottom-up: each block, then the root
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with CommDebugMode() as seen:
         model.loss(x, y).backward()
         opt.step()
-    finally:
-        for op, name in names.items():
-            setattr(dist, name, wrapped[op])
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    for op, k in seen.get_comm_counts().items():     # c10d._allgather_base_, _reduce_scatter_base_
+        name = str(op).replace("allgather", "all_gather")
+        for kind in counts:
+            counts[kind] += k if kind in name else 0
+    n = dist.get_world_size()
+    units = [_local_bytes(block.parameters()) // 4 * n for block in model.blocks]
+    units.append(_local_bytes(p for name, p in model.named_parameters() if not name.startswith("blocks.")) // 4 * n)
     fsdp = {"params": _local_bytes(model.parameters()),
             "grads": _local_bytes(p.grad for p in model.parameters()),
             "optimizer": _local_bytes(v for s in opt.state.values() for k, v in s.items() if k != "step")}
@@ -176,7 +162,7 @@ def fsdp2_vs_zero(cfg, reshard_after_forward: bool, mb: int, seq: int) -> tuple:
     with Ledger() as led:
         ours.loss(x, y).backward()
         zero.step()
-    return fsdp, {op: sorted(v) for op, v in calls.items()}, zero.memory(), led.summary(), zero.unit_numels()
+    return fsdp, counts, units, zero.memory(), led.summary(), zero.unit_numels()
 
 
 @pytest.mark.parametrize("n, reshard_after_forward", [(2, True), (2, False), (4, True), (4, False)])
@@ -190,10 +176,10 @@ def test_fsdp2_holds_zero3_bytes_and_makes_zero3_or_zero2_calls(n, reshard_after
         pytest.skip("FSDP2 on the CPU needs torch 2.7")
     fcfg = LlamaConfig(vocab_size=64, hidden=16, n_layers=2, n_heads=2, n_kv_heads=1,
                        ffn_hidden=32, max_seq=16)              # every dim 0 divides by 2 and 4
-    fsdp, fcalls, zmem, zled, znumels = run(fsdp2_vs_zero, n, fcfg, reshard_after_forward, 2, 8)[0]
+    fsdp, fcalls, funits, zmem, zled, znumels = run(fsdp2_vs_zero, n, fcfg, reshard_after_forward, 2, 8)[0]
     assert fsdp == zero_memory_bytes(3, znumels, n, 8)
     if reshard_after_forward:
         assert fsdp == zmem
-    assert len(fcalls["all_gather"]) == zled["all_gather"]["calls"] == (6 if reshard_after_forward else 3)
-    assert len(fcalls["reduce_scatter"]) == zled["reduce_scatter"]["calls"] == 3
-    assert sorted(set(fcalls["all_gather"])) == sorted(set(znumels))
+    assert fcalls["all_gather"] == zled["all_gather"]["calls"] == (6 if reshard_after_forward else 3)
+    assert fcalls["reduce_scatter"] == zled["reduce_scatter"]["calls"] == 3
+    assert sorted(funits) == sorted(znumels)
