@@ -245,14 +245,12 @@ def _accumulate_worker(fn, grad_acc):
     ddp = DDP(model, bucket_cap_bytes=2**13)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
-    step = opt.step
 
-    def step_and_record(*args, **kwargs):     # the gradient the optimizer is given
+    def record(*_):                           # before each step: the gradient it is given
         seen.append(torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
                                for p in model.parameters()]))
-        return step(*args, **kwargs)
 
-    opt.step = step_and_record
+    opt.register_step_pre_hook(record)
     forwards = []                             # forwards through the wrapper, not ddp.module
     ddp.register_forward_pre_hook(lambda module, args: forwards.append(1))
     with Ledger() as ledger:
