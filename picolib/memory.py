@@ -197,7 +197,12 @@ class MemoryTrace:
             for x, y in batches:
                 model.loss(x, y).backward(); opt.step(); opt.zero_grad()
         plot_trace(trace)
-    """
+
+    Each sample comes from a hook PyTorch documents (module forward hooks, parameters'
+    post-accumulate-grad hooks, the optimizer's step post-hook), but for `zero_grad()`:
+    `torch.optim.Optimizer` has no hook there (torch 2.6 to 2.15), so inside the block this
+    optimizer's own `zero_grad` is wrapped, on the instance only, and the wrapper is removed
+    on exit (tests/lib/test_memory.py checks that none is left)."""
 
     def __init__(self, model: nn.Module, optimizer=None):
         self.model, self.optimizer = model, optimizer
