@@ -853,3 +853,34 @@ def test_kv_replicas_names_each_mistake():
         check_kv_replicas(holders_right, ReplicasReducedForward)
     with fails(r"group of 2 in .*: the group of your all_reduce is that of all 4 ranks"):
         check_kv_replicas(holders_right, ReplicasOnTheWorld)
+
+
+class ReplicasSummingTheMean(torch.autograd.Function):
+    """Wrong, yet right on the unit run's constant gradients: every element replaced by the
+    gradient's mean before the sum. Only the model run against one process catches it."""
+    @staticmethod
+    def forward(ctx, w, slot, n_slots, group):
+        ctx.args = slot, n_slots, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _buffer_reduce(grad.mean().expand_as(grad).clone(), *ctx.args), None, None, None
+
+
+def test_kv_replicas_model_run_catches_what_the_unit_run_cannot():
+    with fails(r"tp=4 TinyLlama \(2 KV heads\), rank 0, block 0: W_K's gradient against one process"):
+        check_kv_replicas(holders_right, ReplicasSummingTheMean)
+
+
+def embed_grad_scaled_by_freq(tokens, shard, start, group=None):
+    """Wrong in backward only: scale_grad_by_freq divides each row's gradient by its count."""
+    outside = (tokens < start) | (tokens >= start + shard.shape[0])
+    local = (tokens - start).masked_fill(outside, 0)
+    partial = torch.nn.functional.embedding(local, shard, scale_grad_by_freq=True)
+    return reduce_from_region(partial.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+
+def test_vocab_parallel_embedding_checks_the_gradient_itself():
+    with fails(r"N=2 rank 0: gradient of weight_shard: \d+ of \d+ elements wrong"):
+        check_vocab_parallel_embedding(embed_grad_scaled_by_freq)
