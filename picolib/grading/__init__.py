@@ -15,13 +15,13 @@ from .lesson02 import (check_accumulate_and_step, check_assign_buckets, check_av
                        check_grad_accumulation_steps)
 from .lesson03 import (check_gather_unit, check_reduce_scatter_gradients, check_shard_bounds,
                        check_zero1_step, check_zero_memory)
-from .lesson04 import (check_conjugate_pair, check_parallel_head, check_shards,
-                       check_vocab_parallel_loss)
+from .lesson04 import (check_conjugate_pair, check_kv_replicas, check_parallel_head, check_shards,
+                       check_vocab_parallel_embedding, check_vocab_parallel_loss)
 from .lesson05 import (check_gather_sequence, check_reduce_scatter_sequence,
                        check_sp_activation_bytes, check_sp_norm_weight_grad, check_tokens_per_day)
 from .lesson06 import check_merge_partials, check_ring_pairs, check_zigzag_positions
 from .lesson08 import check_dp_slicer, check_pipeline_latency, check_slice_mask
-from .lesson10 import check_mesh_coordinates, check_mesh_groups, check_state_bytes
+from .lesson10 import check_composition, check_mesh_coordinates, check_mesh_groups, check_state_bytes
 from .lesson09 import (check_moe_critical_batch, check_sort_by_expert, check_split_sizes,
                        check_top_k_capacity)
 from .lesson11 import (check_all_reduce_time, check_critical_tokens, check_fits,
@@ -43,6 +43,7 @@ __all__ = [
     "check_gather_unit", "check_reduce_scatter_gradients", "check_shard_bounds",
     "check_zero1_step", "check_zero_memory",
     "check_conjugate_pair", "check_parallel_head", "check_shards", "check_vocab_parallel_loss",
+    "check_vocab_parallel_embedding", "check_kv_replicas",
     "check_gather_sequence", "check_reduce_scatter_sequence", "check_sp_activation_bytes", "check_sp_norm_weight_grad",
     "check_tokens_per_day",
     "check_merge_partials", "check_ring_pairs", "check_zigzag_positions",
@@ -51,7 +52,7 @@ __all__ = [
     "check_dp_slicer", "check_pipeline_latency", "check_slice_mask",
     "check_all_reduce_time", "check_critical_tokens", "check_fits", "check_sharded_all_reduce",
     "check_spine_batch",
-    "check_mesh_coordinates", "check_mesh_groups", "check_state_bytes",
+    "check_mesh_coordinates", "check_mesh_groups", "check_state_bytes", "check_composition",
     "check_moe_critical_batch", "check_sort_by_expert", "check_split_sizes", "check_top_k_capacity",
     "check_attention_bytes", "check_fp8_quantize", "check_roofline_time", "check_cuda_cores",
     "check_vector_flops", "check_critical_rows", "check_on_chip_bytes",

@@ -15,6 +15,14 @@
   slice of the logits (b, s, v/tp), through f so that backward sums the gradient of the
   (replicated) hidden state; run on 2 and 3 ranks and two groups of 2, with the vocab-parallel
   loss behind it.
+- `check_vocab_parallel_embedding(fn)`: `fn(tokens, weight_shard, vocab_start, group=None)` →
+  the embeddings (b, s, h) from this rank's rows of the table: ids outside them zeroed, the
+  partial embeddings summed with g; values against the dense lookup and the shard's gradient
+  against its rows of the dense gradient, on 2 and 3 ranks and two groups of 2.
+- `check_kv_replicas(kv_holders, CopyToReplicas)`: which tp ranks hold the same slice of K/V
+  (against `tensor_parallel.tp_cut`), and f over those ranks alone (identity forward, their
+  sum backward, one all-reduce), on 4 ranks and two groups of 2, then inside a tp = 4
+  TinyLlama with 2 KV heads against one process.
 
 Each wrong answer a student commonly gives gets its own one-line message (f and g swapped
 or missing, a loss that is not a scalar, gathered logits where a slice is expected) —
@@ -35,7 +43,7 @@ from ._core import (SUBGROUPS, ExerciseFailed, call_student, compare, members, m
                     on_world_not_group, report, run_student, world_calls)
 
 __all__ = ["check_shards", "check_conjugate_pair", "check_vocab_parallel_loss",
-           "check_parallel_head"]
+           "check_parallel_head", "check_vocab_parallel_embedding", "check_kv_replicas"]
 
 
 def _shard_hints(got, w, r, world, dim) -> set[str]:
@@ -400,3 +408,285 @@ def check_parallel_head(fn, timeout: float | None = None) -> None:
         if problems:
             break
     report("the column-parallel head", problems, checks)
+
+
+# --------------------------------------------------------------------------- the vocab-parallel embedding
+
+def _embed_worker(fn, tables, tokens, upstream, split=False):
+    """On a rank: the student's embedding of this rank's rows, its ledger forward and backward,
+    and the gradient of its shard (or a one-line reason it cannot be compared)."""
+    group, team, r, n = _team(split)
+    table, tokens, upstream = tables[team], tokens[team], upstream[team]
+    v = table.shape[0]
+    shard = table.chunk(n, 0)[r].clone().requires_grad_()
+    try:
+        with Ledger() as fwd:
+            out, fallback = _quietly(fn, tokens, shard, r * v // n, group)
+    except IndexError as e:     # raised, not returned: the other ranks wait in the all-reduce
+        raise IndexError(f"{e}: F.embedding was given an id outside this rank's {v // n} rows — "
+                         "shift the ids by vocab_start (and send the others to any row before "
+                         "zeroing them)") from None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (*tokens.shape, table.shape[1]):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"returned {got}, expected the embeddings {(*tokens.shape, table.shape[1])}"
+    if not out.requires_grad:
+        return "the embeddings do not depend on weight_shard in autograd (detached?)"
+    with Ledger() as bwd:
+        _, fallback_bwd = _quietly(out.backward, upstream)
+    if fallback or fallback_bwd:
+        return ("an all-reduce inside autograd without an autograd Function (PyTorch's deprecated "
+                "fallback, \"silently incorrect\"): sum the partial embeddings with g, "
+                "reduce_from_region")
+    if split and (world_calls(fwd) or world_calls(bwd)):
+        return on_world_not_group("the group of your " + (world_calls(fwd) + world_calls(bwd))[0])
+    return (out.detach(), shard.grad, [led.count("all_reduce") for led in (fwd, bwd)],
+            [led.count() for led in (fwd, bwd)])
+
+
+def _partials(table, tokens, n, fill):
+    """Each rank's lookup of its own rows: ids outside them sent to a row (`fill`: "zero" the
+    vector, as asked; "row 0" or "clamp": the vector of that row left in)."""
+    out = []
+    for r, rows in enumerate(table.chunk(n, 0)):
+        start, k = r * rows.shape[0], rows.shape[0]
+        outside = (tokens < start) | (tokens >= start + k)
+        local = (tokens - start).clamp(0, k - 1) if fill == "clamp" else (tokens - start).masked_fill(outside, 0)
+        e = F.embedding(local, rows)
+        out.append(e.masked_fill(outside.unsqueeze(-1), 0.0) if fill == "zero" else e)
+    return out
+
+
+def _embed_values(got, table, tokens, n, r) -> str:
+    """The one-line diagnosis of a wrong embedding (values), "" when none fits."""
+    close = lambda a: torch.allclose(got, a, atol=1e-6)
+    mine = _partials(table, tokens, n, "zero")
+    if n > 1 and close(mine[r]):
+        return ("only this rank's rows are looked up (every other token's vector is zero): sum the "
+                "partial embeddings over the group with g (reduce_from_region)")
+    if any(close(sum(_partials(table, tokens, n, fill))) for fill in ("row 0", "clamp")):
+        return ("the tokens this rank does not own were not zeroed: each rank added the vector of "
+                "the row it sent them to — masked_fill those vectors with 0 before the sum")
+    return ""
+
+
+def check_vocab_parallel_embedding(fn, timeout: float | None = None) -> None:
+    """Embeddings equal to the dense lookup on every rank, and the shard's gradient equal to its
+    rows of the dense table's gradient; one all-reduce forward, none backward. On 2 and 3 ranks,
+    and on 4 ranks split into two groups of 2, each group with its own table and tokens."""
+    problems, checks = [], 0
+    g = torch.Generator().manual_seed(7)
+    for n, split in ((2, False), (3, False), (4, True)):
+        m = 2 if split else n
+        data = []
+        for _ in range(n if split else 1):
+            table = torch.randn(12, 4, generator=g, requires_grad=True)
+            tokens = torch.randint(0, 12, (2, 9), generator=g)
+            tokens[0, :8] = torch.tensor([0, 11, 5, 6, 3, 4, 7, 8])   # both ends of every slice
+            upstream = torch.randn(2, 9, 4, generator=g)
+            (F.embedding(tokens, table) * upstream).sum().backward()
+            data.append((table, tokens, upstream))
+        results = run_student(_embed_worker, n, fn, [d[0].detach() for d in data],
+                              [d[1] for d in data], [d[2] for d in data], split,
+                              name=_name(fn), timeout=timeout)
+        label = f"group of 2 in {list(SUBGROUPS)}" if split else f"N={n}"
+        for r, res in enumerate(results):
+            team = members(r)[0] if split else 0
+            gr = members(r).index(r) if split else r
+            table, tokens, _ = data[team]
+            checks += 3
+            if isinstance(res, str):
+                problems.append(f"{label} rank {r}: {res}")
+                continue
+            out, grad, reduces, calls = res
+            want = F.embedding(tokens, table.detach())
+            if not torch.allclose(out, want, atol=1e-6):
+                hint = _embed_values(out, table.detach(), tokens, m, gr)
+                problems += ([f"{label} rank {r}: embeddings: {hint}"] if hint else
+                             compare(f"{label} rank {r}: embeddings", out, want))
+                continue
+            rows = table.grad.chunk(m, 0)[gr]
+            if grad is not None and m > 1 and torch.allclose(grad, m * rows, atol=1e-5):
+                problems.append(f"{label} rank {r}: the shard's gradient is {m}× its rows' gradient: "
+                                "the gradient was summed over the ranks in backward — g's backward is "
+                                "the identity (every rank already holds the whole gradient of the "
+                                "embeddings)")
+                continue
+            problems += compare(f"{label} rank {r}: gradient of weight_shard", grad, rows)
+            if reduces != [1, 0] or calls != [1, 0]:
+                problems.append(f"{label} rank {r}: picolib.comm calls forward {calls[0]} "
+                                f"(all-reduces {reduces[0]}), backward {calls[1]}; expected one "
+                                "all-reduce forward (g) and none backward")
+        if problems:
+            break                                     # the same mistake again on more ranks
+    report("the vocab-parallel embedding", problems, checks)
+
+
+# --------------------------------------------------------------------------- replicated KV heads
+
+KV_CASES = ((4, 2, 4), (8, 2, 8), (8, 1, 4), (8, 4, 2), (6, 3, 6), (8, 8, 8))  # (a, kv, tp)
+
+
+def _holders_hints(fn) -> list[str]:
+    """The named mistake every wrong (slot, holders) answer fits, when one does."""
+    def round_robin(rank, tp, kv):
+        slot = rank % kv if tp > kv else rank
+        return slot, [q for q in range(tp) if (q % kv if tp > kv else q) == slot]
+
+    def head_index(rank, tp, kv):
+        return (rank * kv // tp, [rank]) if tp < kv else None
+
+    def without_me(rank, tp, kv):
+        shared = max(1, tp // kv)
+        return rank // shared, [q for q in range(rank // shared * shared, (rank // shared + 1) * shared)
+                                if q != rank]
+    named = {round_robin: "the replicas are not round-robin: rank r holds query heads "
+                          "[r·a/tp, (r+1)·a/tp), which read KV head ⌊r·kv/tp⌋ — consecutive ranks "
+                          "share a KV head",
+             head_index: "when tp < n_kv_heads a rank holds n_kv_heads/tp KV heads: its slot is its "
+                         "slice of the K/V weight (its rank), not the first head's index",
+             without_me: "holders lists every tp rank that holds the slot, this rank included"}
+    wrong = [(a, kv, tp, r) for a, kv, tp in KV_CASES for r in range(tp)
+             if _holders_answer(fn, r, tp, kv) != _holders_want(a, kv, tp, r)]
+    return [msg for rule, msg in named.items()
+            if wrong and all(_as_pair(rule(r, tp, kv)) == _holders_answer(fn, r, tp, kv)
+                             for _, kv, tp, r in wrong)]
+
+
+def _as_pair(got):
+    try:
+        slot, holders = got
+        return int(slot), [int(h) for h in holders]
+    except (TypeError, ValueError):
+        return got
+
+
+def _holders_answer(fn, rank, tp, kv):
+    return _as_pair(call_student(fn, rank, tp, kv))
+
+
+def _holders_want(a, kv, tp, rank):
+    from ..tensor_parallel import tp_cut
+    cut = tp_cut("attn.wk", tp, rank, (a, kv))
+    return cut.index, list(cut.holders)
+
+
+def _replicas_worker(copy_cls, cases, split=False):
+    """On a rank, per (n_slots, slot of each group rank): forward's output, backward's result,
+    the upstream gradient untouched?, all-reduces (forward, backward), world calls."""
+    group = my_group(split)
+    phases = dist.new_group(backend="gloo")
+    r, out = dist.get_rank(group), []
+    for n_slots, slots in cases:
+        w = torch.full((2, 3), 10.0 + dist.get_rank(), requires_grad=True)
+        upstream = torch.full((2, 3), float(dist.get_rank() + 1))
+        with Ledger() as fwd:
+            y = copy_cls.apply(w, slots[r], n_slots, group)
+        dist.barrier(group=phases)
+        with Ledger() as bwd:
+            y.backward(upstream)
+        dist.barrier(group=phases)
+        world = sorted(set(world_calls(fwd) + world_calls(bwd))) if split else []
+        out.append((y.detach(), w.grad, torch.equal(upstream, torch.full((2, 3), float(dist.get_rank() + 1))),
+                    [fwd.count("all_reduce"), bwd.count("all_reduce")], [fwd.count(), bwd.count()], world))
+    return out
+
+
+def _replica_line(what, got, mine, summed, everyone, n_holders) -> str:
+    if got is None:
+        return f"{what}: no gradient reached the weight"
+    if torch.allclose(got, summed):
+        return ""
+    if n_holders > 1 and torch.allclose(got, mine):
+        return (f"{what}: this rank's part only — sum it over the {n_holders} ranks that hold the "
+                "same slot (the other part comes from their query heads)")
+    if torch.allclose(got, everyone):
+        return (f"{what}: summed over every rank of the group, holders of other KV heads too — sum "
+                "over the ranks of this slot only (this rank's gradient in row `slot` of a zero "
+                "buffer of n_slots rows, one all-reduce)")
+    if n_holders > 1 and torch.allclose(got, summed / n_holders):
+        return f"{what}: {n_holders}× too small — a mean over the holders; the true gradient is their sum"
+    return compare(what, got, summed)[0]
+
+
+def _kv_model_worker(copy_cls, cfg, tokens, targets):
+    """This rank's gradients of every block's W_K and W_V, with `copy_cls` where the library
+    passes a replicated KV weight through copy_to_replicas."""
+    from .. import tensor_parallel
+    from ..model import TinyLlama
+    from ..tensor_parallel import apply_tensor_parallel
+    keep = tensor_parallel.copy_to_replicas
+    tensor_parallel.copy_to_replicas = lambda w, slot, n_slots, group=None: copy_cls.apply(w, slot, n_slots, group)
+    try:
+        model = apply_tensor_parallel(TinyLlama(cfg))
+        model.loss(tokens, targets).backward()
+    finally:
+        tensor_parallel.copy_to_replicas = keep
+    return [(b.attn.slot, b.attn.wk.weight.grad, b.attn.wv.weight.grad) for b in model.blocks]
+
+
+def check_kv_replicas(kv_holders, copy_to_replicas, timeout: float | None = None) -> None:
+    """`kv_holders(rank, tp, n_kv_heads)` → (slot, holders) against the library's plan
+    (`tensor_parallel.tp_cut`) for six head counts; `copy_to_replicas.apply(w, slot, n_slots,
+    group)` — identity forward, backward the sum over the ranks of `slot` with one all-reduce —
+    on 4 ranks (2 and 4 holders a slot) and on two groups of 2; then inside a tp = 4 TinyLlama
+    with 2 KV heads: every block's W_K and W_V gradient against one process."""
+    problems, checks = [], 0
+    for a, kv, tp in KV_CASES:
+        for r in range(tp):
+            checks += 1
+            got, want = _holders_answer(kv_holders, r, tp, kv), _holders_want(a, kv, tp, r)
+            if got != want:
+                problems.append(f"kv_holders(rank={r}, tp={tp}, n_kv_heads={kv}): got {got!r}, "
+                                f"expected {tuple(want)!r}")
+    hints = _holders_hints(kv_holders) if problems else []
+    if len(hints) == 1:
+        problems = [problems[0] + " — " + hints[0]]
+    cases = {False: [(2, [0, 0, 1, 1]), (1, [0, 0, 0, 0])], True: [(1, [0, 0])]}
+    name = _name(copy_to_replicas)
+    for split, n in ((False, 4), (True, 4)):
+        results = run_student(_replicas_worker, n, copy_to_replicas, cases[split], split,
+                              name=name, timeout=timeout)
+        label = f"group of 2 in {list(SUBGROUPS)}" if split else f"N={n}"
+        for r, per_case in enumerate(results):
+            team = members(r) if split else list(range(n))
+            for (n_slots, slots), (y, grad, untouched, reduces, calls, world) in zip(cases[split], per_case):
+                gr = team.index(r)
+                holders = [team[q] for q in range(len(team)) if slots[q] == slots[gr]]
+                what = f"{label}, n_slots={n_slots}, rank {r} (slot {slots[gr]})"
+                checks += 3
+                if world:
+                    problems.append(f"{what}: " + on_world_not_group("the group of your all_reduce"))
+                    continue
+                if not torch.equal(y, torch.full((2, 3), 10.0 + r)):
+                    problems.append(f"{what}: forward changed the weight — it is the identity (every "
+                                    "holder has the same weight already)")
+                if not untouched:
+                    problems.append(f"{what}: backward's incoming gradient was changed in place — "
+                                    "reduce a buffer of your own")
+                mine = torch.full((2, 3), float(r + 1))
+                line = _replica_line(f"{what}: gradient", grad, mine,
+                                     torch.full((2, 3), float(sum(h + 1 for h in holders))),
+                                     torch.full((2, 3), float(sum(h + 1 for h in team))), len(holders))
+                problems += [line] if line else []
+                if reduces != [0, 1] or calls != [0, 1]:
+                    problems.append(f"{what}: picolib.comm calls (forward, backward) = {calls}, "
+                                    f"all-reduces {reduces}; expected none forward and one all-reduce "
+                                    "backward (of an (n_slots, …) buffer over the group)")
+        if problems:
+            report("replicated KV heads", problems, checks)
+    from ..model import LlamaConfig, TinyLlama, random_tokens
+    cfg = LlamaConfig(vocab_size=64, hidden=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+    tokens, targets = random_tokens(2, 8, cfg.vocab_size, seed=3)
+    ref = TinyLlama(cfg)
+    ref.loss(tokens, targets).backward()
+    results = run_student(_kv_model_worker, 4, copy_to_replicas, cfg, tokens, targets, name=name,
+                          timeout=timeout)
+    for r, blocks in enumerate(results):
+        for i, (slot, wk, wv) in enumerate(blocks):
+            attn = ref.blocks[i].attn
+            for w, got in (("W_K", wk), ("W_V", wv)):
+                checks += 1
+                want = getattr(attn, "wk" if w == "W_K" else "wv").weight.grad.chunk(cfg.n_kv_heads, 0)[slot]
+                problems += compare(f"tp=4 TinyLlama (2 KV heads), rank {r}, block {i}: {w}'s gradient "
+                                    "against one process", got, want, atol=1e-5)
+    report("replicated KV heads", problems, checks)

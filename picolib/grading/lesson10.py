@@ -7,10 +7,14 @@
   "tp": [...], "dp_cp": [...]}: the global ranks of `rank`'s group along each dimension, and
   of its replica group over dp and cp together (the ranks ZeRO and DDP reduce over), each
   list in the group's own order.
+- `check_composition(fn)`: `fn(cfg)` → [(technique, dims), ...]: the steps `compose.build`
+  takes for a TrainConfig ("tensor", "context", "expert", "pipeline", "data"), in its order, each
+  with the mesh dimensions its group spans (("dp", "cp") for the replicas of a dp × cp run).
 - `check_state_bytes(fn)`: `fn(cfg, dp=, tp=, pp=, cp=, zero=)` → the bytes of parameters,
   gradients and AdamW state (fp32) the busiest rank holds after a step of picolib's trainer.
 
-The references are not formulas: the coordinates and groups are what PyTorch's DeviceMesh
+The references are not formulas: the composition is what `compose.build` calls on 8 real ranks
+(on `meta`, each technique's entry point recording its group); the coordinates and groups are what PyTorch's DeviceMesh
 (picolib.mesh.Mesh) hands each rank of real 6-, 8- and 16-rank runs; the bytes are the
 `state_bytes` the trainer measures on 6 and 8 ranks. Runs are made once per session (cached).
 """
@@ -25,7 +29,7 @@ from ..mesh import DIMS, Mesh
 from ..planner import Parallelism, rank_units
 from ._core import call_student, compare, report
 
-__all__ = ["check_mesh_coordinates", "check_mesh_groups", "check_state_bytes"]
+__all__ = ["check_mesh_coordinates", "check_mesh_groups", "check_state_bytes", "check_composition"]
 
 MESHES = {  # world size → meshes on it (unnamed dimensions have size 1)
     6: ({"dp": 3, "tp": 2}, {"pp": 3, "cp": 2}),
@@ -235,3 +239,141 @@ def check_state_bytes(fn) -> None:
             problems.append(wrong[0] + " (bytes measured by the trainer)" + "".join(
                 f"\n      this case tests: {note}" for note in _what_it_tests(case)))
     report("state bytes of the busiest rank against the trainer", problems, len(measured))
+
+
+# --------------------------------------------------------------------------- the composition
+
+COMPOSITIONS = (  # 8 ranks each, the tiny preset (4 query heads, 2 KV heads, 4 layers)
+    {"pp": 2, "dp": 2, "tp": 2, "sp": True, "micro_batches": 2},
+    {"dp": 2, "cp": 2, "tp": 2},
+    {"pp": 2, "cp": 2, "tp": 2, "micro_batches": 2},
+    {"pp": 2, "dp": 4, "experts": 4, "top_k": 2, "ep": 2, "micro_batches": 2},
+    {"dp": 4, "tp": 2, "experts": 4, "top_k": 2, "ep": 1},
+)
+TECHNIQUES = ("tensor", "context", "expert", "pipeline", "data")
+_DEGREE = {"tensor": "tp", "context": "cp", "pipeline": "pp"}
+
+
+def _composition_config(case: dict):
+    from ..train import TrainConfig
+    return TrainConfig(**case, batch=8, seq=16, steps=1, data="random", progress=False)
+
+
+def _composition_worker(cases) -> list[list]:
+    """On a rank: `compose.build` of every case on `meta`, with each technique's entry point
+    wrapped to record (technique, the global ranks of the group it was given) in call order."""
+    from .. import compose
+    real = {n: getattr(compose, n) for n in ("apply_tensor_parallel", "apply_context_parallel",
+                                             "apply_expert_parallel", "schedule_stages", "DDP", "ZeRO")}
+    out = []
+    try:
+        for case in cases:
+            cfg, calls = _composition_config(case), []
+            mesh = Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, device="meta")
+            ranks = dist.get_process_group_ranks
+
+            def on(name, fn, group_of):
+                def wrapped(*args, **kwargs):
+                    result = fn(*args, **kwargs)
+                    calls.append((name, group_of(args, kwargs)))
+                    return result
+                return wrapped
+            compose.apply_tensor_parallel = on("tensor", real["apply_tensor_parallel"], lambda a, k: ranks(a[1]))
+            compose.apply_context_parallel = on("context", real["apply_context_parallel"], lambda a, k: ranks(a[1]))
+            compose.apply_expert_parallel = on("expert", real["apply_expert_parallel"],
+                                               lambda a, k: ranks(mesh.group("ep")))
+            # the stage cut takes no group: its ranks are the pp line, whose coordinate picks the stages
+            compose.schedule_stages = on("pipeline", real["schedule_stages"], lambda a, k: mesh.peers("pp"))
+            wrap = lambda *a, **k: None                     # the wrapper itself is not built
+            compose.DDP = compose.ZeRO = on("data", wrap, lambda a, k: ranks(k["group"]))
+            compose.build(cfg, mesh)
+            steps = [(name, mesh.spanned(group)) for name, group in calls]
+            out.append([s for i, s in enumerate(steps)      # once per stage wrapped; a group
+                        if s[1] and (i == 0 or s != steps[i - 1])])   # of one rank: no step
+    finally:
+        for n, fn in real.items():
+            setattr(compose, n, fn)
+    return out
+
+
+@lru_cache(maxsize=None)
+def measured_compositions() -> tuple:
+    """((case, [(technique, dims), ...]) ...): what `compose.build` called, in order, and the
+    mesh dimensions each call's group spans (rank 0's view; one 8-rank run, cached)."""
+    views = run(_composition_worker, 8, COMPOSITIONS, timeout=120)
+    return tuple(zip(COMPOSITIONS, views[0]))
+
+
+def _order_reason(first: str, then: str) -> str:
+    """Why the library applies `first` before `then` (both in its answer)."""
+    if then == "data":
+        return "data parallelism wraps what the other steps left on this rank: it comes last"
+    if then == "pipeline":
+        return (f"the stages are cut from the model the steps before made, so each keeps its "
+                f"{first}-parallel parts: the cut comes after {first}")
+    if (first, then) == ("tensor", "context"):
+        return "context parallelism wraps the attention core TP made, so it rings only this rank's heads"
+    return f"transform applies {' → '.join(TECHNIQUES[:4])}, then build wraps data parallelism"
+
+
+def _step_problems(where: str, cfg, got: list, want: list) -> list[str]:
+    """One line per wrong step of one case: a step that does not belong, one missing, the
+    wrong dimensions, the wrong order."""
+    names_got, names_want = [n for n, _ in got], [n for n, _ in want]
+    out = []
+    for name in dict.fromkeys(names_got):
+        if name not in names_want:
+            if name == "expert" and cfg.experts:
+                why = "ep = 1: every rank keeps every expert (apply_moe, no group) — no expert step"
+            elif name == "expert":
+                why = "no experts in this configuration"
+            elif name == "data":
+                why = "dp · cp = 1"
+            else:
+                why = f"{_DEGREE.get(name, name)} = 1: transform skips it"
+            out.append(f"{where}: {name} — {why}")
+    for name, dims in want:
+        if name not in names_got:
+            degree = (f"ep = {cfg.ep} with {cfg.experts} experts" if name == "expert" else
+                      f"dp · cp = {cfg.dp * cfg.cp}" if name == "data" else
+                      f"{_DEGREE[name]} = {getattr(cfg, _DEGREE[name])}")
+            out.append(f"{where}: no {name} step, but {degree}")
+            continue
+        mine = dict(got)[name]
+        if tuple(mine) != dims:
+            hint = (" — context-parallel ranks hold the same weights (they see other tokens), so "
+                    "the replicas are dp × cp" if name == "data" and "cp" in dims and "cp" not in mine
+                    else "")
+            out.append(f"{where}: {name} over {tuple(mine)}, but its group spans {dims}{hint}")
+    common = [n for n in names_got if n in names_want]
+    expected = [n for n in names_want if n in names_got]
+    if not out and common != expected:
+        i = next(i for i, (a, b) in enumerate(zip(common, expected)) if a != b)
+        out.append(f"{where}: the order {common}, expected {expected} — {expected[i]} before "
+                   f"{common[i]}: {_order_reason(expected[i], common[i])}")
+    return out
+
+
+def check_composition(fn) -> None:
+    """Five configurations on 8 ranks (TP+SP, CP, PP, experts over ep dp ranks or on every
+    rank): `fn(cfg)` → [(technique, dims), ...] must be what `compose.build` does
+    there — measured by running it on `meta` with each technique's entry point recording its
+    group — in its order, each over the mesh dimensions its group spans."""
+    call_student(fn, _composition_config(COMPOSITIONS[0]))   # fail at once if it is not written
+    problems, checks = [], 0
+    for case, want in measured_compositions():
+        cfg = _composition_config(case)
+        where = ", ".join(f"{k}={v}" for k, v in case.items() if k != "micro_batches")
+        got = call_student(fn, cfg)
+        checks += 1
+        try:
+            got = [(str(name), tuple(dims)) for name, dims in got]
+        except (TypeError, ValueError):
+            problems.append(f"{where}: expected a list of (technique, dims) pairs, got {got!r}")
+            continue
+        unknown = [n for n, _ in got if n not in TECHNIQUES]
+        if unknown:
+            problems.append(f"{where}: unknown technique {unknown[0]!r}; name them {list(TECHNIQUES)}")
+            continue
+        problems += _step_problems(where, cfg, got, [(n, tuple(d)) for n, d in want])
+    report("the composition against compose.build", _cap(problems), checks)

@@ -622,3 +622,265 @@ def test_the_overflow_hint_only_for_an_overflow(wrong):
     with pytest.raises(ExerciseFailed) as info:
         check_vocab_parallel_loss(wrong)
     assert "overflows" not in info.value.details, info.value.details
+
+
+# ---------------------------------------------------------------- issue 55: the vocab-parallel embedding
+from picolib.grading import check_kv_replicas, check_vocab_parallel_embedding  # noqa: E402
+from picolib.mappings import _CopyToReplicas, copy_to_region, reduce_from_region  # noqa: E402
+
+
+def embed_right(tokens, shard, start, group=None):
+    outside = (tokens < start) | (tokens >= start + shard.shape[0])
+    local = (tokens - start).masked_fill(outside, 0)
+    partial = torch.nn.functional.embedding(local, shard).masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_region(partial, group)
+
+
+def embed_by_one_hot(tokens, shard, start, group=None):
+    """Right, written differently: a one-hot matrix (zero rows for other ranks' ids) times the shard."""
+    idx = tokens - start
+    hot = (idx.unsqueeze(-1) == torch.arange(shard.shape[0])).to(shard.dtype)
+    return reduce_from_region(hot @ shard, group)
+
+
+def embed_not_summed(tokens, shard, start, group=None):
+    outside = (tokens < start) | (tokens >= start + shard.shape[0])
+    local = (tokens - start).masked_fill(outside, 0)
+    return torch.nn.functional.embedding(local, shard).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def embed_not_zeroed(tokens, shard, start, group=None):
+    local = (tokens - start).clamp(0, shard.shape[0] - 1)
+    return reduce_from_region(torch.nn.functional.embedding(local, shard), group)
+
+
+def embed_not_shifted(tokens, shard, start, group=None):
+    outside = (tokens < start) | (tokens >= start + shard.shape[0])
+    partial = torch.nn.functional.embedding(tokens.masked_fill(outside, 0), shard)
+    return reduce_from_region(partial.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+
+def embed_plain_all_reduce(tokens, shard, start, group=None):
+    out = embed_not_summed(tokens, shard, start)
+    comm.all_reduce(out, group=group)
+    return out
+
+
+def embed_summed_both_ways(tokens, shard, start, group=None):
+    """Wrong: f after g — the sum forward, and again backward."""
+    return copy_to_region(embed_right(tokens, shard, start, group), group)
+
+
+def embed_detached(tokens, shard, start, group=None):
+    return embed_right(tokens, shard.detach(), start, group)
+
+
+def test_vocab_parallel_embedding_names_each_mistake():
+    check_vocab_parallel_embedding(embed_right)
+    check_vocab_parallel_embedding(embed_by_one_hot)
+    with fails("not written yet"):
+        check_vocab_parallel_embedding(lambda *a, **k: (_ for _ in ()).throw(NotImplementedError))
+    with fails("N=2 rank 0: embeddings: only this rank's rows are looked up"):
+        check_vocab_parallel_embedding(embed_not_summed)
+    with fails("N=2 rank 0: embeddings: the tokens this rank does not own were not zeroed"):
+        check_vocab_parallel_embedding(embed_not_zeroed)
+    with fails("rank 1.*IndexError.*shift the ids by vocab_start"):
+        check_vocab_parallel_embedding(embed_not_shifted)
+    with fails("deprecated fallback.*reduce_from_region"):
+        check_vocab_parallel_embedding(embed_plain_all_reduce)
+    with fails("N=2 rank 0: the shard's gradient is 2× its rows' gradient.*identity"):
+        check_vocab_parallel_embedding(embed_summed_both_ways)
+    with fails("do not depend on weight_shard"):
+        check_vocab_parallel_embedding(embed_detached)
+    with fails(r"group of 2 in .* rank 0: the group of your all_reduce is that of all 4 ranks"):
+        check_vocab_parallel_embedding(lambda t, w, s, group=None: embed_right(t, w, s, None))
+
+
+# ---------------------------------------------------------------- issue 55: replicated KV heads
+
+def holders_right(rank, tp, kv):
+    shared = max(1, tp // kv)
+    slot = rank // shared
+    return slot, list(range(slot * shared, (slot + 1) * shared))
+
+
+def holders_from_query_heads(rank, tp, kv):
+    """Right, written differently: the KV head of this rank's first query head (8 query heads
+    per KV head assumed: any multiple of tp works), its holders by the same rule."""
+    a = 8 * kv * tp
+    head = lambda q: (q * (a // tp)) // (a // kv)
+    if tp <= kv:
+        return rank, [rank]
+    return head(rank), [q for q in range(tp) if head(q) == head(rank)]
+
+
+def holders_round_robin(rank, tp, kv):
+    slot = rank % kv if tp > kv else rank
+    return slot, [q for q in range(tp) if (q % kv if tp > kv else q) == slot]
+
+
+def holders_head_index(rank, tp, kv):
+    return (rank * kv // tp, [rank]) if tp < kv else holders_right(rank, tp, kv)
+
+
+def holders_without_me(rank, tp, kv):
+    slot, holders = holders_right(rank, tp, kv)
+    return slot, [h for h in holders if h != rank]
+
+
+class ReplicasNotSummed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, slot, n_slots, group):
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+class ReplicasSummedOverEveryone(torch.autograd.Function):
+    """Wrong: plain f — the sum over the whole group, holders of other heads too."""
+    @staticmethod
+    def forward(ctx, w, slot, n_slots, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        comm.all_reduce(grad, group=ctx.group)
+        return grad, None, None, None
+
+
+def _buffer_reduce(grad, slot, n_slots, group, op="sum", in_place=False):
+    buf = grad.new_zeros((n_slots,) + tuple(grad.shape))
+    buf[slot] = grad
+    comm.all_reduce(buf, op=op, group=group)
+    if in_place:
+        grad.copy_(buf[slot])
+        return grad
+    return buf[slot].clone()
+
+
+class ReplicasAveraged(torch.autograd.Function):
+    """Wrong: the mean over the holders (world / n_slots of them)."""
+    @staticmethod
+    def forward(ctx, w, slot, n_slots, group):
+        ctx.args = slot, n_slots, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        slot, n_slots, group = ctx.args
+        return _buffer_reduce(grad, slot, n_slots, group) / (dist.get_world_size(group) // n_slots), \
+            None, None, None
+
+
+class ReplicasPerSlot(torch.autograd.Function):
+    """Right numbers, too many calls: one all-reduce per slot."""
+    @staticmethod
+    def forward(ctx, w, slot, n_slots, group):
+        ctx.args = slot, n_slots, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        slot, n_slots, group = ctx.args
+        out = None
+        for k in range(n_slots):
+            part = grad.clone() if k == slot else torch.zeros_like(grad)
+            comm.all_reduce(part, group=group)
+            out = part if k == slot else out
+        return out, None, None, None
+
+
+class ReplicasInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, slot, n_slots, group):
+        ctx.args = slot, n_slots, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _buffer_reduce(grad, *ctx.args, in_place=True), None, None, None
+
+
+class ReplicasReducedForward(torch.autograd.Function):
+    """Wrong: sums the weight forward too."""
+    @staticmethod
+    def forward(ctx, w, slot, n_slots, group):
+        ctx.args = slot, n_slots, group
+        return _buffer_reduce(w.detach(), slot, n_slots, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _buffer_reduce(grad, *ctx.args), None, None, None
+
+
+class ReplicasOnTheWorld(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, slot, n_slots, group):
+        ctx.args = slot, n_slots
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _buffer_reduce(grad, *ctx.args, None), None, None, None
+
+
+def test_kv_replicas_names_each_mistake():
+    check_kv_replicas(holders_right, _CopyToReplicas)
+    check_kv_replicas(holders_from_query_heads, _CopyToReplicas)
+    with fails("not written yet"):
+        check_kv_replicas(lambda *a: (_ for _ in ()).throw(NotImplementedError), _CopyToReplicas)
+    with fails("not round-robin"):
+        check_kv_replicas(holders_round_robin, _CopyToReplicas)
+    with fails("its slot is its slice of the K/V weight"):
+        check_kv_replicas(holders_head_index, _CopyToReplicas)
+    with fails("this rank included"):
+        check_kv_replicas(holders_without_me, _CopyToReplicas)
+    with fails(r"N=4, n_slots=2, rank 0 \(slot 0\): gradient: this rank's part only"):
+        check_kv_replicas(holders_right, ReplicasNotSummed)
+    with fails("summed over every rank of the group, holders of other KV heads too"):
+        check_kv_replicas(holders_right, ReplicasSummedOverEveryone)
+    with fails("2× too small — a mean over the holders"):
+        check_kv_replicas(holders_right, ReplicasAveraged)
+    with fails(r"calls \(forward, backward\) = \[0, 2\].*one all-reduce"):
+        check_kv_replicas(holders_right, ReplicasPerSlot)
+    with fails("incoming gradient was changed in place"):
+        check_kv_replicas(holders_right, ReplicasInPlace)
+    with fails("forward changed the weight"):
+        check_kv_replicas(holders_right, ReplicasReducedForward)
+    with fails(r"group of 2 in .*: the group of your all_reduce is that of all 4 ranks"):
+        check_kv_replicas(holders_right, ReplicasOnTheWorld)
+
+
+class ReplicasSummingTheMean(torch.autograd.Function):
+    """Wrong, yet right on the unit run's constant gradients: every element replaced by the
+    gradient's mean before the sum. Only the model run against one process catches it."""
+    @staticmethod
+    def forward(ctx, w, slot, n_slots, group):
+        ctx.args = slot, n_slots, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _buffer_reduce(grad.mean().expand_as(grad).clone(), *ctx.args), None, None, None
+
+
+def test_kv_replicas_model_run_catches_what_the_unit_run_cannot():
+    with fails(r"tp=4 TinyLlama \(2 KV heads\), rank 0, block 0: W_K's gradient against one process"):
+        check_kv_replicas(holders_right, ReplicasSummingTheMean)
+
+
+def embed_grad_scaled_by_freq(tokens, shard, start, group=None):
+    """Wrong in backward only: scale_grad_by_freq divides each row's gradient by its count."""
+    outside = (tokens < start) | (tokens >= start + shard.shape[0])
+    local = (tokens - start).masked_fill(outside, 0)
+    partial = torch.nn.functional.embedding(local, shard, scale_grad_by_freq=True)
+    return reduce_from_region(partial.masked_fill(outside.unsqueeze(-1), 0.0), group)
+
+
+def test_vocab_parallel_embedding_checks_the_gradient_itself():
+    with fails(r"N=2 rank 0: gradient of weight_shard: \d+ of \d+ elements wrong"):
+        check_vocab_parallel_embedding(embed_grad_scaled_by_freq)

@@ -138,3 +138,60 @@ def test_state_bytes():
         check_state_bytes(lambda cfg, **k: state_bytes(cfg, **k, zero2_sharded_grads=False))
     with fails("dp=3, tp=2, zero=1: got"):  # the tables not split by tp
         check_state_bytes(lambda cfg, **k: state_bytes(cfg, **k, embed_split=False))
+
+
+# ---------------------------------------------------------------- issue 55: the composition
+from picolib.grading import check_composition  # noqa: E402
+
+
+def composition(cfg, order=("tensor", "context", "expert", "pipeline", "data"), replicas=("dp", "cp"),
+                skip_ones=True, expert_when_moe=False):
+    steps = {"tensor": (cfg.tp > 1, ("tp",)), "context": (cfg.cp > 1, ("cp",)),
+             "expert": (bool(cfg.experts) and (cfg.ep > 1 or expert_when_moe), ("dp",)),
+             "pipeline": (cfg.pp > 1, ("pp",)),
+             "data": (cfg.dp * cfg.cp > 1, tuple(d for d in replicas if getattr(cfg, d) > 1))}
+    return [(name, steps[name][1]) for name in order if steps[name][0] or not skip_ones]
+
+
+def composition_by_walking_the_code(cfg):
+    """Right, written differently: the steps appended as compose.transform and build read."""
+    out = []
+    if cfg.tp > 1:
+        out.append(("tensor", ["tp"]))
+    if cfg.cp > 1:
+        out.append(("context", ["cp"]))
+    if cfg.experts and cfg.ep > 1:
+        out.append(("expert", ["dp"]))
+    if cfg.pp > 1:
+        out.append(("pipeline", ["pp"]))
+    replicas = [d for d, n in (("dp", cfg.dp), ("cp", cfg.cp)) if n > 1]
+    return out + ([("data", replicas)] if replicas else [])
+
+
+def test_composition_names_each_mistake():
+    check_composition(composition)
+    check_composition(composition_by_walking_the_code)
+    with fails("not written yet"):
+        check_composition(stub)
+    with fails(r"the order \['context', 'tensor', 'data'\].*tensor before context: context "
+               "parallelism wraps the attention core TP made"):
+        check_composition(lambda c: composition(c, order=("context", "tensor", "expert", "pipeline", "data")))
+    with fails("pipeline before data: data parallelism wraps what the other steps left"):
+        check_composition(lambda c: composition(c, order=("tensor", "context", "expert", "data", "pipeline")))
+    with fails("tensor before pipeline: the stages are cut from the model the steps before made"):
+        check_composition(lambda c: composition(c, order=("pipeline", "tensor", "context", "expert", "data")))
+    with fails(r"dp=2, cp=2, tp=2: data over \('dp',\), but its group spans \('dp', 'cp'\) — "
+               "context-parallel ranks hold the same weights"):
+        check_composition(lambda c: composition(c, replicas=("dp",)))
+    with fails("tensor — tp = 1: transform skips it"):
+        check_composition(lambda c: composition(c, skip_ones=False))
+    with fails("expert — ep = 1: every rank keeps every expert"):
+        check_composition(lambda c: composition(c, expert_when_moe=True))
+    with fails("no context step, but cp = 2"):
+        check_composition(lambda c: [s for s in composition(c) if s[0] != "context"])
+    with fails(r"tensor over \('dp',\), but its group spans \('tp',\)"):
+        check_composition(lambda c: [(n, ("dp",) if n == "tensor" else d) for n, d in composition(c)])
+    with fails("unknown technique 'tp'"):
+        check_composition(lambda c: [("tp", ("tp",))])
+    with fails("expected a list of"):
+        check_composition(lambda c: None)
