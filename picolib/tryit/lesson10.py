@@ -90,7 +90,7 @@ def norms_on_ranks(cfg) -> dict:
     - "squares": the sum of squares behind it, and "shared": the part of it in tensors other
       tp ranks hold too (norm weights, KV heads copied over tp), each weighted by
       1 − 1/(tp ranks sharing the box) — what a sum over tp counts too often; read from
-      `picolib.layout.placements`, not from `picolib.clipping`;
+      `picolib.param_placement.placements`, not from `picolib.clipping`;
     - "global": `picolib.clipping.clip_grad_norm_(max_norm=0)`, every element counted once.
     Returns {"rank", "coords", "local", "squares", "shared", "global"} (floats)."""
     from ..clipping import clip_grad_norm_

@@ -107,7 +107,7 @@ def test_layout_places_both_copies_on_each_rank_of_a_pair():
     """Where a parameter lives (clipping and checkpoints read it): at pp = 2 each rank holds
     the whole model (the down copy of its half, the up copy of the other), and the replicas a
     gradient is reduced over are both ranks — the ranks the wrapper's pair group holds."""
-    from picolib.layout import placements
+    from picolib.param_placement import placements
     from picolib.parallel_layout import rank_stages
     from picolib.model import TinyLlama
     cfg = TrainConfig(pp=2, schedule="dualpipe", micro_batches=4)

@@ -68,7 +68,7 @@ def _one_step(cfg):
     from picolib import train
     from picolib.compose import build
     from picolib.step import forward_backward
-    from picolib.layout import placements
+    from picolib.param_placement import placements
     from picolib.mesh import Mesh
     mesh = Mesh(**{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
     stages, wrappers, _, sched, _ = build(cfg, mesh)

@@ -22,8 +22,9 @@ For each parameter a rank holds, `placements(cfg, rank)` gives a `Placement`:
 
 It is a pure function of the configuration and the rank's mesh coordinates — no process
 group, no tensor — so it can describe any rank of a cluster this machine cannot run
-(`placements(cfg, rank)` for rank 639 of 640). `tests/lib/test_layout.py` checks it against the
-transformed modules: every rank's tensor, put in its box, is the single-process tensor.
+(`placements(cfg, rank)` for rank 639 of 640). `tests/lib/test_param_placement.py` checks it
+against the transformed modules: every rank's tensor, put in its box, is the single-process
+tensor.
 
 What the data-parallel wrapper does inside a box (DDP keeps it whole on every replica; ZeRO
 keeps one flat shard of a unit of parameters) the wrapper answers itself: `holdings()`, the
