@@ -95,8 +95,9 @@ def norms_on_ranks(cfg) -> dict:
     Returns {"rank", "coords", "local", "squares", "shared", "global"} (floats)."""
     from ..clipping import clip_grad_norm_
     from ..compose import build, open_data
-    from ..layout import coordinates, placements
     from ..mesh import Mesh
+    from ..parallel_layout import coordinates
+    from ..param_placement import placements
     from ..pipeline_parallel import run_schedule
     from ..rank import device
 
