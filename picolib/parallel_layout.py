@@ -29,7 +29,8 @@ from .pipeline_schedules import SCHEDULES, make_schedule
 from .tensor_parallel import check_tensor_parallel
 
 __all__ = ["Layout", "layout_of", "check_layout", "stage_layers", "stage_ranges", "pieces",
-           "RankStage", "rank_stages", "coordinates", "rank_at", "ZERO3_PIPELINE", "DIMS"]
+           "RankStage", "rank_stages", "cached_schedule", "coordinates", "rank_at", "ZERO3_PIPELINE",
+           "DIMS"]
 
 PRECISIONS = ("fp32", "bf16")            # what the trainer runs
 PLANNED_PRECISIONS = PRECISIONS + ("fp8",)   # what the planner also prices
@@ -90,12 +91,14 @@ def pieces(layout: Layout) -> int:
 
 
 @lru_cache(maxsize=1024)
-def _schedule(schedule: str, p: int, m: int, v: int):
-    return make_schedule(schedule, p, m, v)
+def cached_schedule(name: str, p: int, m: int, v: int):
+    """picolib's schedule (`make_schedule`), cached: the planner and `rank_stages` read its
+    stages, ops and pipes."""
+    return make_schedule(name, p, m, v)
 
 
 def _pieces(schedule: str, p: int, m: int, v: int) -> int:
-    return len(_schedule(schedule, p, m, v).pipes[0][0])
+    return len(cached_schedule(schedule, p, m, v).pipes[0][0])
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[int]:
@@ -140,7 +143,7 @@ def rank_stages(layout, n_layers: int, pp_rank: int = 0) -> list[RankStage]:
         return [RankStage(0, range(n_layers), True, True)]
     n = pieces(layout)
     parts = stage_ranges(n_layers, n)
-    stages = _schedule(layout.schedule, layout.pp, layout.micro_batches, layout.v).stages_of(pp_rank)
+    stages = cached_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.v).stages_of(pp_rank)
     return [RankStage(s, parts[s % n], s % n == 0, s % n == n - 1) for s in stages]
 
 

@@ -37,9 +37,8 @@ from functools import lru_cache
 from .comm import ring_sent_bytes
 from .memory import bytes_per_param
 from .model import LlamaConfig
-from .parallel_layout import (PLANNED_PRECISIONS, Layout, check_layout, layout_of, pieces, rank_stages,
-                              stage_layers)
-from .pipeline_schedules import make_schedule
+from .parallel_layout import (PLANNED_PRECISIONS, Layout, cached_schedule, check_layout, layout_of, pieces,
+                              rank_stages, stage_layers)
 from .sequence_parallel import activation_bytes_per_layer, korthikanti_bytes_per_layer
 from .sharded_optim import optimizer_state_factor, zero_memory_bytes, zero_traffic_bytes
 from .tensor_parallel import kv_heads_per_rank
@@ -287,12 +286,6 @@ def _end_bytes(cfg: LlamaConfig, par: Parallelism) -> tuple[int, int]:
     e, split = elem_bytes(par.precision), (t if par.sp else 1)
     norm = (2 * b * s * h * e + b * s * 4) // split
     return b * s * 8, norm + b * s * h * e // split + b * s * v * 4 // t + b * s * 8 + 4
-
-
-@lru_cache(maxsize=512)
-def cached_schedule(name: str, p: int, m: int, v: int):
-    """picolib's schedule (cached); the planner reads stages, ops and pipes off it."""
-    return make_schedule(name, p, m, v)
 
 
 @lru_cache(maxsize=512)

@@ -103,7 +103,7 @@ def test_pair_groups_refuse_stages_out_of_the_pairs_order():
         run(_stages_out_of_order, 2)
 
 
-def test_layout_places_both_copies_on_each_rank_of_a_pair():
+def test_param_placement_puts_both_copies_on_each_rank_of_a_pair():
     """Where a parameter lives (clipping and checkpoints read it): at pp = 2 each rank holds
     the whole model (the down copy of its half, the up copy of the other), and the replicas a
     gradient is reduced over are both ranks — the ranks the wrapper's pair group holds."""
