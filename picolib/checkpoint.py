@@ -6,7 +6,7 @@ expert 3, not some rank's local expert 1), with their whole shapes, and the step
 checkpoint written at dp2×tp2 resumes at tp4, pp2 or on one process.
 
 Sharded: no rank ever builds a whole tensor. Each rank hands DCP only the boxes of the whole
-tensors it answers for, read from where each parameter lives (`picolib.layout`): its tp
+tensors it answers for, read from where each parameter lives (`picolib.param_placement`): its tp
 slices, its pipeline stages, its experts, and of what its data-parallel replicas share, its
 own part (the wrapper's `holdings()`: its ZeRO shard; with DDP a 1/n slice of the replicated tensor);
 a box held by several tp ranks (a norm, a KV head) is written by the first of them. A flat
@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from .flat import STATE
-from .layout import boxes_of_range, global_shapes, placements
+from .param_placement import boxes_of_range, global_shapes, placements
 
 __all__ = ["STATE", "save", "tidy", "load", "load_into", "latest", "step_folders", "check_resume",
            "check_save"]

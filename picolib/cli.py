@@ -1,7 +1,7 @@
-"""The trainer's command line (lesson 10): one option per `TrainConfig` field, parsed into the
-run it asks for. `python -m picolib.train` reads it, and the dry run (`picolib.dry_run`) adds
-its own three options to it; a module below both, so that neither imports the other's
-command line.
+"""The trainer's command line (lesson 10): one option per `TrainConfig` field (but `model`, a
+shape no preset has, which only `--plan` sets), parsed into the run it asks for.
+`python -m picolib.train` reads it, and the dry run (`picolib.dry_run`) adds its own three
+options to it; a module below both, so that neither imports the other's command line.
 """
 from __future__ import annotations
 
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                    help="collectives' backend (auto: NCCL with a GPU per rank, else gloo)")
     for f in fields(TrainConfig):
+        if f.name == "model":         # a plan's shape: --plan FILE sets it
+            continue
         flags = ["--" + f.name.replace("_", "-")]
         if f.name == "log":   # torchrun reads "--log" as an abbreviation of its own --log-dir
             flags.append("--log-file")

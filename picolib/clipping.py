@@ -8,7 +8,7 @@ ranks' squares counts every copy again — the norm weights on each tp rank, a K
 several tp ranks, every data-parallel replica (too large).
 
 `clip_grad_norm_` counts each element of the whole gradient exactly once, from where each
-parameter lives (`picolib.layout`): of the ranks that hold the same box (copies), only the
+parameter lives (`picolib.param_placement`): of the ranks that hold the same box (copies), only the
 first set of data-parallel replicas counts it, and within that set each replica counts the
 part it answers for (the wrapper's `holdings()`: a ZeRO shard, or a 1/n slice of a DDP replica's whole
 tensor). One all-reduce of one number over all ranks then sums tp slices, ZeRO shards,
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .layout import placements
+from .param_placement import placements
 
 __all__ = ["clip_grad_norm_"]
 

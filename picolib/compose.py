@@ -132,11 +132,12 @@ MODEL_PRESETS = {  # model shapes; the first three train on a CPU (0.1 to a few 
 class TrainConfig(Layout):
     """One training run: its layout (`picolib.parallel_layout.Layout`: degrees, schedule,
     chunks, micro-batches, ZeRO stage, sequence length, recomputation, precision, experts,
-    context-parallel algorithm) and the run's options; every field is a command-line option
-    (`--help`)."""
+    context-parallel algorithm) and the run's options; every field but `model` (which a plan
+    sets: `from_plan`) is a command-line option (`--help`)."""
     batch: int = 8                # global batch (sequences per step)
     steps: int = 10
-    preset: str = "tiny"
+    preset: str | None = "tiny"
+    model: LlamaConfig | None = None   # a shape no preset has (a plan's), instead of `preset`
     data: str = "text"            # "text": the shipped paragraph (all of it trained on);
     #  "course": the shipped corpus; a path: a UTF-8 text file or a token file (.bin); "random"
     eval_every: int = 0           # > 0: the held-out loss every this many steps (and at the end)
@@ -163,36 +164,41 @@ class TrainConfig(Layout):
         """Sequences per micro-batch on one replica: batch / (dp · micro_batches)."""
         return self.batch // (self.dp * self.micro_batches)
 
+    def __post_init__(self):
+        if isinstance(self.model, dict):          # read back from JSON or `asdict`
+            object.__setattr__(self, "model", LlamaConfig(**self.model))
+
     def model_config(self) -> LlamaConfig:
-        return LlamaConfig(**MODEL_PRESETS[self.preset], max_seq=max(self.seq, 16), seed=self.seed,
-                           recompute=self.recompute)
+        """The model this run trains: `model` if given, else the `preset`'s shape."""
+        run = dict(max_seq=max(self.seq, 16), seed=self.seed, recompute=self.recompute)
+        if self.model is not None:
+            return self.model.replace(**run)
+        return LlamaConfig(**MODEL_PRESETS[self.preset], **run)
 
     @classmethod
     def from_plan(cls, plan, **options) -> "TrainConfig":
         """The run of a planner's `Plan` (picolib.planner; each `plan_search.search` result's
         "plan"): the plan's layout as it is (`layout_of(plan.par)`: the same fields, no
-        renaming), the model as the preset of its shape (`MODEL_PRESETS`), the global `batch`
-        of dp × micro_batches × micro_batch_size sequences.
+        renaming), its model as the preset of that shape (`MODEL_PRESETS`: the preset's
+        attention kernel and RoPE base with it) or, for a shape no preset has, as `model`, the
+        global `batch` of dp × micro_batches × micro_batch_size sequences.
         `options`: the rest of the run (steps, lr, data, ...); one that contradicts the plan
-        is refused, as are a model of no preset's shape and experts the trainer's MoE cannot
-        build (shared ones, or another size than the preset's MLP); `check_config` then judges
-        the layout as for any run. The planner's own assumptions (`activations`, `flash`,
-        `fp32_grad_accum`) change what it counts, not what runs."""
+        is refused, as are experts the trainer's MoE cannot build (shared ones, or another
+        size than the model's MLP); `check_config` then judges the layout as for any run. The
+        planner's own assumptions (`activations`, `flash`, `fp32_grad_accum`) change what it
+        counts, not what runs."""
         shape = ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
         want = {k: getattr(plan.model, k) for k in shape}
-        presets = {name: LlamaConfig(**kw) for name, kw in MODEL_PRESETS.items()}
-        preset = next((n for n, c in presets.items() if {k: getattr(c, k) for k in shape} == want), None)
-        if preset is None:
-            raise ValueError(f"the plan's model ({', '.join(f'{k}={v}' for k, v in want.items())}) "
-                             f"has the shape of no preset ({', '.join(presets)})")
+        preset = next((n for n, kw in MODEL_PRESETS.items()
+                       if {k: getattr(LlamaConfig(**kw), k) for k in shape} == want), None)
         moe = plan.moe
         if moe is not None and moe.shared:
             raise ValueError(f"the plan's MoE has {moe.shared} shared experts; the trainer's have none")
-        if moe is not None and moe.expert_ffn != presets[preset].ffn_hidden:
+        if moe is not None and moe.expert_ffn != plan.model.ffn_hidden:
             raise ValueError(f"the plan's experts have expert_ffn={moe.expert_ffn}; the trainer's "
-                             f"are the {preset} preset's MLP, ffn_hidden={presets[preset].ffn_hidden}")
+                             f"are the model's MLP, ffn_hidden={plan.model.ffn_hidden}")
         par = plan.par
-        run = dict(asdict(layout_of(par)), preset=preset,
+        run = dict(asdict(layout_of(par)), preset=preset, model=None if preset else plan.model,
                    batch=par.dp * par.micro_batches * par.micro_batch_size)
         for k, v in options.items():
             if k in run and v != run[k]:
@@ -205,7 +211,9 @@ def check_config(cfg: TrainConfig, world_size: int | None = None, read_data: boo
     the rules every user of one shares (`check_layout`, none of the planner's switches), then
     the run's own options. `read_data`: also read the data file through once (UTF-8; the
     ranks, checked again, skip that)."""
-    if cfg.preset not in MODEL_PRESETS:
+    if cfg.model is not None and cfg.preset is not None:
+        raise ValueError(f"give a preset ({cfg.preset!r}) or a model, not both")
+    if cfg.model is None and cfg.preset not in MODEL_PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {sorted(MODEL_PRESETS)}")
     check_layout(cfg, cfg.model_config(), cfg.world_size if world_size is None else world_size)
     for name in ("batch", "steps"):

@@ -5,7 +5,7 @@ The ops fall into the groups lesson 12 measures on a real step (`roofline.GROUPS
 by shape, norms, RoPE, the MLP's element-wise work, softmax and mask, residual adds, the loss
 and the embedding. `op_seconds` puts one op on the roofline, `max(F / peak, B / bandwidth)`,
 with the preset's measured fractions of its datasheet figures and a launch floor per kernel.
-tests/lib/test_validation.py checks the counts against torch's own modules.
+tests/lib/test_published_runs.py checks the counts against torch's own modules.
 """
 from __future__ import annotations
 

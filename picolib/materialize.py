@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .layout import placements
+from .param_placement import placements
 from .model import TinyLlama, init_tensor, rope_tables
 
 __all__ = ["init_streams", "materialize", "AllocationPeak"]

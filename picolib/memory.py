@@ -86,7 +86,7 @@ def measure(model: nn.Module, optimizer=None, activations: "int | SavedActivatio
 
 # --------------------------------------------------------------------------- activations
 
-class _Held:
+class _SavedHandle:
     """What the pack hook hands autograd instead of the tensor; autograd drops it when it
     frees the saved tensor (after the node's backward), and then the live count falls."""
     __slots__ = ("tensor", "key", "counter")
@@ -154,7 +154,7 @@ class SavedActivations:
 
     def _pack(self, t):
         if self._is_param(t):
-            return _Held(t, None, self)
+            return _SavedHandle(t, None, self)
         key = storage_key(t)
         ref = self._refs.get(key)
         if ref is None:
@@ -169,7 +169,7 @@ class SavedActivations:
                 self.by_module[where] = self.by_module.get(where, 0) + nbytes
         else:
             ref[0] += 1
-        return _Held(t, key, self)
+        return _SavedHandle(t, key, self)
 
     def _release(self, key):
         ref = self._refs[key]

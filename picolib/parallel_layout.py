@@ -9,7 +9,9 @@ recomputation, the context-parallel algorithm and the experts.
 - `check_layout`: the rules every user of a layout shares, before any process starts; the
   planner's looser ones are explicit switches (it prices what the trainer does not run).
 - `stage_layers`: the one split of the layers into pipeline stages — uneven where they do
-  not divide, as published runs cut them (Llama 3 405B: 126 layers on 16 stages).
+  not divide, as published runs cut them (Llama 3 405B: 126 layers on 16 stages);
+  `rank_stages`: the stages one pipeline rank holds, their layers, embedding and head, read
+  off the schedule (the trainer's placement of parameters and the planner both ask it).
 - `coordinates`, `rank_at`: the one rank numbering, row-major over pp, dp, cp, tp (tp
   innermost), as `picolib.mesh` and PyTorch's DeviceMesh lay ranks out.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 from functools import lru_cache
+from typing import NamedTuple
 
 from .context_parallel import check_context_parallel
 from .mesh import DIMS, check_mesh   # DIMS: outermost → innermost
@@ -26,7 +29,8 @@ from .pipeline_schedules import SCHEDULES, make_schedule
 from .tensor_parallel import check_tensor_parallel
 
 __all__ = ["Layout", "layout_of", "check_layout", "stage_layers", "stage_ranges", "pieces",
-           "coordinates", "rank_at", "ZERO3_PIPELINE", "DIMS"]
+           "RankStage", "rank_stages", "cached_schedule", "coordinates", "rank_at", "ZERO3_PIPELINE",
+           "DIMS"]
 
 PRECISIONS = ("fp32", "bf16")            # what the trainer runs
 PLANNED_PRECISIONS = PRECISIONS + ("fp8",)   # what the planner also prices
@@ -87,8 +91,14 @@ def pieces(layout: Layout) -> int:
 
 
 @lru_cache(maxsize=1024)
+def cached_schedule(name: str, p: int, m: int, v: int):
+    """picolib's schedule (`make_schedule`), cached: the planner and `rank_stages` read its
+    stages, ops and pipes."""
+    return make_schedule(name, p, m, v)
+
+
 def _pieces(schedule: str, p: int, m: int, v: int) -> int:
-    return len(make_schedule(schedule, p, m, v).pipes[0][0])
+    return len(cached_schedule(schedule, p, m, v).pipes[0][0])
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[int]:
@@ -112,6 +122,29 @@ def stage_ranges(n_layers: int, n_stages: int) -> list[range]:
         out.append(range(at, at + n))
         at += n
     return out
+
+
+class RankStage(NamedTuple):
+    """One schedule stage a pipeline rank holds: its layers of the whole model, and whether
+    it holds the embedding (the first piece) and the head (the last)."""
+    stage: int
+    layers: range
+    embed: bool
+    head: bool
+
+
+def rank_stages(layout, n_layers: int, pp_rank: int = 0) -> list[RankStage]:
+    """The schedule stages pipeline rank `pp_rank` holds, in stage order, read off the
+    schedule (interleaved: r, r+p, ...; DualPipeV: r and 2p−1−r; DualPipe: r and 2p−1−r, the
+    second a copy of piece p−1−r), each with its piece's layers (`stage_ranges`)."""
+    if not 0 <= pp_rank < layout.pp:
+        raise ValueError(f"pp_rank must be in [0, {layout.pp}), not {pp_rank}")
+    if layout.pp == 1:
+        return [RankStage(0, range(n_layers), True, True)]
+    n = pieces(layout)
+    parts = stage_ranges(n_layers, n)
+    stages = cached_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.v).stages_of(pp_rank)
+    return [RankStage(s, parts[s % n], s % n == 0, s % n == n - 1) for s in stages]
 
 
 def coordinates(layout, rank: int, order=DIMS) -> dict[str, int]:

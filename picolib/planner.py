@@ -37,13 +37,13 @@ from functools import lru_cache
 from .comm import ring_sent_bytes
 from .memory import bytes_per_param
 from .model import LlamaConfig
-from .parallel_layout import PLANNED_PRECISIONS, Layout, check_layout, layout_of, pieces, stage_layers
-from .pipeline_schedules import make_schedule
+from .parallel_layout import (PLANNED_PRECISIONS, Layout, cached_schedule, check_layout, layout_of, pieces,
+                              rank_stages, stage_layers)
 from .sequence_parallel import activation_bytes_per_layer, korthikanti_bytes_per_layer
 from .sharded_optim import optimizer_state_factor, zero_memory_bytes, zero_traffic_bytes
 from .tensor_parallel import kv_heads_per_rank
 
-__all__ = ["MoEShape", "Parallelism", "Plan", "check", "moe_of", "layer_numel", "rank_units", "rank_layers",
+__all__ = ["MoEShape", "Parallelism", "Plan", "check", "moe_of", "layer_numel", "rank_units",
            "stage_layers", "elem_bytes", "layer_activation_bytes", "in_flight", "memory", "traffic",
            "expert_numel", "dp_groups", "stage_piece", "runtime_overhead",
            "RUNTIME_OVERHEAD", "LLAMA3_70B", "LLAMA3_405B"]
@@ -210,24 +210,6 @@ def stage_piece(par: Parallelism, stage: int) -> int:
     return stage % pieces(par)
 
 
-def rank_layers(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0) -> list[int]:
-    """The schedule stages rank `pp_rank` holds, read off the schedule (interleaved: r, r+p,
-    ...; DualPipeV: r and 2p−1−r; DualPipe: r and 2p−1−r, pieces r and p−1−r)."""
-    if not 0 <= pp_rank < par.pp:
-        raise ValueError(f"pp_rank must be in [0, {par.pp}), not {pp_rank}")
-    if par.pp == 1:
-        return [0]
-    return cached_schedule(par.schedule, par.pp, par.micro_batches, par.v).stages_of(pp_rank)
-
-
-def _stage_parts(cfg: LlamaConfig, par: Parallelism, pp_rank: int):
-    """[(layers, embedding?, head?)] per stage this rank holds."""
-    n = pieces(par)
-    counts = stage_layers(cfg.n_layers, n)
-    return [(counts[stage_piece(par, s)], stage_piece(par, s) == 0, stage_piece(par, s) == n - 1)
-            for s in rank_layers(cfg, par, pp_rank)]
-
-
 def rank_units(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0,
                moe: MoEShape | None = None) -> list[int]:
     """ZeRO's units on this rank (`picolib.sharded_optim.split_units`): the root's own
@@ -236,11 +218,11 @@ def rank_units(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0,
     check(cfg, par, moe)
     moe = moe_of(cfg, par, moe)
     h, v = cfg.hidden, cfg.vocab_size
-    parts = _stage_parts(cfg, par, pp_rank)
-    root = sum((v * h // par.tp if emb else 0) + (h + v * h // par.tp if head else 0)
-               for _, emb, head in parts)
+    stages = rank_stages(par, cfg.n_layers, pp_rank)
+    root = sum((v * h // par.tp if st.embed else 0) + (h + v * h // par.tp if st.head else 0)
+               for st in stages)
     block = layer_numel(cfg, par.tp, moe, par.ep)
-    return ([root] if root else []) + [block] * sum(n for n, _, _ in parts)
+    return ([root] if root else []) + [block] * sum(len(st.layers) for st in stages)
 
 
 def expert_numel(cfg: LlamaConfig, par: Parallelism, moe: MoEShape | None = None) -> int:
@@ -270,7 +252,7 @@ def dp_groups(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0,
 
 
 def _n_blocks(cfg, par, pp_rank):
-    return sum(n for n, _, _ in _stage_parts(cfg, par, pp_rank))
+    return sum(len(st.layers) for st in rank_stages(par, cfg.n_layers, pp_rank))
 
 
 # --------------------------------------------------------------------------- activations
@@ -304,12 +286,6 @@ def _end_bytes(cfg: LlamaConfig, par: Parallelism) -> tuple[int, int]:
     e, split = elem_bytes(par.precision), (t if par.sp else 1)
     norm = (2 * b * s * h * e + b * s * 4) // split
     return b * s * 8, norm + b * s * h * e // split + b * s * v * 4 // t + b * s * 8 + 4
-
-
-@lru_cache(maxsize=512)
-def cached_schedule(name: str, p: int, m: int, v: int):
-    """picolib's schedule (cached); the planner reads stages, ops and pipes off it."""
-    return make_schedule(name, p, m, v)
 
 
 @lru_cache(maxsize=512)
@@ -496,8 +472,8 @@ def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoEShape 
     counts exchanged before each dispatch (int64, forward only)."""
     check(cfg, par, moe)
     moe = moe_of(cfg, par, moe)
-    parts = _stage_parts(cfg, par, pp_rank)
-    layers = sum(n for n, _, _ in parts)
+    stages = rank_stages(par, cfg.n_layers, pp_rank)
+    layers = sum(len(st.layers) for st in stages)
     m, e = par.micro_batches, elem_bytes(par.precision)
     if par.pp > 1:   # DualPipe: each of its two pipelines carries half of the micro-batches
         m //= len(cached_schedule(par.schedule, par.pp, par.micro_batches, par.v).pipes)
@@ -513,7 +489,7 @@ def traffic(cfg: LlamaConfig, par: Parallelism, pp_rank: int = 0, moe: MoEShape 
         dp += ring_sent_bytes("all_reduce", 4, par.dp * par.cp)   # the replicas: all finite?
     if par.pp > 1 and par.schedule == "dualpipe":   # ranks r and p−1−r hold the same two pieces:
         dp += ring_sent_bytes("all_reduce", gdt * sum(rank_units(cfg, par, pp_rank, moe)), 2)   # sum the copies
-    first, last = any(emb for _, emb, _ in parts), any(head for _, _, head in parts)
+    first, last = any(st.embed for st in stages), any(st.head for st in stages)
     tp = m * _tp_bytes(cfg, par, first, last, layers, moe)
     s, b, h = par.seq // par.cp, par.micro_batch_size, cfg.hidden
     act = b * (s // (par.tp if par.sp else 1)) * h * e

@@ -23,7 +23,7 @@ features; a row-parallel bias is added once, after the sum.
 TP (or TP+SP, lesson 05) form in place: it swaps the attention, MLP, embedding, head and
 loss for their parallel versions, each carrying its own entry and exit operators, so the
 model's one forward runs unchanged. Which weight is cut along which dim is one table,
-`TP_PLAN`, that the transform builds its shards from and `picolib.layout` reads. Apply it
+`TP_PLAN`, that the transform builds its shards from and `picolib.param_placement` reads. Apply it
 first, before context/expert parallelism, pipeline stages and data parallelism (the order
 in `picolib.mesh`).
 
@@ -313,7 +313,7 @@ COLUMN, ROW, KV_HEADS, VOCAB = "column", "row", "kv heads", "vocabulary"
 # ends (torchtitan calls such a table a parallelize plan): column = dim 0 (output features),
 # row = dim 1 (input features), kv heads = dim 0 by KV head (a head on tp/kv ranks when
 # tp > kv), vocabulary = dim 0 (words). Any other weight (norms, a router, experts) is whole on
-# every tp rank. The modules above take their shards from it (`tp_cut`), and picolib.layout
+# every tp rank. The modules above take their shards from it (`tp_cut`), and picolib.param_placement
 # reads it to say where each parameter lives.
 TP_PLAN = {"embed": VOCAB, "attn.wq": COLUMN, "attn.wk": KV_HEADS, "attn.wv": KV_HEADS,
            "attn.wo": ROW, "mlp.w_gate": COLUMN, "mlp.w_up": COLUMN, "mlp.w_down": ROW,

@@ -11,7 +11,7 @@ into slices l₁…l_M that flow through the stages one after another, like micr
 The core opens the file (lesson 08 shows it): `CachedAttentionCore`, `forward_slice`,
 `backward_slice` and the loop of `run_terapipe`; the plan, the cache and the messages follow.
 A token attends to every token before it, so a stage keeps the keys and values of the
-slices it has already run (`KVCache`): slice i's attention core (`CachedAttentionCore`)
+slices it has already run (`SliceKVCache`): slice i's attention core (`CachedAttentionCore`)
 attends to [cached K/V of slices < i, its own K/V]. Layer j at token t needs layer j − 1 at
 *all* tokens ≤ t, which the cache holds. The cached K/V enter slice i's graph as leaves;
 their gradients collect there while later slices run backward, and are handed to the slice
@@ -40,7 +40,7 @@ from .pipeline_simulator import simulate, validate
 from .terapipe_slicer import check_slices
 
 __all__ = ["CachedAttentionCore", "forward_slice", "backward_slice", "run_terapipe", "TeraPipePlan",
-           "KVCache", "use_kv_cache", "terapipe_stage", "emulated_costs", "plan_costs", "simulate_plan",
+           "SliceKVCache", "use_kv_cache", "terapipe_stage", "emulated_costs", "plan_costs", "simulate_plan",
            "measure_costs", "FORWARD_SHARE"]
 
 FORWARD_SHARE = 1 / 3     # emulated costs: forward ⅓ of t(l, c), backward ⅔ (backward ≈ 2× forward)
@@ -58,7 +58,7 @@ class CachedAttentionCore(nn.Module):
 
     def forward(self, q, k, v):
         if self.cache is None:
-            raise RuntimeError("CachedAttentionCore needs a KVCache: run it through run_terapipe")
+            raise RuntimeError("CachedAttentionCore needs a SliceKVCache: run it through run_terapipe")
         past_k, past_v = self.cache.past(self)               # K/V of slices 0 … j−1
         keys = torch.cat([*past_k, k], dim=2) if past_k else k
         values = torch.cat([*past_v, v], dim=2) if past_v else v
@@ -91,7 +91,7 @@ def run_terapipe(plan: TeraPipePlan, stage: TinyLlama, tokens, targets, timeline
     """This rank's part of one TeraPipe step; the gradients accumulate in the stage's `.grad`.
     Returns {"loss": the mean loss on the last rank, else None}."""
     io = _StageIO(plan, stage, tokens, targets, timeline, cost, group, group_ranks)
-    caches = [KVCache() for _ in range(plan.n_micro)]       # one per sequence, on this stage
+    caches = [SliceKVCache() for _ in range(plan.n_micro)]       # one per sequence, on this stage
     saved, total = {}, None
     for u in plan.units:                                     # forward, slice after slice
         x = io.tokens(u) if io.first else io.recv(u, io.me - 1).requires_grad_()
@@ -171,12 +171,13 @@ class TeraPipePlan:
 
 # --------------------------------------------------------------------------- the K/V cache and the stage
 
-class KVCache:
+class SliceKVCache:
     """The keys and values of the slices one stage has run for one sequence, per layer.
 
     Each slice's K/V are kept as *leaves* (detached, requiring grad): later slices attend
     to them and their gradients collect in `.grad`. `produced` pairs each leaf with the
-    tensor it was cut from, so the producing slice's backward can pass that gradient on."""
+    tensor it was cut from, so the producing slice's backward can pass that gradient on.
+    (Generation's `picolib.model.KVCache` concatenates K/V without gradients.)"""
 
     def __init__(self):
         self.keys: dict = {}      # core -> [leaf per slice]
@@ -335,7 +336,7 @@ def measure_costs(model: TinyLlama, lengths, contexts, layers: int = 1, batch: i
     g = torch.Generator().manual_seed(seed)
     h, out = model.cfg.hidden, []
     for c in contexts:
-        cache = KVCache()
+        cache = SliceKVCache()
         if c:
             forward_slice(stage, cache, torch.randn(batch, c, h, generator=g).requires_grad_(), 0)
         kept = 1 if c else 0

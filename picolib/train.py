@@ -428,7 +428,8 @@ def _check_fits_this_machine(parser, cfg: TrainConfig, backend: str, nproc: int)
     available = _available_bytes()
     need = 16 * param_count(cfg.model_config())
     if on_cpu and available is not None and need > available:
-        parser.error(f"the {cfg.preset} preset's training state is {need / 2**30:,.0f} GiB (16 bytes "
+        model = f"the {cfg.preset} preset's" if cfg.model is None else "the plan's model's"
+        parser.error(f"{model} training state is {need / 2**30:,.0f} GiB (16 bytes "
                      f"a parameter), more than the {available / 2**30:,.0f} GiB this machine has "
                      f"available; count its bytes without allocating them: add --dry-run")
 

@@ -157,14 +157,14 @@ def counted_token_flops(cfg, context: int, seed: int = 0) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..model import TinyLlama
-    from ..terapipe import KVCache, use_kv_cache
+    from ..terapipe import SliceKVCache, use_kv_cache
 
     if context < 0 or context + 1 > cfg.max_seq:
         raise ValueError(f"context={context}: need 0 ≤ context < max_seq = {cfg.max_seq}")
     torch.manual_seed(seed)
     stage = TinyLlama(cfg).part(range(1), embed=False, head=False)
     core = use_kv_cache(stage)[0]
-    core.cache = KVCache()
+    core.cache = SliceKVCache()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         if context:

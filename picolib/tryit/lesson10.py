@@ -90,13 +90,14 @@ def norms_on_ranks(cfg) -> dict:
     - "squares": the sum of squares behind it, and "shared": the part of it in tensors other
       tp ranks hold too (norm weights, KV heads copied over tp), each weighted by
       1 − 1/(tp ranks sharing the box) — what a sum over tp counts too often; read from
-      `picolib.layout.placements`, not from `picolib.clipping`;
+      `picolib.param_placement.placements`, not from `picolib.clipping`;
     - "global": `picolib.clipping.clip_grad_norm_(max_norm=0)`, every element counted once.
     Returns {"rank", "coords", "local", "squares", "shared", "global"} (floats)."""
     from ..clipping import clip_grad_norm_
     from ..compose import build, open_data
-    from ..layout import coordinates, placements
     from ..mesh import Mesh
+    from ..parallel_layout import coordinates
+    from ..param_placement import placements
     from ..pipeline_parallel import run_schedule
     from ..rank import device
 

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from picolib import checkpoint
 from picolib.compose import TrainConfig, build, check_config
 from picolib.launch import run
-from picolib.layout import placements
+from picolib.param_placement import placements
 from picolib.mesh import Mesh
 from picolib.train import train
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from picolib.compose import TrainConfig, build_stages, check_config
 from picolib.launch import run
-from picolib.layout import placements
+from picolib.param_placement import placements
 from picolib.materialize import AllocationPeak, init_streams, materialize
 from picolib.mesh import Mesh
 from picolib.model import TinyLlama, init_tensor

@@ -103,16 +103,17 @@ def test_pair_groups_refuse_stages_out_of_the_pairs_order():
         run(_stages_out_of_order, 2)
 
 
-def test_layout_places_both_copies_on_each_rank_of_a_pair():
+def test_param_placement_puts_both_copies_on_each_rank_of_a_pair():
     """Where a parameter lives (clipping and checkpoints read it): at pp = 2 each rank holds
     the whole model (the down copy of its half, the up copy of the other), and the replicas a
     gradient is reduced over are both ranks — the ranks the wrapper's pair group holds."""
-    from picolib.layout import placements, stage_layers
+    from picolib.param_placement import placements
+    from picolib.parallel_layout import rank_stages
     from picolib.model import TinyLlama
     cfg = TrainConfig(pp=2, schedule="dualpipe", micro_batches=4)
     names = {n for n, _ in TinyLlama(cfg.model_config()).named_parameters()}
-    assert stage_layers(cfg, 0) == [(0, range(0, 2), True, False), (3, range(2, 4), False, True)]
-    assert stage_layers(cfg, 1) == [(1, range(2, 4), False, True), (2, range(0, 2), True, False)]
+    assert rank_stages(cfg, 4, 0) == [(0, range(0, 2), True, False), (3, range(2, 4), False, True)]
+    assert rank_stages(cfg, 4, 1) == [(1, range(2, 4), False, True), (2, range(0, 2), True, False)]
     for rank in (0, 1):
         placed = placements(cfg, rank)
         assert {p.name for p in placed} == names and len(placed) == len(names)

@@ -84,10 +84,10 @@ def test_the_search_skips_what_the_trainer_refuses(tmp_path, capsys):
 
 @pytest.mark.parametrize("plan, options, message", [
     (Plan(TINY, Parallelism(dp=2, seq=32, precision="fp8")), {}, "not 'fp8'"),
-    (Plan(TINY.replace(hidden=48, n_heads=4), Parallelism(seq=32)), {}, "no preset"),
     (Plan(TINY, Parallelism(dp=2, ep=2, seq=32), MoEShape(4, 2, 64, shared=1)), {}, "shared"),
     (Plan(TINY, Parallelism(dp=2, ep=2, seq=32), MoEShape(4, 2, 32)), {}, "expert_ffn=32"),
     (Plan(TINY, Parallelism(dp=2, seq=32)), {"dp": 4}, "--dp 4 contradicts the plan"),
+    (Plan(TINY.replace(hidden=48), Parallelism(seq=32)), {"preset": "tiny"}, "--preset tiny contradicts"),
 ])
 def test_what_the_trainer_cannot_run_as_planned(tmp_path, capsys, plan, options, message):
     with pytest.raises(ValueError, match=message):
@@ -100,6 +100,29 @@ def test_what_the_trainer_cannot_run_as_planned(tmp_path, capsys, plan, options,
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and err.startswith("python -m picolib.train: error: ") \
         and message in err, err
+
+
+def test_a_plan_for_a_shape_no_preset_has_runs(tmp_path):
+    """A plan's model need not be a preset: hidden 48 (no preset has it) runs as planned —
+    the run carries the plan's shape, its busiest rank holds the state the planner counted
+    for that shape (a preset's model would hold other bytes), and dp=2 gives the losses of
+    the same plan on one process."""
+    shape = TINY.replace(hidden=48, ffn_hidden=96)
+    plans = {n: Plan(shape, Parallelism(dp=n, micro_batch_size=4 // n, seq=32, precision="fp32",
+                                        activations="picolib")) for n in (1, 2)}
+    cfg = TrainConfig.from_plan(plans[2])
+    assert (cfg.preset, cfg.model_config().hidden, cfg.model_config().ffn_hidden) == (None, 48, 96)
+    check_config(cfg)
+    runs = {}
+    for n, plan in plans.items():
+        plan.to_json(str(tmp_path / f"plan{n}.json"))
+        runs[n] = train.main(["--plan", str(tmp_path / f"plan{n}.json"), "--steps", "2", "--no-progress"])
+    state = sum(memory(shape, plans[2].par, 0)[k] for k in ("params", "grads", "optimizer"))
+    assert runs[2][0]["state_bytes"] == state != \
+        sum(memory(TINY, plans[2].par, 0)[k] for k in ("params", "grads", "optimizer"))
+    assert [r["loss"] for r in runs[2]] == pytest.approx([r["loss"] for r in runs[1]], rel=1e-5)
+    with pytest.raises(ValueError, match="give a preset \\('tiny'\\) or a model, not both"):
+        check_config(TrainConfig(model=shape), read_data=False)
 
 
 def test_every_layout_field_reaches_the_run():

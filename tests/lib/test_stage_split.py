@@ -10,9 +10,8 @@ import torch
 
 from picolib.compose import TrainConfig, check_config
 from picolib.launch import run
-from picolib.layout import stage_layers as rank_stages
 from picolib.model import TinyLlama, random_tokens
-from picolib.parallel_layout import stage_layers, stage_ranges
+from picolib.parallel_layout import rank_stages, stage_layers, stage_ranges
 from picolib.pipeline_parallel import partition
 
 CASES = {
@@ -37,10 +36,28 @@ def test_the_split_is_uneven_at_the_ends_first():
 def test_the_trainer_takes_uneven_stages_and_refuses_too_few_layers():
     cfg = TrainConfig(pp=3, micro_batches=3, batch=3)
     check_config(cfg, 3)
-    assert [[(s, r) for s, r, _, _ in rank_stages(cfg, p)] for p in range(3)] == \
+    assert [[(s, r) for s, r, _, _ in rank_stages(cfg, 4, p)] for p in range(3)] == \
         [[(0, range(0, 1))], [(1, range(1, 3))], [(2, range(3, 4))]]
     with pytest.raises(ValueError, match="n_layers=4 is fewer than the 6 pipeline stages"):
         check_config(TrainConfig(pp=3, schedule="interleaved", chunks=2, micro_batches=3, batch=3), 3)
+
+
+def test_rank_stages_reads_the_schedule():
+    """What a pipeline rank holds, counted by hand from the schedules' stage maps: interleaved
+    puts stages r, r+p, ... on rank r; DualPipeV folds the 2p stages into a V (rank r: r and
+    2p−1−r), so rank 0 holds both the embedding and the head."""
+    from picolib.parallel_layout import Layout
+    inter = Layout(pp=2, schedule="interleaved", chunks=3, micro_batches=2)   # 8 layers: 1,1,2,2,1,1
+    assert rank_stages(inter, 8, 0) == [(0, range(0, 1), True, False), (2, range(2, 4), False, False),
+                                        (4, range(6, 7), False, False)]
+    assert rank_stages(inter, 8, 1) == [(1, range(1, 2), False, False), (3, range(4, 6), False, False),
+                                        (5, range(7, 8), False, True)]
+    v = Layout(pp=2, schedule="dualpipev", micro_batches=4)
+    assert rank_stages(v, 4, 0) == [(0, range(0, 1), True, False), (3, range(3, 4), False, True)]
+    assert rank_stages(v, 4, 1) == [(1, range(1, 2), False, False), (2, range(2, 3), False, False)]
+    assert rank_stages(Layout(), 4, 0) == [(0, range(0, 4), True, True)]
+    with pytest.raises(ValueError, match=r"pp_rank must be in \[0, 2\), not 2"):
+        rank_stages(v, 4, 2)
 
 
 def _one_step(cfg):
@@ -51,7 +68,7 @@ def _one_step(cfg):
     from picolib import train
     from picolib.compose import build
     from picolib.step import forward_backward
-    from picolib.layout import placements
+    from picolib.param_placement import placements
     from picolib.mesh import Mesh
     mesh = Mesh(**{d: getattr(cfg, d) for d in ("pp", "dp", "cp", "tp")})
     stages, wrappers, _, sched, _ = build(cfg, mesh)

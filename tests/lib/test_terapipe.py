@@ -9,7 +9,7 @@ import torch.distributed as dist
 from picolib.launch import run
 from picolib.model import AttentionCore, LlamaConfig, TinyLlama, random_tokens
 from picolib.pipeline_parallel import stage_grads
-from picolib.terapipe import (KVCache, TeraPipePlan, measure_costs, run_terapipe,
+from picolib.terapipe import (SliceKVCache, TeraPipePlan, measure_costs, run_terapipe,
                               simulate_plan, terapipe_stage, use_kv_cache)
 from picolib.terapipe_slicer import CostModel, dp_slices, pipeline_latency, uniform_slices
 from picolib.timeline import Timeline, makespan, merge
@@ -137,7 +137,7 @@ def test_the_cache_keeps_leaves_and_swaps_only_plain_cores():
     model = TinyLlama(CFG)
     cores = use_kv_cache(model)
     assert len(cores) == CFG.n_layers and not any(isinstance(c, AttentionCore) for c in cores)
-    cache = KVCache()
+    cache = SliceKVCache()
     k = torch.randn(1, 2, 3, 8, requires_grad=True) * 2
     cache.keep(cores[0], k, k + 1)
     keys, values = cache.past(cores[0])

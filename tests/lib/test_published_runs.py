@@ -1,4 +1,4 @@
-"""The planner against published runs (picolib/validation.py), and the op list it prices
+"""The planner against published runs (picolib/published_runs.py), and the op list it prices
 (picolib/layer_costs.layer_ops) against what lesson 12 measures on a real step."""
 import re
 from pathlib import Path
@@ -11,7 +11,7 @@ from picolib.model import LlamaConfig, TinyLlama, random_tokens
 from picolib.plan_search import model_flops_per_token, step_time
 from picolib.layer_costs import head_ops, layer_ops
 from picolib.roofline import GROUPS
-from picolib.validation import RUNS, markdown, published_tokens_per_s, table
+from picolib.published_runs import RUNS, markdown, published_tokens_per_s, table
 
 ROOT = Path(__file__).resolve().parents[2]
 

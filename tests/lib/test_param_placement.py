@@ -1,4 +1,4 @@
-"""Where a parameter lives (picolib/layout.py), checked against the transformed modules: on
+"""Where a parameter lives (picolib/param_placement.py), checked against the transformed modules: on
 every rank of several meshes, each local tensor has the described local name and shape, and
 put in its box of the whole tensor it is the single-process model's values there (so the
 copies hold the same values); counted once per set of copies, the boxes cover every element
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from picolib.compose import TrainConfig, build, check_config
-from picolib.layout import boxes_of_range, global_shapes, placements
+from picolib.param_placement import boxes_of_range, global_shapes, placements
 from picolib.parallel_layout import coordinates, rank_at
 from picolib.launch import run
 from picolib.mesh import Mesh

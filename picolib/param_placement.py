@@ -22,8 +22,9 @@ For each parameter a rank holds, `placements(cfg, rank)` gives a `Placement`:
 
 It is a pure function of the configuration and the rank's mesh coordinates — no process
 group, no tensor — so it can describe any rank of a cluster this machine cannot run
-(`placements(cfg, rank)` for rank 639 of 640). `tests/lib/test_layout.py` checks it against the
-transformed modules: every rank's tensor, put in its box, is the single-process tensor.
+(`placements(cfg, rank)` for rank 639 of 640). `tests/lib/test_param_placement.py` checks it
+against the transformed modules: every rank's tensor, put in its box, is the single-process
+tensor.
 
 What the data-parallel wrapper does inside a box (DDP keeps it whole on every replica; ZeRO
 keeps one flat shard of a unit of parameters) the wrapper answers itself: `holdings()`, the
@@ -38,10 +39,9 @@ from functools import lru_cache
 
 import torch
 
-from .parallel_layout import coordinates, rank_at
+from .parallel_layout import coordinates, rank_at, rank_stages
 
-__all__ = ["Placement", "global_shapes", "stage_layers",
-           "placements", "boxes_of_range"]
+__all__ = ["Placement", "global_shapes", "placements", "boxes_of_range"]
 
 
 @dataclass(frozen=True)
@@ -77,21 +77,6 @@ def global_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return dict(_shapes(cfg.model_config(), cfg.experts, cfg.top_k))
 
 
-def stage_layers(cfg, pp: int) -> list[tuple[int, range, bool, bool]]:
-    """[(stage, its blocks, embeds?, has the head?)] of the pipeline rank `pp`."""
-    n_layers = cfg.model_config().n_layers
-    if cfg.pp == 1:
-        return [(0, range(n_layers), True, True)]
-    from .parallel_layout import stage_ranges
-    sched = cfg.make_schedule()
-    out = []
-    for stages, _ in sched.pipes:          # DualPipe: each of its two pipelines cuts the model
-        parts = stage_ranges(n_layers, len(stages))
-        out += [(s, parts[i], i == 0, i == len(stages) - 1) for i, s in enumerate(stages)
-                if sched.stage_ranks[s] == pp]
-    return sorted(out, key=lambda x: x[0])
-
-
 _EXPERT = re.compile(r"^(blocks\.\d+\.mlp\.experts\.)(\d+)(\..*)$")
 
 
@@ -117,7 +102,7 @@ def placements(cfg, rank: int) -> list[Placement]:
     pps = sorted({c["pp"], cfg.pp - 1 - c["pp"]}) if cfg.pp > 1 and cfg.schedule == "dualpipe" \
         else [c["pp"]]
     out = []
-    for stage, layers, embed, head in stage_layers(cfg, c["pp"]):
+    for stage, layers, embed, head in rank_stages(cfg, cfg.model_config().n_layers, c["pp"]):
         block_of = {g: i for i, g in enumerate(layers)}
         for name, shape in shapes.items():
             m = re.match(r"^blocks\.(\d+)\.(.*)$", name)

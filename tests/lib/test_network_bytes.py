@@ -1,4 +1,4 @@
-"""picolib/placement.py against an independent count: the mesh built as a tensor of rank
+"""picolib/network_bytes.py against an independent count: the mesh built as a tensor of rank
 numbers (torch.arange reshaped, as DeviceMesh builds it), groups read off as its rows,
 ring hops listed pair by pair and sorted into levels by looking up each GPU's node and
 unit; and against hand counts on 16 GPUs."""
@@ -9,7 +9,7 @@ import torch
 
 from picolib.hardware import Hardware, Level
 from picolib.model import LlamaConfig
-from picolib.placement import DIMS, level_bytes
+from picolib.network_bytes import DIMS, level_bytes
 from picolib.planner import Parallelism, traffic
 
 TINY = LlamaConfig(vocab_size=64, hidden=32, n_layers=8, n_heads=8, n_kv_heads=2,
