@@ -413,12 +413,18 @@ def mla_saved_bytes(cfg: LlamaConfig, mla, moe: MoEShape, tokens: int, fp8_cache
     """{tensor: bytes} one MLA + MoE block saves for backward for `tokens` tokens on one rank
     (tp = 1; each of the ep ranks gets k·tokens expert rows on average), in bf16 unless the
     options change it (`HeldAs`). Attention: each RMSNorm keeps its input and its fp32 rstd,
-    each Linear its input (the norms' outputs, the latents' normed outputs), the fused
-    attention kernel q, k, v, its output and one fp32 statistic a head; MoE: the router's
-    fp32 sigmoid scores, the routed experts' input (k copies of a token), a fused SwiGLU its
-    gate and up outputs, the down projection its input. The routing weight scales the SwiGLU
-    output before the down projection, so the combine keeps no expert output (its gradient is
-    the SwiGLU output's dot with the down projection's input gradient)."""
+    each Linear its input (the attention norm's output, read by the fused q and kv down
+    projections; the latents' normed outputs), the down projection's output (the latents and
+    the shared rope key), the fused attention kernel q, k, v, its output and one fp32
+    statistic a head; MoE: the router (kept in BF16 with FP8 caching too: the
+    report's §3.3.1 keeps the gating in its original precision) its input and its fp32 sigmoid
+    scores, the routing's int64 score positions and token ids and its fp32 weights (k a
+    token), the shared experts their input (the
+    router's, or an FP8 copy), the routed experts theirs (k copies of a token), a fused SwiGLU
+    its gate and up outputs, the down projection its input. The routing weight scales the
+    SwiGLU output before the down projection, so the combine keeps no expert output (its
+    gradient is the SwiGLU output's dot with the down projection's input gradient).
+    tests/lib/test_planner_held.py measures each entry on a small block."""
     h, n, t = cfg.hidden, cfg.n_heads, tokens
     k, f, e = moe.top_k, moe.expert_ffn, 2
     lin = (1 + 4 / FP8_TILE) if fp8_cache else e       # bytes of a cached Linear input value
@@ -427,12 +433,15 @@ def mla_saved_bytes(cfg: LlamaConfig, mla, moe: MoEShape, tokens: int, fp8_cache
     out = {"attention norm input": t * h * e, "q latent": t * mla.q_lora * e,
            "kv latent": t * mla.kv_lora * e, "MLP norm input": t * h * e,
            "norms' rstd (fp32)": gone * 4 * 4 * t,
-           "norm outputs (Linear inputs)": gone * t * (2 * h + mla.q_lora + mla.kv_lora) * lin,
+           "norm outputs (Linear inputs)": gone * t * (h + mla.q_lora + mla.kv_lora) * lin,
+           "MLP norm output (the router's input)": gone * t * h * e,
+           "shared experts' FP8 input": gone * t * h * lin if fp8_cache and moe.shared else 0,
            "q, k, v (up-projection outputs)": gone * t * n * (2 * qk + mla.v_head) * e,
-           "k rope (shared)": (1 - gone) * t * mla.qk_rope * e,
+           "k rope (shared; with the latents)": t * mla.qk_rope * e,
            "attention output (out's input)": t * n * mla.v_head * e,
            "attention statistics (fp32)": t * n * 4,
            "router scores (fp32)": t * moe.n_experts * 4,
+           "routing: score positions, token ids (int64), weights": t * k * (8 + 8 + 4),
            "experts' input": k * t * h * lin,
            "SwiGLU inputs": (k + moe.shared) * t * 2 * f * (lin if fp8_cache else e),
            "SwiGLU outputs (down's input)": 0 if fp8_cache else (k + moe.shared) * t * f * e}
@@ -486,9 +495,12 @@ def runtime_overhead(par: Parallelism, tensor_bytes: float, context: float | Non
     `per_communicator` for each NCCL communicator this rank is in (one per parallel dimension
     > 1; NCCL's documented default NCCL_BUFFSIZE is 4 MiB per channel and peer, which with
     16-32 channels and both directions is ≈ 0.2 GB — the channel count is assumed), and
-    `reserve` × the tensors (the caching allocator's fragmentation: 5 %, an assumption: no
-    published measurement is cited — compare torch.cuda.memory_reserved with memory_allocated
-    in a real run). Defaults:
+    `reserve` × the tensors (the caching allocator's fragmentation: 5 %, an assumption — the
+    ZeRO paper (Rajbhandari et al. 2020, "Memory Fragmentation") saw fragmentation leave over
+    30 % of memory unusable in extreme cases, and removes most of it by moving long-lived
+    tensors into pre-allocated buffers, as DeepSeek-V3's own framework may; no published
+    measurement of a typical run is cited — compare torch.cuda.memory_reserved with
+    memory_allocated in a real run). Defaults:
     RUNTIME_OVERHEAD."""
     d = RUNTIME_OVERHEAD
     context = d["context"] if context is None else context

@@ -216,6 +216,7 @@ def markdown(rows=None) -> str:
         run = r["run"]
         stated = (f"{run.published:.1%} MFU" if run.unit == "MFU (Megatron)" else
                   f"{run.published / 1e3:.0f}K {run.unit}" if run.unit.startswith("GPU hours") else
+                  f"{run.published:.1f} {run.unit}" if run.unit == "s per iteration" else
                   f"{run.published:.0f} {run.unit}")
         lines.append(f"| {run.name} | {run.source} | {run.gpus:,} | {stated} | {r['published']:,.0f} | "
                      f"{r['planner']:,.0f} | {r['error']:+.1%} |")
