@@ -465,8 +465,8 @@ def comm_buffer_bytes(cfg: LlamaConfig, par: Parallelism, moe: MoEShape | None) 
 def _held_layer(cfg, par, moe, held):
     """(saved bytes of one block, bytes live while one block's backward recomputes) under `held`."""
     if held is None or held.mla is None:
-        if held is not None and held.recompute_norm_up:
-            raise ValueError("recompute_norm_up counts an MLA block's tensors: give held.mla")
+        if held is not None and (held.recompute_norm_up or held.fp8_cache):
+            raise ValueError("fp8_cache and recompute_norm_up count an MLA block's tensors: give held.mla")
         return None, 0
     if moe is None or par.tp != 1:
         raise ValueError(f"the MLA inventory counts an MoE block at tp = 1, not tp={par.tp}, moe={moe}")

@@ -2,6 +2,8 @@
 saved tensors measured (picolib.memory.SavedActivations) in bf16, with FP8-cached Linear inputs
 and with its norms and up-projections recomputed, against `mla_saved_bytes`; the optimizer's
 options against an Adam built as the DeepSeek-V3 report describes; DeepSeek-V3's layout in 80 GB."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -255,8 +257,11 @@ def test_deepseek_v3s_layout_fits_in_80_gb_as_it_held_it():
     held, plain = run_memory(ds), run_memory(ds, held=None)
     assert GPUS[ds.hw].memory == 80e9
     assert held["total"] <= 80e9 < plain["total"]          # the planner's plain count does not fit
-    for option in ("fp8_cache", "recompute_norm_up", "bf16_moments"):      # each one lowers it
-        off = run_memory(ds, held=ds.held.__class__(**{**ds.held.__dict__, option: False}))
-        assert off["total"] > held["total"], option
+    for option in ("fp8_cache", "recompute_norm_up", "bf16_moments", "fp32_grads", "comm_buffers"):
+        off = run_memory(ds, held=replace(ds.held, **{option: False}))
+        # each saving lowers it; the FP32 gradients and the buffers the run held raise it
+        assert (off["total"] > held["total"]) == (option not in ("fp32_grads", "comm_buffers")), option
     with pytest.raises(ValueError, match="tp = 1"):
         memory(ds.cfg, ds.par.replace(tp=2, dp=64), moe=ds.moe, held=ds.held)
+    with pytest.raises(ValueError, match="give held.mla"):       # a dense block has no inventory here
+        memory(ds.cfg, ds.par, moe=ds.moe, held=HeldAs(fp8_cache=True))
