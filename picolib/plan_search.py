@@ -18,7 +18,7 @@ inputs, and they are all here, named: every op of a layer (`layer_costs.layer_op
 `efficiency` for every matmul, the old single constant), α per collective call
 (`hardware.ALPHA`, assumed), each group at its bandwidth (`Hardware.link`: NVLink inside a node,
 k NICs for k GPUs of a node beyond it), the expert all-to-all hidden only inside DualPipe's
-F&B pairs (`ep_overlap`). Lesson 11b checks the times against thirteen published runs
+F&B pairs (`ep_overlap`). Lesson 11b checks the times against twenty published runs
 (`picolib.published_runs`).
 """
 from __future__ import annotations

@@ -45,7 +45,8 @@ from .tensor_parallel import kv_heads_per_rank
 
 __all__ = ["MoEShape", "Parallelism", "Plan", "check", "moe_of", "layer_numel", "rank_units",
            "stage_layers", "elem_bytes", "layer_activation_bytes", "in_flight", "memory", "traffic",
-           "expert_numel", "dp_groups", "stage_piece", "runtime_overhead",
+           "expert_numel", "dp_groups", "stage_piece", "runtime_overhead", "HeldAs", "mla_saved_bytes",
+           "comm_buffer_bytes", "FP8_TILE",
            "RUNTIME_OVERHEAD", "LLAMA3_70B", "LLAMA3_405B"]
 
 # Published Llama 3 shapes (Llama 3 paper, Table 3; vocabulary 128,256, untied embeddings)
@@ -329,27 +330,126 @@ def _in_flight(schedule: str, p: int, m: int, v: int = 1, stage_bytes=None) -> t
     return tuple(out)
 
 
-def _stage_bytes(cfg, par) -> tuple:
+def _stage_bytes(cfg, par, layer=None) -> tuple:
     """Saved bytes per micro-batch of each schedule stage (its piece's layers, plus the
-    embedding's or the head's)."""
+    embedding's or the head's); `layer`: a block's bytes where the caller counts them."""
     n = pieces(par)
     counts = stage_layers(cfg.n_layers, n)
-    layer = layer_activation_bytes(cfg, par)
+    layer = layer_activation_bytes(cfg, par) if layer is None else layer
     first, last = _end_bytes(cfg, par)
     n_stages = 1 if par.pp == 1 else len(cached_schedule(par.schedule, par.pp, par.micro_batches, par.v).stage_ranks)
     return tuple(counts[k] * layer + (first if k == 0 else 0) + (last if k == n - 1 else 0)
                  for k in (stage_piece(par, s) for s in range(n_stages)))
 
 
-def _activations(cfg, par, pp_rank):
-    stage_bytes = _stage_bytes(cfg, par)
+def _activations(cfg, par, pp_rank, layer=None, working=0):
+    stage_bytes = _stage_bytes(cfg, par, layer)
     if par.recompute == "full":   # backward recomputes one block at a time: its full bytes
         working = layer_activation_bytes(cfg, par.replace(recompute="none"))
-    else:
-        working = 0
     if par.pp == 1:
         return stage_bytes[0] + working
     return in_flight(par.schedule, par.pp, par.micro_batches, par.v, stage_bytes)[pp_rank] + working
+
+
+# --------------------------------------------------------------------------- memory as a run holds it
+
+@dataclass(frozen=True)
+class HeldAs:
+    """How a run holds its memory where it departs from the planner's defaults — each option
+    as the DeepSeek-V3 report (§3.3.2, §3.3.3 and Figure 6) describes its own run; `memory`
+    takes one (`held=`), `picolib.published_runs`'s runs name theirs.
+    - `mla`: count a block's saved tensors one by one as a latent-attention (MLA) + MoE
+      block holds them (`mla_saved_bytes`; tp = 1), not by Korthikanti's GPT count;
+    - `fp8_cache`: the inputs of Linear layers cached in FP8 with one fp32 scale per 1×128
+      tile (§3.3.3 "Low-Precision Activation", §3.3.1's tiles); the SwiGLU's inputs cached in
+      FP8 and its output recomputed; the attention output (the out projection's input, which
+      the attention backward reads too) kept in 16 bits (the report's E5M6: its packing is
+      not stated, counted at 16 bits);
+    - `recompute_norm_up`: every RMSNorm and MLA up-projection recomputed in backward
+      (§3.3.2): their outputs are not kept, one block's of them live while its backward runs;
+    - `bf16_moments`: AdamW's two moments in BF16, the master weights in FP32 (§3.3.3
+      "Low-Precision Optimizer States");
+    - `fp32_grads`: the gradients kept in FP32 for the batch's accumulation (§3.3.3, the same
+      paragraph; Figure 6's FP32 weight gradient);
+    - `comm_buffers`: the buffers the expert all-to-all and the pipeline's sends hold
+      (`comm_buffer_bytes`)."""
+    mla: object = None
+    fp8_cache: bool = False
+    recompute_norm_up: bool = False
+    bf16_moments: bool = False
+    fp32_grads: bool = False
+    comm_buffers: bool = False
+
+
+FP8_TILE = 128    # DeepSeek-V3 report §3.3.1: activations scaled per 1×128 tile (one fp32 scale)
+
+
+def mla_saved_bytes(cfg: LlamaConfig, mla, moe: MoEShape, tokens: int, fp8_cache: bool = False,
+                    recompute_norm_up: bool = False) -> dict:
+    """{tensor: bytes} one MLA + MoE block saves for backward for `tokens` tokens on one rank
+    (tp = 1; each of the ep ranks gets k·tokens expert rows on average), in bf16 unless the
+    options change it (`HeldAs`). Attention: each RMSNorm keeps its input and its fp32 rstd,
+    each Linear its input (the attention norm's output, read by the fused q and kv down
+    projections; the latents' normed outputs), the down projection's output (the latents and
+    the shared rope key), the fused attention kernel q, k, v, its output and one fp32
+    statistic a head; MoE: the router (kept in BF16 with FP8 caching too: the
+    report's §3.3.1 keeps the gating in its original precision) its input and its fp32 sigmoid
+    scores, the routing's int64 score positions and token ids and its fp32 weights (k a
+    token), the shared experts their input (the
+    router's, or an FP8 copy), the routed experts theirs (k copies of a token), a fused SwiGLU
+    its gate and up outputs, the down projection its input. The routing weight scales the
+    SwiGLU output before the down projection, so the combine keeps no expert output (its
+    gradient is the SwiGLU output's dot with the down projection's input gradient).
+    tests/lib/test_planner_held.py measures each entry on a small block."""
+    h, n, t = cfg.hidden, cfg.n_heads, tokens
+    k, f, e = moe.top_k, moe.expert_ffn, 2
+    lin = (1 + 4 / FP8_TILE) if fp8_cache else e       # bytes of a cached Linear input value
+    gone = 0 if recompute_norm_up else 1                # a norm's or up-projection's output kept?
+    qk = mla.qk_nope + mla.qk_rope
+    out = {"attention norm input": t * h * e, "q latent": t * mla.q_lora * e,
+           "kv latent": t * mla.kv_lora * e, "MLP norm input": t * h * e,
+           "norms' rstd (fp32)": gone * 4 * 4 * t,
+           "norm outputs (Linear inputs)": gone * t * (h + mla.q_lora + mla.kv_lora) * lin,
+           "MLP norm output (the router's input)": gone * t * h * e,
+           "shared experts' FP8 input": gone * t * h * lin if fp8_cache and moe.shared else 0,
+           "q, k, v (up-projection outputs)": gone * t * n * (2 * qk + mla.v_head) * e,
+           "k rope (shared; with the latents)": t * mla.qk_rope * e,
+           "attention output (out's input)": t * n * mla.v_head * e,
+           "attention statistics (fp32)": t * n * 4,
+           "router scores (fp32)": t * moe.n_experts * 4,
+           "routing: score positions, token ids (int64), weights": t * k * (8 + 8 + 4),
+           "experts' input": k * t * h * lin,
+           "SwiGLU inputs": (k + moe.shared) * t * 2 * f * (lin if fp8_cache else e),
+           "SwiGLU outputs (down's input)": 0 if fp8_cache else (k + moe.shared) * t * f * e}
+    return {name: int(b) for name, b in out.items()}
+
+
+def comm_buffer_bytes(cfg: LlamaConfig, par: Parallelism, moe: MoEShape | None) -> int:
+    """Bytes of the communication buffers a rank holds beside the tensors (`HeldAs.comm_buffers`):
+    the expert all-to-all's receive buffers for two chunks at once (DualPipe overlaps a forward
+    and a backward chunk, DeepSeek-V3 report §3.2.1) — the dispatch in FP8 with its tile scales,
+    the combine in BF16 (§3.3.3 "Low-Precision Communication"), k rows a token — and the
+    pipeline's send and receive of one activation each way."""
+    tokens = par.micro_batch_size * par.seq // par.cp
+    ep = 0
+    if moe is not None and par.ep > 1:
+        ep = 2 * moe.top_k * tokens * cfg.hidden * ((1 + 4 / FP8_TILE) + 2)
+    pp = 4 * tokens * cfg.hidden * elem_bytes(par.precision) if par.pp > 1 else 0
+    return int(ep + pp)
+
+
+def _held_layer(cfg, par, moe, held):
+    """(saved bytes of one block, bytes live while one block's backward recomputes) under `held`."""
+    if held is None or held.mla is None:
+        if held is not None and (held.recompute_norm_up or held.fp8_cache):
+            raise ValueError("fp8_cache and recompute_norm_up count an MLA block's tensors: give held.mla")
+        return None, 0
+    if moe is None or par.tp != 1:
+        raise ValueError(f"the MLA inventory counts an MoE block at tp = 1, not tp={par.tp}, moe={moe}")
+    tokens = par.micro_batch_size * par.seq // par.cp
+    kept = mla_saved_bytes(cfg, held.mla, moe, tokens, held.fp8_cache, held.recompute_norm_up)
+    whole = mla_saved_bytes(cfg, held.mla, moe, tokens, held.fp8_cache, False)
+    return sum(kept.values()), sum(whole.values()) - sum(kept.values())
 
 
 # --------------------------------------------------------------------------- memory
@@ -371,9 +471,12 @@ def runtime_overhead(par: Parallelism, tensor_bytes: float, context: float | Non
     `per_communicator` for each NCCL communicator this rank is in (one per parallel dimension
     > 1; NCCL's documented default NCCL_BUFFSIZE is 4 MiB per channel and peer, which with
     16-32 channels and both directions is ≈ 0.2 GB — the channel count is assumed), and
-    `reserve` × the tensors (the caching allocator's fragmentation: 5 %, an assumption: no
-    published measurement is cited — compare torch.cuda.memory_reserved with memory_allocated
-    in a real run). Defaults:
+    `reserve` × the tensors (the caching allocator's fragmentation: 5 %, an assumption — the
+    ZeRO paper (Rajbhandari et al. 2020, "Memory Fragmentation") saw fragmentation leave over
+    30 % of memory unusable in extreme cases, and removes most of it by moving long-lived
+    tensors into pre-allocated buffers, as DeepSeek-V3's own framework may; no published
+    measurement of a typical run is cited — compare torch.cuda.memory_reserved with
+    memory_allocated in a real run). Defaults:
     RUNTIME_OVERHEAD."""
     d = RUNTIME_OVERHEAD
     context = d["context"] if context is None else context
@@ -384,7 +487,7 @@ def runtime_overhead(par: Parallelism, tensor_bytes: float, context: float | Non
 
 
 def memory(cfg: LlamaConfig, par: Parallelism, pp_rank: int | None = None,
-           moe: MoEShape | None = None, overhead: bool = False) -> dict:
+           moe: MoEShape | None = None, overhead: bool = False, held: HeldAs | None = None) -> dict:
     """Bytes one rank holds at its peak: {"params", "grads", "optimizer", "activations",
     "total"}. Adam; fp32: 4 + 4 + 8 bytes per parameter, bf16/fp8: 2 + 2 + (4 master + 8)
     (`picolib.memory.bytes_per_param`); ZeRO shards over the ranks that hold the same
@@ -394,15 +497,24 @@ def memory(cfg: LlamaConfig, par: Parallelism, pp_rank: int | None = None,
     picolib/zero.py does: one reduce-scatter per step, not one per micro-batch).
     pp_rank None: the pipeline rank with the largest total. `overhead=True` adds
     "overhead" (`runtime_overhead`: context, NCCL buffers, allocator reserve) to the total;
-    off, the figures are the tensors alone, what picolib's runs count byte for byte."""
+    off, the figures are the tensors alone, what picolib's runs count byte for byte.
+    `held` (a `HeldAs`): the run's own ways of holding memory — its block's saved tensors,
+    FP8 caching, recomputed norms and up-projections, BF16 moments, FP32 gradients,
+    communication buffers ("buffers")."""
     check(cfg, par, moe)
     moe = moe_of(cfg, par, moe)
     if pp_rank is None:
-        return max((memory(cfg, par, r, moe, overhead) for r in range(par.pp)),
+        return max((memory(cfg, par, r, moe, overhead, held) for r in range(par.pp)),
                    key=lambda d: d["total"])
     parts = bytes_per_param("fp32" if par.precision == "fp32" else "bf16", par.fp32_grad_accum)
     p, g = parts["params"], parts["grads"] + parts.get("fp32_grads", 0)
     k = optimizer_state_factor("adam", master=par.precision != "fp32")
+    if held is not None and (held.bf16_moments or held.fp32_grads) and par.precision == "fp32":
+        raise ValueError("bf16_moments and fp32_grads describe mixed precision, not precision='fp32'")
+    if held is not None and held.bf16_moments:    # fp32 master (4) + two bf16 moments (2 + 2)
+        k = 4 + 2 + 2
+    if held is not None and held.fp32_grads:
+        g = 4
     out = {"params": 0, "grads": 0, "optimizer": 0}
     for units, n in dp_groups(cfg, par, pp_rank, moe):
         if par.zero == 0:
@@ -413,7 +525,9 @@ def memory(cfg: LlamaConfig, par: Parallelism, pp_rank: int | None = None,
                 part["grads"] += g * sum(units)            # until the step's last backward
         for key in out:
             out[key] += part[key]
-    out["activations"] = _activations(cfg, par, pp_rank)
+    out["activations"] = _activations(cfg, par, pp_rank, *_held_layer(cfg, par, moe, held))
+    if held is not None and held.comm_buffers:
+        out["buffers"] = comm_buffer_bytes(cfg, par, moe)
     if overhead:
         out["overhead"] = int(runtime_overhead(par, sum(out.values())))
     out["total"] = sum(out.values())

