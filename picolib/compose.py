@@ -41,19 +41,24 @@ __all__ = ["MODEL_PRESETS", "LR_SCHEDULES", "TrainConfig", "check_config", "open
            "decay_groups", "lr_factor"]
 
 
-def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
+def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh, log: list | None = None):
     """The one `model` made parallel in place, technique after technique, each over its own
     group of `mesh`: this rank's stages {index: module}, the schedule, and {parameter: group}
-    for weights that ranks besides the replicas hold too (experts' edp, DualPipe's pair)."""
+    for weights that ranks besides the replicas hold too (experts' edp, DualPipe's pair).
+    `log`, a list, gets (technique, group) for each step applied, in order."""
+    log = [] if log is None else log
     if cfg.tp > 1:
         apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=cfg.sp)
+        log.append(("tensor", mesh.group("tp")))
     if cfg.cp > 1:
         apply_context_parallel(model, mesh.group("cp"), layout=cfg.cp_layout,
                                algorithm=cfg.cp_algorithm)
+        log.append(("context", mesh.group("cp")))
     groups = {}
     if cfg.experts and cfg.ep > 1:       # EP: blocks of ep consecutive "dp" ranks
         apply_expert_parallel(model, mesh, n_experts=cfg.experts, top_k=cfg.top_k, ep=cfg.ep)
         groups = expert_gradient_groups(model)
+        log.append(("expert", mesh.group("ep")))
     elif cfg.experts:
         apply_moe(model, n_experts=cfg.experts, top_k=cfg.top_k)
     if cfg.experts:     # a stage's balancing loss cannot reach the last stage's loss
@@ -64,15 +69,17 @@ def transform(model: TinyLlama, cfg: TrainConfig, mesh: Mesh):
     sched = cfg.make_schedule()
     mine = sched.stages_of(mesh.coordinate("pp"))
     stages = {s: m for s, m in schedule_stages(model, sched).items() if s in mine}
+    log.append(("pipeline", mesh.group("pp")))
     if cfg.schedule == "dualpipe":      # each stage's second copy is on the mirror rank
         groups |= pair_gradient_groups(stages, mesh)
     return stages, sched, groups
 
 
-def build(cfg: TrainConfig, mesh: Mesh):
+def build(cfg: TrainConfig, mesh: Mesh, log: list | None = None):
     """This rank's stages (`transform`ed, only its part allocated), each wrapped in DDP or ZeRO
-    over its replicas (dp × cp), the wrapper owning the stage's AdamW."""
-    stages, sched, groups = build_stages(cfg, mesh)
+    over its replicas (dp × cp), the wrapper owning the stage's AdamW. `log`: as `transform`'s,
+    the data-parallel wrapping last."""
+    stages, sched, groups = build_stages(cfg, mesh, log)
     replicas = mesh.group("dp", "cp") if cfg.cp > 1 else mesh.group("dp")
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32   # of the compute copies
     data_parallel = partial(ZeRO, stage=cfg.zero) if cfg.zero else DDP
@@ -80,6 +87,8 @@ def build(cfg: TrainConfig, mesh: Mesh):
                                  param_groups=decay_groups(m, cfg.weight_decay),
                                  optimizer=torch.optim.AdamW, lr=cfg.lr)
                 for s, m in stages.items()}
+    if log is not None and dist.get_world_size(replicas) > 1:
+        log.append(("data", replicas))
     if sched is not None and cfg.schedule == "dualpipe":   # gradients reduced over the pair too
         replicas = mesh.group("pair", "dp", "cp")
     return stages, wrappers, list(wrappers.values()), sched, replicas
@@ -87,7 +96,7 @@ def build(cfg: TrainConfig, mesh: Mesh):
 
 # --------------------------------------------------------------------------- the machinery
 
-def build_stages(cfg: TrainConfig, mesh: Mesh):
+def build_stages(cfg: TrainConfig, mesh: Mesh, log: list | None = None):
     """This rank's part of the model: the model is created on the `meta` device (no
     storage), transformed there, and then only the parameters this rank holds get storage
     on its device, with the values the one-process model has there (`materialize`: a rank
@@ -95,7 +104,7 @@ def build_stages(cfg: TrainConfig, mesh: Mesh):
     dry run) nothing is materialized. With `cfg.compile`, each block is then compiled
     (`compile_blocks`). Returns `transform`'s (stages, schedule, gradient groups)."""
     with torch.device("meta"):     # what the transforms create (experts) too
-        stages, sched, groups = transform(TinyLlama(cfg.model_config()), cfg, mesh)
+        stages, sched, groups = transform(TinyLlama(cfg.model_config()), cfg, mesh, log)
     if mesh.device.type != "meta":
         materialize(stages, cfg, dist.get_rank(), mesh.device)
     if cfg.compile:

@@ -610,17 +610,24 @@ def _replica_line(what, got, mine, summed, everyone, n_holders) -> str:
 
 def _kv_model_worker(copy_cls, cfg, tokens, targets):
     """This rank's gradients of every block's W_K and W_V, with `copy_cls` where the library
-    passes a replicated KV weight through copy_to_replicas."""
-    from .. import tensor_parallel
+    passes a replicated KV weight through copy_to_replicas (`ParallelAttention._kv`, overridden
+    in a subclass built from each block's one-process attention)."""
+    import copy
     from ..model import TinyLlama
-    from ..tensor_parallel import apply_tensor_parallel
-    keep = tensor_parallel.copy_to_replicas
-    tensor_parallel.copy_to_replicas = lambda w, slot, n_slots, group=None: copy_cls.apply(w, slot, n_slots, group)
-    try:
-        model = apply_tensor_parallel(TinyLlama(cfg))
-        model.loss(tokens, targets).backward()
-    finally:
-        tensor_parallel.copy_to_replicas = keep
+    from ..tensor_parallel import ParallelAttention, apply_tensor_parallel
+
+    class StudentAttention(ParallelAttention):
+        def _kv(self, t):
+            if self.replicas == 1 or t is None:
+                return t
+            return copy_cls.apply(t, self.slot, self.n_slots, self.group)
+
+    model = TinyLlama(cfg)
+    attentions = [copy.deepcopy(b.attn) for b in model.blocks]
+    apply_tensor_parallel(model)
+    for block, attn in zip(model.blocks, attentions):
+        block.attn = StudentAttention(attn)
+    model.loss(tokens, targets).backward()
     return [(b.attn.slot, b.attn.wk.weight.grad, b.attn.wv.weight.grad) for b in model.blocks]
 
 

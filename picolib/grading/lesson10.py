@@ -260,39 +260,15 @@ def _composition_config(case: dict):
 
 
 def _composition_worker(cases) -> list[list]:
-    """On a rank: `compose.build` of every case on `meta`, with each technique's entry point
-    wrapped to record (technique, the global ranks of the group it was given) in call order."""
+    """On a rank: `compose.build` of every case on `meta`, its `log` giving (technique, the
+    group it was applied over) in order; each group as the mesh dimensions it spans."""
     from .. import compose
-    real = {n: getattr(compose, n) for n in ("apply_tensor_parallel", "apply_context_parallel",
-                                             "apply_expert_parallel", "schedule_stages", "DDP", "ZeRO")}
     out = []
-    try:
-        for case in cases:
-            cfg, calls = _composition_config(case), []
-            mesh = Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, device="meta")
-            ranks = dist.get_process_group_ranks
-
-            def on(name, fn, group_of):
-                def wrapped(*args, **kwargs):
-                    result = fn(*args, **kwargs)
-                    calls.append((name, group_of(args, kwargs)))
-                    return result
-                return wrapped
-            compose.apply_tensor_parallel = on("tensor", real["apply_tensor_parallel"], lambda a, k: ranks(a[1]))
-            compose.apply_context_parallel = on("context", real["apply_context_parallel"], lambda a, k: ranks(a[1]))
-            compose.apply_expert_parallel = on("expert", real["apply_expert_parallel"],
-                                               lambda a, k: ranks(mesh.group("ep")))
-            # the stage cut takes no group: its ranks are the pp line, whose coordinate picks the stages
-            compose.schedule_stages = on("pipeline", real["schedule_stages"], lambda a, k: mesh.peers("pp"))
-            wrap = lambda *a, **k: None                     # the wrapper itself is not built
-            compose.DDP = compose.ZeRO = on("data", wrap, lambda a, k: ranks(k["group"]))
-            compose.build(cfg, mesh)
-            steps = [(name, mesh.spanned(group)) for name, group in calls]
-            out.append([s for i, s in enumerate(steps)      # once per stage wrapped; a group
-                        if s[1] and (i == 0 or s != steps[i - 1])])   # of one rank: no step
-    finally:
-        for n, fn in real.items():
-            setattr(compose, n, fn)
+    for case in cases:
+        cfg, log = _composition_config(case), []
+        mesh = Mesh(pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, device="meta")
+        compose.build(cfg, mesh, log=log)
+        out.append([(name, mesh.spanned(dist.get_process_group_ranks(group))) for name, group in log])
     return out
 
 
