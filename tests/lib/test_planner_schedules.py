@@ -168,3 +168,24 @@ def test_dualpipe_sums_its_two_copies_gradients_over_the_mirror_rank():
         psi = sum(rank_units(CFG, dual, r))
         own = 2 * 2 * (2 - 1) * psi // 2                       # DDP over dp = 2, bf16
         assert traffic(CFG, dual, r)["dp"] == own + 2 * psi
+
+
+def test_a_matmul_runs_in_whole_waves_of_tiles():
+    """The matmul guide's tile and wave quantization, on the A100's 108 SMs: a 256 × 128 tile more
+    than a whole wave costs a whole second wave; a partial tile at an edge costs a whole tile; the
+    tiles of a batched kernel fill the waves together; without SMs the FLOPs alone."""
+    from picolib.hardware import hardware
+    from picolib.layer_costs import matmul_compute_seconds
+    a100 = hardware("A100-SXM")
+    peak, k = a100.bf16, 4096
+    one_tile = 2 * 256 * 128 * k / (peak * a100.matmul_eff / a100.sms)       # one SM's tile
+    wave = 108 * 256                                                            # 108 tiles of 256 rows
+    assert matmul_compute_seconds(wave, k, 128, a100, peak) == pytest.approx(one_tile, rel=1e-12)
+    assert matmul_compute_seconds(wave + 256, k, 128, a100, peak) == pytest.approx(2 * one_tile, rel=1e-12)
+    assert matmul_compute_seconds(wave - 255, k, 128, a100, peak) == pytest.approx(one_tile, rel=1e-12)
+    assert matmul_compute_seconds(256, k, 128, a100, peak, count=108) == pytest.approx(one_tile, rel=1e-12)
+    # a planted wrong model, the FLOPs alone, misses the second wave
+    flops_only = dataclasses.replace(a100, sms=0)
+    assert matmul_compute_seconds(wave + 256, k, 128, flops_only, peak) < 1.01 * one_tile
+    # the better tile shape: 128 × 256 fits a 128-row, 108·256-column output in one wave
+    assert matmul_compute_seconds(128, k, wave, a100, peak) == pytest.approx(one_tile, rel=1e-12)
