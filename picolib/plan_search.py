@@ -350,9 +350,9 @@ def _play(sched, cost, m, p):
 
 
 def _rank_totals(cfg, par, hw, moe, sched, comp, parts, span, r, dp_overlap):
-    """One pipeline rank's parts of the step: its idle time in the schedule (the bubble), its
-    data-parallel traffic and what of it the last backward (B + W of its stages) does not hide,
-    the optimizer's pass."""
+    """One pipeline rank's parts of the step: its idle time in the schedule (the bubble; none
+    without a pipeline), its data-parallel traffic and what of it the last backward (B + W of
+    its stages) does not hide, the optimizer's pass."""
     from .planner import stage_piece
     busy = sum(parts.values())
     pieces = [stage_piece(par, s) for s in (sched.stages_of(r) if sched else [0])]
@@ -360,7 +360,7 @@ def _rank_totals(cfg, par, hw, moe, sched, comp, parts, span, r, dp_overlap):
     t_dp = _dp_seconds(cfg, par, hw, moe, r)
     exposed = max(0.0, t_dp - window)
     opt = _optimizer_seconds(cfg, par, hw, moe, r)
-    return {**parts, "bubble": span - busy, "dp": t_dp, "dp_exposed": exposed,
+    return {**parts, "bubble": span - busy if sched else 0.0, "dp": t_dp, "dp_exposed": exposed,
             "optimizer": opt, "seconds": span + exposed + opt}
 
 
