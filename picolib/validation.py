@@ -5,7 +5,8 @@ converted here to one common quantity — tokens per second per GPU — by the s
 formula (`published_tokens_per_s`). The planner (`plan_search.step_time` with every op on the
 roofline of the run's hardware preset) predicts the same quantity; `table` gives both and the
 error. Nothing is fitted: the presets' efficiencies are measurements with their sources
-(picolib/hardware.py), and the runs are the sources' numbers.
+(picolib/hardware.py), and the runs are the sources' numbers. `by_term` gives the table's mean
+and worst error with each term of the time model (`TERMS`) switched on in turn (lesson 11b §3).
 
 Conventions converted:
 - Llama 3 report, Table 4: BF16 TFLOP/s per GPU; the FLOP count is not stated — picolib's
