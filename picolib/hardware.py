@@ -58,6 +58,7 @@ class Hardware:
     attention_eff: float = 1.0  # a fused attention kernel's FLOP/s (forward and backward) over the peak
     link_eff: float = 1.0     # a collective's bus bandwidth over the link's line rate (large messages)
     launch: float = 0.0       # seconds: the least time one kernel (one operation) takes
+    sms: int = 0              # streaming multiprocessors: a matmul runs in whole waves of tiles (0: no tiles)
 
     @property
     def node(self) -> int:
@@ -103,6 +104,12 @@ class Hardware:
 
 
 _NVLINK4, _NVLINK5, _IB = 18 * 25e9, 18 * 50e9, 400e9 / 8
+# cuBLAS's most efficient thread-block tiles, 256 × 128 and 128 × 256 output elements (NVIDIA, *Matrix
+# Multiplication Background User's Guide*, §2.3 "Typical Tile Dimensions in cuBLAS"): a matmul's output
+# is cut into such tiles, one tile an SM at a time, so it runs in ⌈tiles / SMs⌉ waves (§3.1-3.2, tile
+# and wave quantization); `layer_costs.op_seconds` prices a matmul by them when a preset gives `sms`.
+# SMs: A100 108 (the guide, §2.1), H100 SXM 132 (H100 whitepaper); H800 and H200 are the same die.
+MATMUL_TILES = ((256, 128), (128, 256))
 _SWITCH = 64 * 25e9
 # Achieved fractions of the datasheet (docs/sources.md names each source), for Hopper GPUs:
 # - matmul_eff: MAMF, the best matmul FLOP/s found by a search over shapes (Bekman, *Machine
@@ -117,7 +124,7 @@ _SWITCH = 64 * 25e9
 #   effective NVLink bandwidth of 370GB/s", NCCL's maintainer in nccl-tests issue 212).
 # - launch: one operation issued from Python on an H100 took 4.2 µs (the same ceiling probe).
 _HOPPER = dict(matmul_eff=792.1 / 989, hbm_eff=3.568 / 3.938, attention_eff=0.5,
-               link_eff=370 / 450, launch=4.2e-6)
+               link_eff=370 / 450, launch=4.2e-6, sms=132)
 GPUS = {   # each GPU with its network, by name (`hardware(name)`, the dry run's --gpu NAME)
     "H100-SXM": Hardware("H100-SXM", 989e12, 1979e12, 80e9, 3.35e12, (
         Level("node", 8, _NVLINK4, min(8 * _NVLINK4, 4 * _SWITCH)),
@@ -143,13 +150,22 @@ GPUS["H800"] = Hardware("H800", 989e12, 1979e12, 80e9, 3.35e12, (
 # A100 SXM4 80 GB as Narayanan et al. and Korthikanti et al. ran it (NVIDIA Selene): A100
 # datasheet 312 TFLOP/s dense bf16/fp16 (no fp8: the same figure), 2.039 TB/s; NVLink 3, 12 links
 # × 25 GB/s = 300 GB/s per GPU in a node of 8; eight 200 Gb/s HDR InfiniBand NICs a node, one
-# 25 GB/s NIC per GPU (Narayanan et al., §5). Its MAMF from Bekman's table; the HBM, attention,
-# NCCL and launch fractions as the Hopper ones above (no A100 measurement of them is cited).
+# 25 GB/s NIC per GPU (Narayanan et al., §5). Its achieved fractions are its own (docs/sources.md):
+# - matmul_eff: MAMF 267.9 of 312 TFLOP/s (Bekman's table, as above); 108 SMs (matmul guide, §2.1).
+# - hbm_eff: a streaming read kernel on an A100 80GB SXM held 1.80 of its 2.04 TB/s, 88 %, which
+#   Nsight Compute confirmed (the "A100 bandwidth probe" in docs/sources.md).
+# - attention_eff: FlashAttention-2's A100 range, 50-73 % of the peak, its backward the low end: 0.5
+#   (Megatron's runs of the table used no fused attention: `flash=False` prices their core).
+# - link_eff: nccl-tests' all-reduce on 8 A100-SXM4-80GB over NVSwitch reached a bus bandwidth of
+#   about 200 GB/s of NVLink 3's 300 (nccl-tests issue 149).
+# - launch: as the H100's, 4.2 µs (no A100 measurement is cited; a kernel of these runs' shapes
+#   lasts far longer, so it sets none of the table's times).
 _NVLINK3, _HDR = 12 * 25e9, 200e9 / 8
 PRESETS = dict(GPUS)
 PRESETS["A100-SXM"] = Hardware("A100-SXM", 312e12, 312e12, 80e9, 2.039e12, (
     Level("node", 8, _NVLINK3, 8 * _NVLINK3), Level("scale-out", 2**14, _HDR, 2**14 * _HDR)),
-    **{**_HOPPER, "matmul_eff": 267.9 / 312})
+    matmul_eff=267.9 / 312, hbm_eff=1.80 / 2.04, attention_eff=0.5, link_eff=200 / 300, launch=4.2e-6,
+    sms=108)
 # This machine's CPU, as lesson 12 measures it: bench/cpu_roofline.py wrote these figures
 # (2026-11-28, torch 2.13.0+cpu, one thread): peak = an fp32 512³ matmul's FLOP/s, so
 # matmul_eff = 1 by definition; memory = a 64 MiB copy's bytes/s (hbm_eff = 1 likewise); launch =

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MLAShape", "layer_ops", "embedding_ops", "mtp_ops", "head_ops", "op_seconds"]
+__all__ = ["MLAShape", "layer_ops", "embedding_ops", "mtp_ops", "head_ops", "op_seconds",
+           "matmul_compute_seconds"]
 
 
 @dataclass(frozen=True)
@@ -191,10 +192,26 @@ def head_ops(cfg, tokens: int, tp: int = 1, sp: bool = False, e: int = 2) -> lis
                  count=1, flops=0, bytes=(e + 4) * tokens * v)]
 
 
+def matmul_compute_seconds(m: int, k: int, n: int, hw, peak: float, count: int = 1) -> float:
+    """Seconds of the FLOPs of `count` (m × k) @ (k × n) matmuls in one kernel at `hw.matmul_eff`
+    × `peak` (MAMF: the rate of a matmul that fills every SM in every wave). With `hw.sms`, the
+    m × n outputs are cut into tiles (`hardware.MATMUL_TILES`: a partial tile at an edge costs
+    a whole one) that run `sms` at a time: ⌈count·tiles / sms⌉ waves, each the time of one
+    tile's 2·tm·tn·k FLOPs at 1/sms of the rate; the better of the tile shapes."""
+    import math
+    from .hardware import MATMUL_TILES
+    rate = peak * hw.matmul_eff
+    if not hw.sms:
+        return 2 * m * k * n * count / rate
+    return min(math.ceil(count * math.ceil(m / tm) * math.ceil(n / tn) / hw.sms) * hw.sms * 2 * tm * tn * k
+               for tm, tn in MATMUL_TILES) / rate
+
+
 def op_seconds(op: dict, hw, precision: str = "bf16", backward: bool = False) -> tuple:
     """(seconds, kernels) of one op of `layer_ops` on `hw` (a `picolib.hardware.Hardware`),
     forward or backward, on the roofline with the preset's measured fractions: a matmul at
-    max(FLOPs / (matmul_eff × peak), bytes / (hbm_eff × HBM)) — its shape sets which wins —
+    max(its FLOPs' time (`matmul_compute_seconds`: MAMF, in whole waves of tiles), bytes / (hbm_eff × HBM))
+    — its shape sets which wins — the `count` matmuls of a batched op in one kernel,
     the fused attention at attention_eff × peak, an element-wise op at its bytes over the
     achieved HBM bandwidth; no kernel faster than `hw.launch`. Backward: a matmul is two of
     the same FLOPs (input gradient (m, n, k), weight gradient (k, m, n)); attention's
@@ -208,9 +225,9 @@ def op_seconds(op: dict, hw, precision: str = "bf16", backward: bool = False) ->
         m, k, nn = op["shape"]
         shapes = [(m, nn, k), (k, m, nn)] if backward else [(m, k, nn)]
         e = op["bytes"] / (n * (m * k + k * nn + m * nn))
-        t = sum(max(2 * x * y * z / (peak * hw.matmul_eff), e * (x * y + y * z + x * z) / bw, hw.launch)
-                for x, y, z in shapes)
-        return n * t, n * len(shapes)
+        t = sum(max(matmul_compute_seconds(x, y, z, hw, peak, n), n * e * (x * y + y * z + x * z) / bw,
+                    n * hw.launch) for x, y, z in shapes)
+        return t, n * len(shapes)
     if op["kind"] == "attention":
         f, b = (2.5 * op["flops"], 2 * op["bytes"]) if backward else (op["flops"], op["bytes"])
         return max(f / (peak * hw.attention_eff), b / bw, hw.launch), 1

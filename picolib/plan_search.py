@@ -14,8 +14,8 @@ in memory and ranks them by step time; `describe` prints one plan.
 Why: the planner's bytes (picolib/planner.py) are exact; turning bytes into seconds needs
 inputs, and they are all here, named: every op of a layer (`layer_costs.layer_ops`) priced by
 `layer_costs.op_seconds` with the preset's measured fractions (`Hardware.matmul_eff`, `hbm_eff`,
-`attention_eff`, `link_eff`, `launch`: picolib/hardware.py gives each source; or one
-`efficiency` for every matmul, the old single constant), α per collective call
+`attention_eff`, `link_eff`, `launch`, `sms`: picolib/hardware.py gives each source), α per
+collective call and pipeline send
 (`hardware.ALPHA`, assumed), each group at its bandwidth (`Hardware.link`: NVLink inside a node,
 k NICs for k GPUs of a node beyond it), the expert all-to-all hidden only inside DualPipe's
 F&B pairs (`ep_overlap`). Lesson 11b checks the times against twenty published runs
@@ -112,50 +112,6 @@ def model_flops_per_token(cfg: LlamaConfig, seq: int, moe: MoEShape | None = Non
     whole-square count."""
     return (6 * (active_params(cfg, moe) - cfg.vocab_size * cfg.hidden)
             + 3 * cfg.n_layers * attention_flops(cfg, seq, causal))
-
-
-def _stage_seconds(cfg, par, hw, moe, eff, ceiling):
-    """{piece: (F, B, W) seconds of compute per micro-batch} on one tp rank: each matmul at
-    its roofline time (or at `eff` × peak), attention at the ceiling (flash: compute-bound)."""
-    from .parallel_layout import pieces, stage_layers
-    from .tensor_parallel import kv_heads_per_rank
-    t, h, d = par.tp, cfg.hidden, cfg.head_dim
-    tokens = par.micro_batch_size * par.seq // par.cp
-    kv_local, _ = kv_heads_per_rank(cfg.n_heads, cfg.n_kv_heads, t)
-    prec = par.precision if par.precision != "fp32" else "bf16"
-    rate = hw.peak(prec) * (eff if eff is not None else ceiling)
-
-    def mm(m, k, n):      # forward; input gradient; weight gradient
-        if eff is not None:
-            x = 2 * m * k * n / rate
-            return x, x, x
-        return (matmul_seconds(m, k, n, hw, prec, ceiling), matmul_seconds(m, n, k, hw, prec, ceiling),
-                matmul_seconds(k, m, n, hw, prec, ceiling))
-
-    shapes = [(tokens, h, (cfg.n_heads // t + 2 * kv_local) * d), (tokens, cfg.n_heads // t * d, h)]
-    if moe is None:
-        shapes += [(tokens, h, 2 * cfg.ffn_hidden // t), (tokens, cfg.ffn_hidden // t, h)]
-    else:
-        mine = tokens // t if par.sp else tokens            # routed experts are not tp-split
-        per_expert = max(1, par.ep * mine * moe.top_k // moe.n_experts)
-        local = moe.n_experts // par.ep
-        shapes += [(tokens, h, moe.n_experts)] + local * [(per_expert, h, 2 * moe.expert_ffn),
-                                                          (per_expert, moe.expert_ffn, h)]
-        if moe.shared:
-            shapes += [(tokens, h, 2 * moe.shared * moe.expert_ffn // t),
-                       (tokens, moe.shared * moe.expert_ffn // t, h)]
-    layer = [sum(x) for x in zip(*(mm(*sh) for sh in shapes))]
-    attn = par.micro_batch_size * (par.seq // par.cp) * attention_flops(cfg, par.seq) / t / \
-        (hw.peak(prec) * (eff if eff is not None else ceiling))
-    head = mm(tokens, h, cfg.vocab_size // t)
-    n = pieces(par)
-    out = {}
-    for piece, layers in enumerate(stage_layers(cfg.n_layers, n)):
-        f = layers * (layer[0] + attn) + (head[0] if piece == n - 1 else 0)
-        b = layers * (layer[1] + 2 * attn) + (head[1] if piece == n - 1 else 0)
-        w = layers * layer[2] + (head[2] if piece == n - 1 else 0)
-        out[piece] = (f, b, w)
-    return out
 
 
 def _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block="llama", mla=None, mtp=0):
@@ -259,7 +215,7 @@ def _dp_seconds(cfg, par, hw, moe, pp_rank):
 
 
 def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | None = None,
-              efficiency: float | None = None, alpha: float = ALPHA, *,
+              alpha: float = ALPHA, *,
               ceiling: float | None = None, ep_overlap: float = 1.0,
               ep_nodes: int | None = None, causal: bool = True, dropout: bool = False,
               block: str = "llama", mla=None, mtp: int = 0, dp_overlap: bool = True) -> dict:
@@ -272,11 +228,11 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     GPT block and DeepSeek's latent attention; `mtp`: DeepSeek's multi-token-prediction
     modules on the last stage; recomputation repeats the forward
     (full) or the unfused attention core (selective; a fused kernel's backward already
-    recomputes it)); or, with `efficiency`, the old single constant: every matmul at
-    `efficiency` × peak and the attention core too, nothing else — plus its collectives on the
+    recomputes it)) — plus its collectives on the
     critical path: TP (α per call), CP and EP bytes split half to the forward, half to the
-    backward, at their groups' bandwidths (`Hardware.link`; EP: `_ep_seconds`,
-    node-limited with `ep_nodes`), and the pipeline send of its output. The expert
+    backward, at their groups' bandwidths (`Hardware.link` × the preset's measured
+    `link_eff`; EP: `_ep_seconds`, node-limited with `ep_nodes`), and the pipeline send of its
+    output (α + its bytes at the link). The expert
     all-to-all of an op that the schedule pairs with an op of the other direction (DualPipe's
     F&B chunks) hides behind that pair's compute: `ep_overlap` of it, at most the compute
     (default 1: DeepSeek-V3's report says DualPipe hides its all-to-all fully); unpaired
@@ -292,19 +248,17 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     "ep", "pp", "dp", "dp_exposed", "optimizer"} of the slowest rank, "tokens_per_s", "mfu",
     "slowest" (its pipeline rank) and "ranks" (the same parts for every pipeline rank)."""
     hw = hardware(hw)
-    if efficiency is not None and not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency must be in (0, 1], not {efficiency}")
     if (ceiling is not None and not 0 < ceiling <= 1) or not 0 <= ep_overlap <= 1:
         raise ValueError(f"ceiling must be in (0, 1] and ep_overlap in [0, 1]; got {ceiling}, {ep_overlap}")
     if ep_nodes is not None and ep_nodes < 1:
         raise ValueError(f"ep_nodes must be ≥ 1, not {ep_nodes}")
     from .planner import cached_schedule, moe_of
     moe = moe_of(cfg, par, moe)            # the layout's experts where no MoEShape is given
-    comp, hw = _compute_seconds(cfg, par, hw, moe, efficiency, ceiling, dropout, block, mla, mtp)
+    comp, hw = _compute_seconds(cfg, par, hw, moe, ceiling, dropout, block, mla, mtp)
     sched = cached_schedule(par.schedule, par.pp, par.micro_batches, par.v) if par.pp > 1 else None
     parts, cost = _op_costs(cfg, par, hw, moe, sched, comp, alpha, ep_nodes, ep_overlap)
     span = _play(sched, cost, par.micro_batches, par.pp)
-    ranks = [_rank_totals(cfg, par, hw, moe, sched, comp, parts[r], span, r, efficiency is None, dp_overlap)
+    ranks = [_rank_totals(cfg, par, hw, moe, sched, comp, parts[r], span, r, dp_overlap)
              for r in range(par.pp)]
     # the slowest rank: the last to finish; of those (a pipeline ends together), the busiest
     slowest = max(range(par.pp), key=lambda r: (ranks[r]["seconds"], span - ranks[r]["bubble"]))
@@ -316,13 +270,10 @@ def step_time(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape |
     return out
 
 
-def _compute_seconds(cfg, par, hw, moe, efficiency, ceiling, dropout, block, mla, mtp):
+def _compute_seconds(cfg, par, hw, moe, ceiling, dropout, block, mla, mtp):
     """({piece: (F, B, W, core)} seconds per micro-batch, the hardware the links are priced on):
-    every op on the roofline with the links at NCCL's achieved fraction, or, with `efficiency`,
-    the old single constant (matmuls and attention only, datasheet links)."""
+    every op on the roofline, the links at NCCL's achieved fraction (`link_eff`)."""
     from dataclasses import replace as _replace
-    if efficiency is not None:
-        return {k: (*v, 0.0) for k, v in _stage_seconds(cfg, par, hw, moe, efficiency, 0.75).items()}, hw
     comp = _stage_seconds_ops(cfg, par, hw, moe, ceiling, dropout, block, mla, mtp)
     return comp, _replace(hw, levels=tuple(_replace(lv, per_gpu=lv.per_gpu * hw.link_eff, total=lv.total * hw.link_eff)
                                            for lv in hw.levels))
@@ -337,7 +288,7 @@ def _comm_per_op(cfg, par, hw, moe, sched, alpha, ep_nodes):
     sent = [traffic(cfg, par, r, moe) for r in range(p)]
     e = 4 if par.precision == "fp32" else 2
     act = par.micro_batch_size * (par.seq // par.cp // (par.tp if par.sp else 1)) * cfg.hidden * e
-    t_send = act / hw.link(2, stride=par.tp * par.cp * par.dp) if p > 1 else 0.0
+    t_send = alpha + act / hw.link(2, stride=par.tp * par.cp * par.dp) if p > 1 else 0.0
     counts = stage_layers(cfg.n_layers, n_pieces_of(par))
     per_rank = []
     for r in range(p):
@@ -398,18 +349,18 @@ def _play(sched, cost, m, p):
     return max(max((ev["end"] for ev in events if ev["rank"] == r), default=0.0) for r in range(p))
 
 
-def _rank_totals(cfg, par, hw, moe, sched, comp, parts, span, r, optimizer, dp_overlap):
-    """One pipeline rank's parts of the step: its idle time in the schedule (the bubble), its
-    data-parallel traffic and what of it the last backward (B + W of its stages) does not hide,
-    the optimizer's pass (`optimizer`: priced, else 0)."""
+def _rank_totals(cfg, par, hw, moe, sched, comp, parts, span, r, dp_overlap):
+    """One pipeline rank's parts of the step: its idle time in the schedule (the bubble; none
+    without a pipeline), its data-parallel traffic and what of it the last backward (B + W of
+    its stages) does not hide, the optimizer's pass."""
     from .planner import stage_piece
     busy = sum(parts.values())
     pieces = [stage_piece(par, s) for s in (sched.stages_of(r) if sched else [0])]
     window = sum(comp[k][1] + comp[k][2] for k in pieces) if dp_overlap else 0.0   # last backward
     t_dp = _dp_seconds(cfg, par, hw, moe, r)
     exposed = max(0.0, t_dp - window)
-    opt = _optimizer_seconds(cfg, par, hw, moe, r) if optimizer else 0.0
-    return {**parts, "bubble": span - busy, "dp": t_dp, "dp_exposed": exposed,
+    opt = _optimizer_seconds(cfg, par, hw, moe, r)
+    return {**parts, "bubble": span - busy if sched else 0.0, "dp": t_dp, "dp_exposed": exposed,
             "optimizer": opt, "seconds": span + exposed + opt}
 
 
@@ -437,7 +388,7 @@ def _divisors(n: int, upto: int) -> list[int]:
 
 
 def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-SXM",
-           moe: MoEShape | None = None, top: int = 5, usable: float = 1.0, efficiency: float | None = None,
+           moe: MoEShape | None = None, top: int = 5, usable: float = 1.0,
            precision: str = "bf16", max_pp: int = 32, max_cp: int = 1,
            activations: str = "korthikanti", trainer: bool = False) -> list[dict]:
     """The `top` fastest configurations of `cfg` on `n_gpus` GPUs for a step of
@@ -487,17 +438,16 @@ def search(cfg: LlamaConfig, n_gpus: int, global_batch: int, seq: int, hw="H100-
                     if trainer and trainer_refuses(Plan(cfg, par, moe)):
                         continue
                     found.append({"par": par, "plan": Plan(cfg, par, moe), "memory": mem,
-                                  "time": step_time(cfg, par, hw, moe, efficiency)})
+                                  "time": step_time(cfg, par, hw, moe)})
                     break
     found.sort(key=lambda r: r["time"]["seconds"])
     return found[:top]
 
 
-def describe(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | None = None,
-             efficiency: float | None = None) -> str:
+def describe(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | None = None) -> str:
     """A plan in a few lines: degrees, memory of the worst rank, step time and MFU."""
     hw = hardware(hw)
-    mem, t = memory(cfg, par, moe=moe, overhead=hw.name != "CPU"), step_time(cfg, par, hw, moe, efficiency)
+    mem, t = memory(cfg, par, moe=moe, overhead=hw.name != "CPU"), step_time(cfg, par, hw, moe)
     gb = {k: v / 1e9 for k, v in mem.items()}
     extra = f" + runtime {gb['overhead']:.1f}" if "overhead" in gb else ""
     sched = f"{par.schedule}{f' v={par.v}' if par.v > 1 else ''}, " if par.pp > 1 else ""
@@ -509,8 +459,7 @@ def describe(cfg: LlamaConfig, par: Parallelism, hw="H100-SXM", moe: MoEShape | 
             f"{gb['total']:.1f} GB of {hw.memory / 1e9:.0f}\n"
             f"  step {t['seconds']:.2f} s (compute {t['compute']:.2f}, bubble {t['bubble']:.2f}, "
             f"TP {t['tp']:.2f}, exposed DP {t['dp_exposed']:.2f}, PP {t['pp']:.3f}); "
-            f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} "
-            f"({'every op on the roofline' if efficiency is None else f'efficiency {efficiency}'})")
+            f"{t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%} (every op on the roofline)")
 
 
 # --------------------------------------------------------------------------- command line

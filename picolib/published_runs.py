@@ -5,7 +5,8 @@ converted here to one common quantity — tokens per second per GPU — by the s
 formula (`published_tokens_per_s`). The planner (`plan_search.step_time` with every op on the
 roofline of the run's hardware preset) predicts the same quantity; `table` gives both and the
 error. Nothing is fitted: the presets' efficiencies are measurements with their sources
-(picolib/hardware.py), and the runs are the sources' numbers.
+(picolib/hardware.py), and the runs are the sources' numbers. `by_term` gives the table's mean
+and worst error with each term of the time model (`TERMS`) switched on in turn (lesson 11b §3).
 
 Conventions converted:
 - Llama 3 report, Table 4: BF16 TFLOP/s per GPU; the FLOP count is not stated — picolib's
@@ -38,7 +39,8 @@ from .model import LlamaConfig
 from .planner import HeldAs, MoEShape, Parallelism, LLAMA3_405B, memory
 from .layer_costs import MLAShape
 
-__all__ = ["Run", "RUNS", "gpt", "published_tokens_per_s", "predict", "run_memory", "table", "markdown"]
+__all__ = ["Run", "RUNS", "gpt", "published_tokens_per_s", "predict", "run_memory", "table", "markdown",
+           "TERMS", "term_presets", "by_term"]
 
 
 def gpt(hidden: int, layers: int, heads: int, vocab: int = 51200) -> LlamaConfig:
@@ -91,10 +93,10 @@ def published_tokens_per_s(run: Run) -> float:
     raise ValueError(f"unknown unit {run.unit!r}")
 
 
-def predict(run: Run, **kw) -> dict:
-    """`step_time` of the run on its preset (keywords override the run's options)."""
+def predict(run: Run, hw=None, **kw) -> dict:
+    """`step_time` of the run on its preset, or on `hw` (keywords override the run's options)."""
     from .plan_search import step_time
-    return step_time(run.cfg, run.par, run.hw, run.moe, **{**run.options, **kw})
+    return step_time(run.cfg, run.par, run.hw if hw is None else hw, run.moe, **{**run.options, **kw})
 
 
 _LLAMA = dict(tp=8, pp=16, sp=True, zero=1, schedule="interleaved", chunks=2)
@@ -195,12 +197,13 @@ def run_memory(run: Run, **kw) -> dict:
     return memory(run.cfg, run.par, moe=run.moe, **{"overhead": True, "held": run.held, **kw})
 
 
-def table(runs=RUNS, **kw) -> list[dict]:
+def table(runs=RUNS, presets=None, **kw) -> list[dict]:
     """Per run: {"run", "published" (tokens/s per GPU), "planner" (the same), "error"
-    (planner / published − 1), "time" (step_time's dict)}."""
+    (planner / published − 1), "time" (step_time's dict)}; `presets` ({name: Hardware}) replaces
+    the runs' presets of those names."""
     out = []
     for run in runs:
-        t = predict(run, **kw)
+        t = predict(run, (presets or {}).get(run.hw), **kw)
         pub = published_tokens_per_s(run)
         mine = t["tokens_per_s"] / run.gpus
         out.append({"run": run, "published": pub, "planner": mine, "error": mine / pub - 1, "time": t})
@@ -221,3 +224,44 @@ def markdown(rows=None) -> str:
         lines.append(f"| {run.name} | {run.source} | {run.gpus:,} | {stated} | {r['published']:,.0f} | "
                      f"{r['planner']:,.0f} | {r['error']:+.1%} |")
     return "\n".join(lines)
+
+
+# The terms issue 57 added to the time model, in the order `by_term` switches them on.
+TERMS = ("as before: every matmul at the best shape's rate; the A100 with Hopper's HBM and NCCL fractions",
+         "+ tiles and waves: a matmul in whole waves of cuBLAS's tiles over the GPU's SMs",
+         "+ the A100's own HBM fraction (a measured A100 read)",
+         "+ the A100's own NCCL fraction (nccl-tests on 8 A100s)")
+
+
+def term_presets(step: int, names=None) -> dict:
+    """{preset name: Hardware} with the first `step` of `TERMS[1:]` switched on (0: as before
+    them; len(TERMS) − 1: the presets as they are), for the presets `names` (default: the runs')."""
+    from dataclasses import replace
+    from .hardware import hardware
+    if not 0 <= step < len(TERMS):
+        raise ValueError(f"step must be in [0, {len(TERMS) - 1}], not {step}")
+    hop = hardware("H100-SXM")
+    out = {}
+    for name in sorted(names or {r.hw for r in RUNS}):
+        hw = hardware(name)
+        if step < 1:
+            hw = replace(hw, sms=0)
+        if name == "A100-SXM" and step < 2:
+            hw = replace(hw, hbm_eff=hop.hbm_eff)
+        if name == "A100-SXM" and step < 3:
+            hw = replace(hw, link_eff=hop.link_eff)
+        out[name] = hw
+    return out
+
+
+def by_term(runs=RUNS) -> list[dict]:
+    """The validation table with each of `TERMS` switched on in turn: per step {"term", "mean"
+    (the mean signed error), "worst" (the error farthest from 0), "rows" (`table`'s)}; the
+    last step is `table(runs)`."""
+    out = []
+    for step, term in enumerate(TERMS):
+        rows = table(runs, term_presets(step, {r.hw for r in runs}))
+        errors = [r["error"] for r in rows]
+        out.append({"term": term, "mean": sum(errors) / len(errors), "worst": max(errors, key=abs),
+                    "rows": rows})
+    return out

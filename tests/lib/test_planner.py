@@ -140,27 +140,30 @@ def test_tp_comm_ratio_agrees_with_the_planners_bytes_and_its_assumptions():
         tp_comm_ratio(LLAMA3_70B, 1, hw)
 
 
-def test_step_time_without_communication_is_the_assumed_efficiency():
-    """One GPU, every matmul and the attention core at `efficiency` × peak: the compute is the
-    FLOPs counted by hand from the shapes (no embedding FLOPs: it is a lookup)."""
+def test_step_time_without_communication_is_the_flops_at_the_rates_given():
+    """One GPU on a roofline of FLOPs alone (HBM without limit, no launch floor, no tiles),
+    every matmul and the fused attention at 0.5 × peak: the compute is the FLOPs counted by hand
+    from the shapes (no embedding FLOPs: it is a lookup; attention's backward 2.5× its forward)."""
     import dataclasses
+    flops_only = dataclasses.replace(GPUS["H100-SXM"], hbm_bandwidth=math.inf, launch=0.0, sms=0,
+                                     matmul_eff=0.5, attention_eff=0.5)
     cfg, s, m = LLAMA3_70B, 4096, 4
-    t = step_time(cfg, Parallelism(seq=s, micro_batches=m), "H100-SXM", efficiency=0.5)
+    t = step_time(cfg, Parallelism(seq=s, micro_batches=m), flops_only)
     h, L = cfg.hidden, cfg.n_layers
     matmul = L * (layer_numel(cfg) - 2 * h) + cfg.vocab_size * h           # weights a token meets
     attn = 2 * 2 * s * h / 2                                              # QKᵀ and ·V, causal half
-    flops = 3 * (2 * matmul + L * attn) * m * s                           # forward + 2× backward
+    forward = (2 * matmul + L * attn) * m * s
+    flops = forward + (4 * matmul + 2.5 * L * attn) * m * s               # + input and weight gradients
     assert t["compute"] == pytest.approx(flops / (989e12 * 0.5), rel=1e-12) and t["bubble"] == 0
     model = (6 * (active_params(cfg) - cfg.vocab_size * h) + 3 * L * attn) * m * s  # MFU's
     assert t["mfu"] == pytest.approx(model / (t["seconds"] * 989e12), rel=1e-12)
     assert t["mfu"] == pytest.approx(0.5 * model / flops, rel=1e-12)
-    full = step_time(cfg, Parallelism(seq=s, micro_batches=m, recompute="full"), efficiency=0.5)
-    # full recomputation runs each forward twice: F + (F + B) + W = 4/3 of F + B + W (HFU)
-    assert full["compute"] == pytest.approx(t["compute"] * 4 / 3, rel=1e-12)
-    assert full["mfu"] == pytest.approx(t["mfu"] * 3 / 4, rel=1e-12)
+    full = step_time(cfg, Parallelism(seq=s, micro_batches=m, recompute="full"), flops_only)
+    # full recomputation runs each forward twice: F + (F + B) + W
+    assert full["compute"] == pytest.approx(t["compute"] + forward / (989e12 * 0.5), rel=1e-12)
     # a pipeline of 4 equal stages (a tiny head), 1F1B: the bubble is (p−1)/m of the compute
     small = dataclasses.replace(cfg, vocab_size=8)
-    piped = step_time(small, Parallelism(pp=4, micro_batches=8, seq=s), efficiency=0.5)
+    piped = step_time(small, Parallelism(pp=4, micro_batches=8, seq=s), flops_only)
     assert piped["bubble"] == pytest.approx(piped["compute"] * 3 / 8, rel=1e-3)
 
 
@@ -203,7 +206,7 @@ def test_search_finds_plans_that_fit_fastest_first():
     (lambda: ring_time("all_reduce", -1, 8, 450e9), "nbytes=-1"),
     (lambda: ring_time("all_reduce", 1, 8, 0), "bandwidth=0"),
     (lambda: search(LLAMA3_70B, 0, 8, 4096), "must be positive"),
-    (lambda: step_time(LLAMA3_70B, Parallelism(), efficiency=0), "efficiency"),
+    (lambda: step_time(LLAMA3_70B, Parallelism(), ceiling=0), "ceiling must be in (0, 1]"),
 ])
 def test_bad_input_names_what_is_wrong(call, message):
     with pytest.raises(ValueError, match=re_escape(message)):

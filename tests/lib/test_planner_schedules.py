@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from picolib.hardware import GPUS, all_reduce_bandwidth
+from picolib.hardware import ALPHA, GPUS, all_reduce_bandwidth
 from picolib.model import LlamaConfig
 from picolib.pipeline_schedules import make_schedule
 from picolib.pipeline_simulator import simulate
@@ -18,12 +18,17 @@ from picolib.planner import (MoEShape, Parallelism, layer_numel, memory, rank_un
 H100 = GPUS["H100-SXM"]
 CFG = LlamaConfig(vocab_size=8, hidden=64, n_layers=8, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 SEQ, EFF = 64, 0.5
+# the roofline with FLOPs alone: HBM without limit, no launch floor, no tiles, every matmul and the
+# fused attention at EFF × the peak, links at their line rate
+FLOPS_ONLY = dataclasses.replace(H100, hbm_bandwidth=float("inf"), launch=0.0, sms=0, matmul_eff=EFF,
+                                 attention_eff=EFF, link_eff=1.0)
 
 
 def costs_by_hand(cfg, par):
     """(F, B, W) seconds of each model piece, counted here from the shapes: 2 FLOPs per
     weight and token in each of F, B (input gradient), W (weight gradient); the causal
-    attention core 2·s·h forward, twice that backward; all at EFF × the dense peak."""
+    attention core 2·s·h forward, 2.5 times that backward (the fused kernel's five matmuls to
+    two); all at EFF × the dense peak."""
     rate, tokens, h = 989e12 * EFF, par.micro_batch_size * par.seq, cfg.hidden
     weights, attn = layer_numel(cfg) - 2 * h, 2 * par.seq * h
     pieces = stage_layers(cfg.n_layers, len(make_schedule(par.schedule, par.pp, par.micro_batches,
@@ -32,7 +37,7 @@ def costs_by_hand(cfg, par):
     for i, n in enumerate(pieces):
         head = 2 * cfg.vocab_size * h if i == len(pieces) - 1 else 0
         out.append((tokens * (n * (2 * weights + attn) + head) / rate,
-                    tokens * (n * (2 * weights + 2 * attn) + head) / rate,
+                    tokens * (n * (2 * weights + 2.5 * attn) + head) / rate,
                     tokens * (n * 2 * weights + head) / rate))
     return out
 
@@ -43,7 +48,7 @@ def test_step_time_is_the_simulated_schedule_with_each_stages_costs(name, v):
     par = Parallelism(pp=4, micro_batches=8, schedule=name, chunks=v, seq=SEQ)
     sched = make_schedule(name, 4, 8, v)
     pieces = costs_by_hand(CFG, par)
-    send = SEQ * CFG.hidden * 2 / 450e9                      # one activation over NVLink
+    send = ALPHA + SEQ * CFG.hidden * 2 / 450e9              # one activation over NVLink
     n = len(pieces)
 
     def cost(op):
@@ -56,7 +61,7 @@ def test_step_time_is_the_simulated_schedule_with_each_stages_costs(name, v):
     events = simulate(sched, cost=cost)
     ends = [max(e["end"] for e in events if e["rank"] == r) for r in range(4)]
     busy = [sum(e["end"] - e["start"] for e in events if e["rank"] == r) for r in range(4)]
-    t = step_time(CFG, par, efficiency=EFF)
+    t = step_time(CFG, par, FLOPS_ONLY)
     assert t["seconds"] == pytest.approx(max(ends), rel=1e-9)
     for r in range(4):
         assert t["ranks"][r]["bubble"] == pytest.approx(max(ends) - busy[r], rel=1e-6, abs=1e-15)
@@ -69,7 +74,7 @@ def test_the_slowest_rank_of_an_uneven_split_sets_the_step():
     cfg = dataclasses.replace(CFG, n_layers=10)
     assert stage_layers(10, 4) == [2, 3, 3, 2]
     par = Parallelism(pp=4, micro_batches=8, seq=SEQ)
-    t = step_time(cfg, par, efficiency=EFF)
+    t = step_time(cfg, par, FLOPS_ONLY)
     c = [r["compute"] for r in t["ranks"]]
     assert c[1] == pytest.approx(c[0] * 3 / 2, rel=1e-12) and c[2] == pytest.approx(c[1], rel=1e-12)
     f, b, w = costs_by_hand(cfg, par)[1]
@@ -163,3 +168,24 @@ def test_dualpipe_sums_its_two_copies_gradients_over_the_mirror_rank():
         psi = sum(rank_units(CFG, dual, r))
         own = 2 * 2 * (2 - 1) * psi // 2                       # DDP over dp = 2, bf16
         assert traffic(CFG, dual, r)["dp"] == own + 2 * psi
+
+
+def test_a_matmul_runs_in_whole_waves_of_tiles():
+    """The matmul guide's tile and wave quantization, on the A100's 108 SMs: a 256 × 128 tile more
+    than a whole wave costs a whole second wave; a partial tile at an edge costs a whole tile; the
+    tiles of a batched kernel fill the waves together; without SMs the FLOPs alone."""
+    from picolib.hardware import hardware
+    from picolib.layer_costs import matmul_compute_seconds
+    a100 = hardware("A100-SXM")
+    peak, k = a100.bf16, 4096
+    one_tile = 2 * 256 * 128 * k / (peak * a100.matmul_eff / a100.sms)       # one SM's tile
+    wave = 108 * 256                                                            # 108 tiles of 256 rows
+    assert matmul_compute_seconds(wave, k, 128, a100, peak) == pytest.approx(one_tile, rel=1e-12)
+    assert matmul_compute_seconds(wave + 256, k, 128, a100, peak) == pytest.approx(2 * one_tile, rel=1e-12)
+    assert matmul_compute_seconds(wave - 255, k, 128, a100, peak) == pytest.approx(one_tile, rel=1e-12)
+    assert matmul_compute_seconds(256, k, 128, a100, peak, count=108) == pytest.approx(one_tile, rel=1e-12)
+    # a planted wrong model, the FLOPs alone, misses the second wave
+    flops_only = dataclasses.replace(a100, sms=0)
+    assert matmul_compute_seconds(wave + 256, k, 128, flops_only, peak) < 1.01 * one_tile
+    # the better tile shape: 128 × 256 fits a 128-row, 108·256-column output in one wave
+    assert matmul_compute_seconds(128, k, wave, a100, peak) == pytest.approx(one_tile, rel=1e-12)

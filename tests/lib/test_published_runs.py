@@ -201,3 +201,22 @@ def test_megatrons_all_reduce_after_the_backward_is_exposed_whole():
     assert after["dp"] == pytest.approx(ring) and after["dp_exposed"] == after["dp"]
     assert over["dp_exposed"] < after["dp_exposed"]
     assert after["seconds"] - over["seconds"] == pytest.approx(after["dp_exposed"] - over["dp_exposed"])
+
+
+def test_each_term_of_the_time_model_switches_on_in_turn():
+    """`term_presets` rebuilds the presets as the planner had them before issue 57's terms (no
+    tiles; the A100 on Hopper's HBM and NCCL fractions), then switches each on; the last step is
+    the presets as they are. On Korthikanti's one-node run each term lowers the optimism."""
+    from picolib.hardware import hardware
+    from picolib.published_runs import TERMS, term_presets
+    first, last = term_presets(0), term_presets(len(TERMS) - 1)
+    h100, a100 = hardware("H100-SXM"), hardware("A100-SXM")
+    assert first["A100-SXM"].sms == 0 and first["A100-SXM"].hbm_eff == h100.hbm_eff
+    assert first["A100-SXM"].link_eff == h100.link_eff and first["H100-SXM"].sms == 0
+    assert last == {name: hardware(name) for name in last}
+    assert a100.hbm_eff != h100.hbm_eff and a100.link_eff != h100.link_eff and a100.sms == 108
+    run = next(r for r in RUNS if r.name == "GPT 22B, 8 GPUs")
+    errors = [table([run], term_presets(step, {run.hw}))[0]["error"] for step in range(len(TERMS))]
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+    with pytest.raises(ValueError, match="step must be in"):
+        term_presets(len(TERMS))
