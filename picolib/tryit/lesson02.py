@@ -116,63 +116,6 @@ def torch_ddp_grads(cap_bytes: int, gradient_as_bucket_view: bool, n_layers: int
             "spread": {"through ddp(x)": through, "bypassing it": spread()}}
 
 
-def _one_step_calls(configs):
-    """On a rank: one step of DP (picolib's DDP) and of ZeRO-1/2/3 on the tiny Llama; the
-    (op, buffer bytes) of every collective each made, from the Ledger."""
-    import torch
-    import torch.distributed as dist
-    from ..comm import Ledger
-    from ..data_parallel import DDP
-    from ..model import random_tokens
-    from ..zero import ZeRO
-    cfg = LlamaConfig()
-    x, y = random_tokens(2, 16, cfg.vocab_size, seed=dist.get_rank())
-    out = {}
-    for name in configs:
-        model = TinyLlama(cfg)
-        wrapper = DDP(model) if name == "DP" else ZeRO(model, int(name[-1]), optimizer=torch.optim.SGD, lr=0.1)
-        with Ledger() as led:
-            model.loss_fn(wrapper(x), y).backward()     # the forward through the wrapper
-            if name != "DP":
-                wrapper.step()          # stages 1-2 all-gather the updated parameters here
-        out[name] = [(r.op, r.nbytes) for r in led.records]
-    return out
-
-
-def _replay(calls):
-    """On a rank: each recorded (op, bytes) again, on picolib's own rings, which count the
-    bytes they send (measured=True). Returns the bytes this rank sent per configuration."""
-    import torch
-    import torch.distributed as dist
-    from .. import comm
-    from ..comm import Ledger
-    n, sent = dist.get_world_size(), {}
-    for name, ops in calls.items():
-        with Ledger() as led:
-            for op, nbytes in ops:
-                buf = torch.ones(nbytes // 4)
-                if op == "all_reduce":
-                    comm.ring_all_reduce(buf)
-                elif op == "reduce_scatter":
-                    comm.ring_reduce_scatter(buf)
-                elif op == "all_gather":      # the buffer is the output: send a 1/n shard
-                    comm.ring_all_gather(buf[: buf.numel() // n])
-                else:
-                    raise ValueError(f"no ring for {op!r}")
-        assert led.records and all(r.measured for r in led.records)
-        sent[name] = led.total("sent_bytes")
-    return sent
-
-
-def zero_wire_bytes(n: int = 2, configs=("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")) -> dict:
-    """Bytes one rank sends in one training step of each configuration on `n` ranks:
-    the calls recorded on real ranks, replayed on picolib's rings (measured, as lesson 03
-    does). Returns {configuration: bytes}."""
-    from ..launch import run
-    calls = run(_one_step_calls, n, list(configs))[0]
-    return run(_replay, n, calls)[0]
-
-
 def through_root_vs_ring(numel: int) -> dict:
     """On a rank: average a gradient buffer of `numel` fp32 values two ways and return the
     bytes this rank sent and received in each.

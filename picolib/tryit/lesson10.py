@@ -30,7 +30,7 @@ from ..compose import TrainConfig, check_config
 from ..flat import unique_bytes
 from ..model import LlamaConfig, TinyLlama, random_tokens
 from ..planner import Parallelism, memory
-from . import rank_bars
+from ..memory import rank_bars
 
 __all__ = ["memory_budget", "lr_schedule", "zero_under_micro_batches", "plot_loss_curves", "layout_table",
            "plot_bytes_by_kind", "norms_on_ranks", "plot_train_val", "samples", "known_words",

@@ -40,7 +40,7 @@ from ..hardware import hardware
 from ..model import param_count
 from ..plan_search import model_flops_per_token, step_time
 from ..planner import LLAMA3_70B, LLAMA3_405B, Parallelism, memory
-from . import rank_bars
+from ..memory import rank_bars
 
 __all__ = ["MODELS", "HINTS", "ROOFLINE_HINTS", "rooflines", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
            "pipeline_step", "fake_pg_traffic", "plot_all_reduce", "plot_candidates", "trainer_vs_planner",
