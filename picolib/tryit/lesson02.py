@@ -1,17 +1,6 @@
-"""Lesson 02's "try it": how the bucket cap and the depth of the model set DDP's buckets.
-
-    from picolib.tryit import knobs
-    from picolib.tryit.lesson02 import buckets
-    knobs(buckets, cap_kib=[64, 16, 32, 128, 256, 1024], n_layers=[4, 1, 2, 8])
-
-`bucket_plan` is the arithmetic (no ranks, no plot): the gradient sizes of a tiny Llama
-with `n_layers` blocks, in the order backward produces them, packed by
-`picolib.data_parallel.assign_buckets`. tests/lessons/test_tryit_02.py checks it against the
-buckets and the all-reduce calls of a real `DDP` on two ranks.
-
-Below the knob: helpers the lesson's cells run on ranks ("checking it") and the lesson's
-plumbing (slicing a batch, the one-process reference, section 2's table and figure, section
-3's figure and summary), each checked in tests/lessons/test_tryit_02.py.
+"""Lesson 02's plumbing: DDP's bucket plan (`bucket_plan`, checked against a real `DDP` in
+tests/lessons/test_tryit_02.py), the one-process reference, the tables and figures of §2-§3.
+Try it: `knobs(buckets, cap_kib=[64, 16, 1024], n_layers=[4, 1, 8])`.
 """
 from __future__ import annotations
 
