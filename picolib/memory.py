@@ -18,7 +18,7 @@ import torch.nn as nn
 __all__ = ["storage_key", "param_bytes", "grad_bytes", "optimizer_state_bytes", "Breakdown", "measure", "Sample",
            "SavedActivations", "MemoryTrace", "gpt_param_count", "bytes_per_param",
            "model_state_bytes", "activation_bytes", "model_flops", "hardware_flops",
-           "plot_breakdown", "plot_trace"]
+           "plot_breakdown", "plot_trace", "rank_bars", "binary_unit"]
 
 
 def storage_key(t: torch.Tensor):
@@ -304,7 +304,8 @@ def hardware_flops(n_params: float, tokens: float, recompute: str = "none") -> f
 _COLORS = {"params": "#2a9d8f", "grads": "#f4a261", "optimizer": "#e76f8a", "activations": "#8e6cc0"}
 
 
-def _unit(nbytes: float):
+def binary_unit(nbytes: float):
+    """(scale, name) of the binary unit for `nbytes`: GiB, MiB, KiB or B (picolib.style)."""
     units = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
     return next(((scale, name) for scale, name in units if nbytes >= scale), (1, "B"))
 
@@ -313,7 +314,7 @@ def plot_breakdown(rows: dict, ax=None, title: str = "memory per configuration")
     """Stacked bars: params / grads / optimizer / activations for each {label: Breakdown}."""
     import matplotlib.pyplot as plt
     ax = ax or plt.subplots(figsize=(1.6 + 1.1 * len(rows), 3.6))[1]
-    scale, unit = _unit(max(b.total for b in rows.values()))
+    scale, unit = binary_unit(max(b.total for b in rows.values()))
     bottom = [0.0] * len(rows)
     for kind, color in _COLORS.items():
         vals = [getattr(b, kind) / scale for b in rows.values()]
@@ -328,7 +329,7 @@ def plot_trace(trace: MemoryTrace, ax=None, title: str = "memory over time"):
     """Stacked areas of live bytes per sample; dashed lines at optimizer steps."""
     import matplotlib.pyplot as plt
     ax = ax or plt.subplots(figsize=(9, 3.6))[1]
-    scale, unit = _unit(max(trace.series("total")))
+    scale, unit = binary_unit(max(trace.series("total")))
     x = range(len(trace.samples))
     ax.stackplot(x, *[[v / scale for v in trace.series(k)] for k in _COLORS],
                  labels=list(_COLORS), colors=list(_COLORS.values()))
@@ -337,4 +338,25 @@ def plot_trace(trace: MemoryTrace, ax=None, title: str = "memory over time"):
             ax.axvline(i, color="k", ls="--", lw=0.8)
     ax.set(xlabel="event (module forward, gradient ready, optimizer step)", ylabel=unit, title=title)
     ax.legend(loc="upper left", fontsize=9)
+    return ax
+
+
+def rank_bars(ranks, unit: float, unit_name: str, limit: float, limit_label: str, title: str, ax=None):
+    """Stacked bars of each pipeline rank's params, grads, optimizer and activations
+    ({kind: bytes} per rank, drawn in bytes / `unit`), a dashed line at `limit` (lessons 10, 11)."""
+    import matplotlib.pyplot as plt
+    created = ax is None
+    ax = ax or plt.subplots(figsize=(7.6, 3.4))[1]
+    bottom = [0.0] * len(ranks)
+    for kind, color in _COLORS.items():
+        vals = [r[kind] / unit for r in ranks]
+        ax.bar(range(len(ranks)), vals, bottom=bottom, color=color, label=kind)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(limit, color="k", ls="--", lw=1, label=limit_label)
+    ax.set(xlabel="pipeline rank", ylabel=f"{unit_name} per rank", xticks=range(len(ranks)), title=title)
+    ax.title.set_fontsize(10)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+    if created:                 # a helper handed an ax draws into it and never shows it
+        ax.figure.tight_layout()
+        plt.show()
     return ax

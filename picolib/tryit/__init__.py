@@ -1,44 +1,34 @@
-""""Try it" cells: each lesson ends with a plain function of two or three numbers that
-draws or prints something (tested in tests/, like any library function), and `knobs`,
-which puts sliders and menus on it in the notebook.
-
-    from picolib.tryit import knobs
-    from picolib.tryit.lesson00 import ring_time
-    knobs(ring_time, n=(2, 64, 1), nbytes=[1e6, 1e8, 1e9]);
-
-A try-it cell that ends on `knobs(...)` ends with `;`: IPython prints a cell's last value
-(`Out[..]`) unless the line ends with a semicolon, and here that value is the first call's
-result, which stays as it was under a figure that changes when the knobs move.
-
-The functions live in one module per lesson (`picolib/tryit/lessonNN.py`).
+"""A lesson's measurement plumbing (drawing, ledgers, timelines, checks), one module per lesson
+(`picolib/tryit/lessonNN.py`); the techniques themselves run in the lessons' cells. `knobs` puts
+sliders and menus on a "try it" function: `knobs(ring_cost, n=[8, 2, 64], nbytes=[1e6, 1e9]);`
+— the cell ends with `;`, or IPython would print the first call's result under a figure that
+changes when the knobs move.
 """
 from __future__ import annotations
 
-__all__ = ["knobs", "rank_bars"]
-
-_PARTS = {"params": "#2a9d8f", "grads": "#f4a261", "optimizer": "#e76f8a", "activations": "#8e6cc0"}
+__all__ = ["knobs", "replay"]
 
 
-def rank_bars(ranks, unit: float, unit_name: str, limit: float, limit_label: str, title: str, ax=None):
-    """Stacked bars of each pipeline rank's parameters, gradients, optimizer state and
-    activations (bytes / `unit`), with a dashed line at `limit` (lessons 10 and 11)."""
-    import matplotlib.pyplot as plt
-    created = ax is None
-    if created:
-        _, ax = plt.subplots(figsize=(7.6, 3.4))
-    bottom = [0.0] * len(ranks)
-    for part, color in _PARTS.items():
-        vals = [r[part] / unit for r in ranks]
-        ax.bar(range(len(ranks)), vals, bottom=bottom, color=color, label=part)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.axhline(limit, color="k", ls="--", lw=1, label=limit_label)
-    ax.set(xlabel="pipeline rank", ylabel=f"{unit_name} per rank", xticks=range(len(ranks)), title=title)
-    ax.title.set_fontsize(10)
-    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
-    if created:                 # a helper handed an ax draws into it and never shows it
-        ax.figure.tight_layout()
-        plt.show()
-    return ax
+def replay(calls) -> list:
+    """Run each recorded (op, buffer bytes, …) call again on picolib's own rings (built from
+    send/recv, lesson 00) with a buffer of the same size; return the bytes this rank really
+    sent, one entry per call. Every rank of the group calls it with the same list."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..comm import Ledger
+
+    rings = {"all_reduce": comm.ring_all_reduce, "reduce_scatter": comm.ring_reduce_scatter,
+             "all_gather": lambda buf: comm.ring_all_gather(buf[: buf.numel() // dist.get_world_size()])}
+    with Ledger() as led:                       # an all-gather's buffer is its gathered output
+        for op, nbytes, *_ in calls:
+            if op not in rings:
+                raise ValueError(f"cannot replay {op!r}")
+            rings[op](torch.ones(nbytes // 4))
+    if not all(r.measured for r in led.records):
+        raise AssertionError("a replayed call was not counted on picolib's rings")
+    return [r.sent_bytes for r in led.records]
 
 
 def knobs(fn, **choices):

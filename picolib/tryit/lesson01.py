@@ -1,15 +1,6 @@
-"""Lessons 01 and 01b, try it: the training memory of the tiny Llama, measured.
-
-    from picolib.tryit import knobs
-    from picolib.tryit.lesson01 import memory_bars, step_trace
-    knobs(step_trace, micro_batches=[1, 2, 4, 8], batch=[8, 16], seq=[64, 128])      # lesson 01
-    knobs(memory_bars, batch=(1, 8, 1), seq=[64, 128, 256], recompute=["none", "selective", "full"])  # 01b
-
-`step_trace` (lesson 01): two Adam steps, each over `micro_batches` micro-batches (gradient
-accumulation), traced by `MemoryTrace`; it returns the peak of the second step.
-`memory_bars` (lesson 01b): two fp32 Adam steps on `TinyLlama(LlamaConfig(max_seq=...))`
-traced by `MemoryTrace` (`step_peak`): the memory the second step holds at its peak, beside the
-sum of each kind's own maximum — an upper bound that no moment of the step holds."""
+"""Lessons 01 and 01b's plumbing: the tiny Llama's training memory, measured and drawn.
+Try it: `knobs(step_trace, micro_batches=[1, 2, 4, 8])` (01), `knobs(memory_bars, batch=(1, 8, 1))` (01b).
+"""
 from __future__ import annotations
 
 import torch

@@ -1,17 +1,6 @@
-"""Lesson 02's "try it": how the bucket cap and the depth of the model set DDP's buckets.
-
-    from picolib.tryit import knobs
-    from picolib.tryit.lesson02 import buckets
-    knobs(buckets, cap_kib=[64, 16, 32, 128, 256, 1024], n_layers=[4, 1, 2, 8])
-
-`bucket_plan` is the arithmetic (no ranks, no plot): the gradient sizes of a tiny Llama
-with `n_layers` blocks, in the order backward produces them, packed by
-`picolib.data_parallel.assign_buckets`. tests/lessons/test_tryit_02.py checks it against the
-buckets and the all-reduce calls of a real `DDP` on two ranks.
-
-Below the knob: helpers the lesson's cells run on ranks ("checking it") and the lesson's
-plumbing (slicing a batch, the one-process reference, section 2's table and figure, section
-3's figure and summary), each checked in tests/lessons/test_tryit_02.py.
+"""Lesson 02's plumbing: DDP's bucket plan (`bucket_plan`, checked against a real `DDP` in
+tests/lessons/test_tryit_02.py), the one-process reference, the tables and figures of §2-§3.
+Try it: `knobs(buckets, cap_kib=[64, 16, 1024], n_layers=[4, 1, 8])`.
 """
 from __future__ import annotations
 
@@ -114,63 +103,6 @@ def torch_ddp_grads(cap_bytes: int, gradient_as_bucket_view: bool, n_layers: int
     return {"storages": sorted(storages.values()), "grad_bytes": sum(storages.values()),
             "bucket_bytes": sum(int(b) for b in str(logged).split(",") if b.strip()),
             "spread": {"through ddp(x)": through, "bypassing it": spread()}}
-
-
-def _one_step_calls(configs):
-    """On a rank: one step of DP (picolib's DDP) and of ZeRO-1/2/3 on the tiny Llama; the
-    (op, buffer bytes) of every collective each made, from the Ledger."""
-    import torch
-    import torch.distributed as dist
-    from ..comm import Ledger
-    from ..data_parallel import DDP
-    from ..model import random_tokens
-    from ..zero import ZeRO
-    cfg = LlamaConfig()
-    x, y = random_tokens(2, 16, cfg.vocab_size, seed=dist.get_rank())
-    out = {}
-    for name in configs:
-        model = TinyLlama(cfg)
-        wrapper = DDP(model) if name == "DP" else ZeRO(model, int(name[-1]), optimizer=torch.optim.SGD, lr=0.1)
-        with Ledger() as led:
-            model.loss_fn(wrapper(x), y).backward()     # the forward through the wrapper
-            if name != "DP":
-                wrapper.step()          # stages 1-2 all-gather the updated parameters here
-        out[name] = [(r.op, r.nbytes) for r in led.records]
-    return out
-
-
-def _replay(calls):
-    """On a rank: each recorded (op, bytes) again, on picolib's own rings, which count the
-    bytes they send (measured=True). Returns the bytes this rank sent per configuration."""
-    import torch
-    import torch.distributed as dist
-    from .. import comm
-    from ..comm import Ledger
-    n, sent = dist.get_world_size(), {}
-    for name, ops in calls.items():
-        with Ledger() as led:
-            for op, nbytes in ops:
-                buf = torch.ones(nbytes // 4)
-                if op == "all_reduce":
-                    comm.ring_all_reduce(buf)
-                elif op == "reduce_scatter":
-                    comm.ring_reduce_scatter(buf)
-                elif op == "all_gather":      # the buffer is the output: send a 1/n shard
-                    comm.ring_all_gather(buf[: buf.numel() // n])
-                else:
-                    raise ValueError(f"no ring for {op!r}")
-        assert led.records and all(r.measured for r in led.records)
-        sent[name] = led.total("sent_bytes")
-    return sent
-
-
-def zero_wire_bytes(n: int = 2, configs=("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")) -> dict:
-    """Bytes one rank sends in one training step of each configuration on `n` ranks:
-    the calls recorded on real ranks, replayed on picolib's rings (measured, as lesson 03
-    does). Returns {configuration: bytes}."""
-    from ..launch import run
-    calls = run(_one_step_calls, n, list(configs))[0]
-    return run(_replay, n, calls)[0]
 
 
 def through_root_vs_ring(numel: int) -> dict:

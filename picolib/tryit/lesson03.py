@@ -1,29 +1,22 @@
-"""Lesson 03's "try it": bytes per rank of plain DP and a ZeRO stage, for N ranks.
+"""Lesson 03's plumbing: bytes per rank of plain DP and a ZeRO stage, and the prefetch figure's counts.
 
     from picolib.tryit import knobs
     from picolib.tryit.lesson03 import zero_bars
     knobs(zero_bars, stage=[3, 1, 2], ranks=(1, 64, 1), model=["7.5B (ZeRO paper)", "tiny Llama"])
 
 `per_rank` is the arithmetic (picolib.zero.zero_memory_bytes, padding included);
-tests/lessons/test_tryit_03.py checks it against the bytes real ZeRO ranks hold
-(`ZeRO(...).memory()`). `plot_groups` draws the lesson's grouped, stacked bars;
-`model_states` gives a real model's bytes per stage from the planner.
-
-The lesson's rank functions live here too, so that its cells show what is measured and the
-asserts that settle it, not the bookkeeping: `one_step` (one training step of DP and each
-ZeRO stage: bytes held, calls made, saved activations), `replay` (a list of recorded calls
-run again on picolib's own rings, which count the bytes they send), `accumulate` (one ZeRO
-step over m micro-batches), `zero3_timeline`, `gathers_under_compute` and `hidden_fraction` (the
-prefetch figure). The lesson's §2 runs ZeRO's core itself; the backward order of §6's timelines
-and FSDP2 beside picolib (§7) are checked in tests/lessons/test_tryit_03.py.
+tests/lessons/test_tryit_03.py checks it against the bytes real ZeRO ranks hold. `plot_groups`
+draws the lesson's grouped, stacked bars; `model_states` gives a real model's bytes per stage from
+the planner; `hidden_fraction` and `gathers_under_compute` read §6's timelines. The lesson's cells
+run DDP and ZeRO themselves.
 """
 from __future__ import annotations
 
+from ..memory import binary_unit
 from ..style import MEMORY
 from ..zero import optimizer_state_factor, zero_memory_bytes
 
-__all__ = ["PRECISIONS", "MODELS", "per_rank", "plot_groups", "zero_bars", "CONFIGS",
-           "one_step", "replay", "accumulate", "zero3_timeline", "gathers_under_compute",
+__all__ = ["PRECISIONS", "MODELS", "per_rank", "plot_groups", "zero_bars", "gathers_under_compute",
            "hidden_fraction", "model_states"]
 
 # bytes per parameter (params, grads) and optimizer bytes B_opt, Adam
@@ -43,14 +36,6 @@ def per_rank(stage: int, n: int, numels, precision: str = "bf16 + fp32 master") 
             f"ZeRO-{stage}": zero_memory_bytes(stage, numels, n, b_opt, param_bytes=p)}
 
 
-def _unit(nbytes: float):
-    """Memory in binary units (picolib.style): GiB, MiB, KiB."""
-    for scale, name in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
-        if nbytes >= scale:
-            return scale, name
-    return 1, "B"
-
-
 def plot_groups(groups: dict, ax=None, title: str = "bytes per rank"):
     """Stacked bars (params, grads, optimizer) in groups with a gap between groups:
     `groups` is {group label: {bar label: {"params", "grads", "optimizer"}}}. Each bar is
@@ -58,7 +43,7 @@ def plot_groups(groups: dict, ax=None, title: str = "bytes per rank"):
     import matplotlib.pyplot as plt
     nbars = sum(len(bars) for bars in groups.values())
     ax = ax or plt.subplots(figsize=(1.5 + 0.55 * nbars + 0.4 * len(groups), 3.8))[1]
-    scale, unit = _unit(max(sum(m.values()) for bars in groups.values() for m in bars.values()))
+    scale, unit = binary_unit(max(sum(m.values()) for bars in groups.values() for m in bars.values()))
     x, ticks, labels, centers = 0.0, [], [], []
     for group, bars in groups.items():
         first = x
@@ -105,124 +90,6 @@ def model_states(cfg, n: int, precision: str) -> list:
     from ..planner import Parallelism, memory
     return [sum(v for kind, v in memory(cfg, Parallelism(dp=n, zero=z, precision=precision)).items()
                 if kind in ("params", "grads", "optimizer")) for z in range(4)]
-
-
-# --------------------------------------------------------------------------- the lesson's runs
-CONFIGS = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-1 bf16"]
-
-
-def one_step(cfg, mb: int, seq: int) -> dict:
-    """On every rank: one torch.optim.Adam step of DP (picolib's DDP owning the optimizer)
-    and of each ZeRO configuration of CONFIGS, each on a fresh TinyLlama(cfg) and this rank's
-    micro-batch of `mb` sequences of `seq` tokens. Per configuration: the bytes held after
-    the step ("memory": params, grads, optimizer — the wrapper's `memory()`, which DDP and
-    ZeRO share), B_opt read from the torch optimizer's state ("b_opt": bytes per element of its
-    tensors shaped like the parameter, + 4 for ZeRO's fp32 master beside bf16), the ledger's
-    summary and calls (op, buffer bytes, ring-formula bytes), the saved activations' bytes,
-    and the buffers DP's buckets or ZeRO's units hold."""
-    import torch
-    import torch.distributed as dist
-
-    from ..comm import Ledger
-    from ..data_parallel import DDP
-    from ..memory import SavedActivations
-    from ..model import TinyLlama, random_tokens
-    from ..sharded_optim import state_bytes_per_element
-    from ..zero import ZeRO
-
-    x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())
-    out = {}
-    for name in CONFIGS:
-        model = TinyLlama(cfg)
-        if name == "DP":
-            ddp = wrapper = DDP(model, optimizer=torch.optim.Adam, lr=1e-3)
-        else:
-            dtype = torch.bfloat16 if "bf16" in name else torch.float32
-            zero = wrapper = ZeRO(model, int(name[5]), optimizer=torch.optim.Adam, lr=1e-3,
-                                  param_dtype=dtype)
-        with Ledger() as led, SavedActivations() as acts:
-            model.loss(x, y).backward()
-            wrapper.step()
-        mem = wrapper.memory()
-        b_opt = state_bytes_per_element(ddp.optimizer) if name == "DP" else zero.state_factor()
-        out[name] = dict(memory=mem, b_opt=b_opt, traffic=led.summary(), activations=acts.bytes,
-                         calls=[(r.op, r.nbytes, r.sent_bytes) for r in led.records],
-                         buckets=([b.buffer.numel() for b in ddp.buckets] if name == "DP"
-                                  else zero.unit_numels()))
-    return out
-
-
-def replay(calls) -> list:
-    """Run each recorded (op, buffer bytes, …) call again on picolib's own rings (built from
-    send/recv, lesson 00) with a buffer of the same size; return the bytes this rank really
-    sent, one entry per call. Every rank of the group calls it with the same list."""
-    import torch
-    import torch.distributed as dist
-
-    from .. import comm
-    from ..comm import Ledger
-
-    n = dist.get_world_size()
-    with Ledger() as led:
-        for op, nbytes, *_ in calls:
-            buf = torch.ones(nbytes // 4)
-            if op == "all_reduce":
-                comm.ring_all_reduce(buf)
-            elif op == "reduce_scatter":
-                comm.ring_reduce_scatter(buf)
-            elif op == "all_gather":                    # the buffer is the gathered output
-                comm.ring_all_gather(buf[: buf.numel() // n])
-            else:
-                raise ValueError(f"cannot replay {op!r}")
-    if not all(r.measured for r in led.records):
-        raise AssertionError("a replayed call was not counted on picolib's rings")
-    return [r.sent_bytes for r in led.records]
-
-
-def accumulate(cfg, stage: int, m: int, mb: int, seq: int) -> dict:
-    """One ZeRO-`stage` step of `m` micro-batches (`no_sync()` on all but the last backward)
-    on this rank: the gradient bytes held after each backward ("held"), the calls made
-    ("calls") and the bytes those calls send on picolib's rings ("wire", via `replay`)."""
-    from contextlib import nullcontext
-
-    import torch
-    import torch.distributed as dist
-
-    from ..comm import Ledger
-    from ..model import TinyLlama, random_tokens
-    from ..zero import ZeRO
-
-    model = TinyLlama(cfg)
-    zero = ZeRO(model, stage, optimizer=torch.optim.Adam, lr=1e-3)
-    x, y = random_tokens(mb * m, seq, cfg.vocab_size, seed=dist.get_rank())
-    held = []
-    with Ledger() as led:
-        for i in range(m):
-            with zero.no_sync() if i < m - 1 else nullcontext():
-                (model.loss(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) / m).backward()
-            held.append(zero.memory()["grads"])
-        zero.step()
-    calls = [(r.op, r.nbytes, r.sent_bytes) for r in led.records]
-    return dict(held=held, calls=calls, wire=replay(calls))
-
-
-def zero3_timeline(cfg, costs: dict, prefetch: bool, mb: int, seq: int) -> list:
-    """One ZeRO-3 step with emulated costs (`Timeline(emulate=costs)`), with or without
-    prefetch; returns this rank's timeline events."""
-    import torch
-    import torch.distributed as dist
-
-    from ..model import TinyLlama, random_tokens
-    from ..timeline import Timeline
-    from ..zero import ZeRO
-
-    tl = Timeline(emulate=costs)
-    model = TinyLlama(cfg)
-    zero = ZeRO(model, 3, optimizer=torch.optim.Adam, lr=1e-3, prefetch=prefetch, timeline=tl)
-    x, y = random_tokens(mb, seq, cfg.vocab_size, seed=dist.get_rank())
-    model.loss(x, y).backward()
-    zero.step()
-    return tl.events
 
 
 def hidden_fraction(events, rank: int = 0) -> float:

@@ -1,20 +1,7 @@
-"""Lesson 04's "try it": what one Llama block costs a rank under tensor parallelism.
-
-    layer_bytes(tp, hidden, n_heads, n_kv_heads, ffn_hidden, tokens)   # the numbers
-    tp_layer_bytes(tp, model, seq)                                      # the knob cell (bars)
-
-`layer_bytes` counts the weights a rank stores for one block (attention q, k, v, o;
-SwiGLU gate, up, down; the two norms) and the bytes it *sends* for the block's
-activation all-reduces in one training step (two forward — g after attention and after
-the MLP — and two backward — f before each), each a ring all-reduce of the (tokens, hidden)
-activation (`picolib.comm.ring_sent_bytes`). tests/lessons/test_tryit_04.py checks both against a
-real tensor-parallel TinyLlama block on gloo ranks, its bytes counted as sent on picolib's
-rings (`comm.Ledger(rings=True)`).
-
-The lesson's drawing and rank functions live here too, so that its cells show the result
-and the asserts that settle it: `plot_shards` (a weight and its column/row shards),
-`block_layout` and `plot_tp_block` (where f and g sit, drawn from a real tp model's
-modules) and `norm_inputs` (what a block's norms receive under TP and SP).
+"""Lesson 04's plumbing: what one Llama block costs a rank under tensor parallelism
+(`layer_bytes`: weights stored, bytes its f/g all-reduces send; checked against real TP ranks in
+tests/lessons/test_tryit_04.py) and the drawings of shards and of where f and g sit.
+Try it: `knobs(tp_layer_bytes, tp=[1, 2, 4, 8])`.
 """
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Lesson 05's "try it": the activations one block saves per rank, with and without
-sequence parallelism.
-
-    saved_bytes(tp, seq, sp, hidden, ffn_hidden, n_heads, batch)   # the number
-    saved_bytes_bars(tp, seq, sp)                                   # the knob cell (bars)
-    saved_per_layer_figure(measured, one, s, b, h, f, a)           # §2's figure
-    plan_640(tp, sp, seq, ...)            # §8: the 640-H100 plan of the Llama-3-70B sizing
-    max_seq(tp, sp, ...), max_micro_batch_size(tp, sp, seq, ...)   # §8: what fits in 0.9 × 80 GB
-
-Both use `picolib.sequence_parallel.activation_bytes_per_layer` (fp32, eager attention, the
-TinyLlama block); tests/lessons/test_tryit_05.py checks `saved_bytes` against bytes measured with
-`picolib.memory.SavedActivations` on tensor-parallel ranks.
+"""Lesson 05's plumbing: the activations one block saves per rank with and without sequence
+parallelism (`picolib.sequence_parallel.activation_bytes_per_layer`; `saved_bytes` is checked
+against `SavedActivations` on TP ranks in tests/lessons/test_tryit_05.py), §2's figure, §8's plans.
 """
 from __future__ import annotations
 

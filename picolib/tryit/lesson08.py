@@ -1,18 +1,6 @@
-"""Try it, lesson 08: uniform slices against the slicer's dynamic program, on ideal devices.
-
-    slicing_gantt(n_slices=4, p=4, context_cost=1.0)   # two Gantt charts; returns the times
-    counted_token_flops(cfg, context)                  # the lesson's check of token_flops
-
-A 1024-token sequence, p stages, a cost per slice τ(l, c) = 1 + l/128 + context_cost·l·(c + l/2)/128²
-(ideal time units; `context_cost` weighs attention to the context against the rest).
-The uniform cut has `n_slices` equal slices; the slicer (`dp_slices`, the paper's dynamic
-program, slices in multiples of 64 tokens) picks its own. Both are simulated with lesson 07's
-simulator. ("DP" means data parallelism everywhere else in the course, so the dynamic
-program is called "the slicer" here.)
-
-The lesson's rank functions and drawing helpers live here too, so that its teaching cells
-stay short: `emulated_runs`, `boundary_traffic` (run on ranks with
-`picolib.launch.run`) and `plot_cost_fit`, `plot_two_gantts`.
+"""Lesson 08's plumbing: uniform slices against the slicer's dynamic program on ideal devices
+(`slicing_gantt`; a 1024-token sequence, slice cost τ(l, c) = 1 + l/128 + context_cost·l·(c + l/2)/128²,
+lesson 07's simulator), the emulated runs, the boundary traffic and the cost fit.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Lesson 09's "try it": the bytes one rank sends to dispatch and combine its tokens, with
-the all-to-all and with the all-gather dispatcher, as top-k and the EP size change.
-
-    dispatch_bytes(ep, top_k, dispatcher, tokens, hidden, n_experts)   # the number
-    dispatch_bytes_bars(ep, top_k)                                      # the knob cell (bars)
-    ep_groups_answered(dp, ep)                                          # on ranks: who is in my groups
-
-Evenly routed tokens (every rank sends k·T/ep rows to every rank), one forward, the
-collectives of `picolib.expert_parallel` as `picolib.comm` counts them; backward sends the
-same again. tests/lessons/test_tryit_09.py checks `dispatch_bytes` against a `Ledger` on real ranks.
+"""Lesson 09's plumbing: the bytes one rank sends to dispatch and combine evenly routed tokens
+with the all-to-all and the all-gather dispatcher (`dispatch_bytes`, checked against a `Ledger` on
+real ranks in tests/lessons/test_tryit_09.py), and who is in a rank's EP and DP groups.
 """
 from __future__ import annotations
 

@@ -1,22 +1,7 @@
-"""Lessons 10 and 10b's "try it" cells and machinery.
-
-Lesson 10: the memory one rank of a 5-D configuration holds, and whether it fits.
-
-    memory_budget(dp=2, tp=2, pp=2, zero=1, micro_batches=4, preset="small", budget_mib=4.0)
-
-takes a configuration of picolib's trainer (fp32, AdamW, 1F1B; the same checks as
-`python -m picolib.train`) and draws each pipeline rank's bytes — parameters, gradients,
-optimizer state and the activations its schedule keeps in flight — from the planner in its
-exact mode (`picolib.planner.memory`, activations="picolib"), against a budget. The busiest
-rank decides whether the configuration fits. tests/lessons/test_tryit_10.py checks the state bytes
-against the trainer's measured `state_bytes` and the activations against a measured forward.
-
-Lesson 10b: the learning rate the trainer uses at every step, for a schedule, a warmup and a floor.
-
-    lr_schedule(schedule="cosine", warmup=20, min_lr=3e-4, steps=200)
-
-draws `picolib.compose.lr_factor`, the function the trainer's scheduler calls; the test checks
-it against the `lr` a short run logs.
+"""Lessons 10 and 10b's plumbing. `memory_budget(dp, tp, pp, zero, micro_batches, preset, budget_mib)`
+draws each pipeline rank's bytes from the planner's exact mode against a budget (checked against
+the trainer's measured bytes in tests/lessons/test_tryit_10.py); `lr_schedule` draws
+`picolib.compose.lr_factor`, the trainer's schedule; the rest reads and draws 10/10b's runs.
 """
 from __future__ import annotations
 
@@ -30,7 +15,7 @@ from ..compose import TrainConfig, check_config
 from ..flat import unique_bytes
 from ..model import LlamaConfig, TinyLlama, random_tokens
 from ..planner import Parallelism, memory
-from . import rank_bars
+from ..memory import rank_bars
 
 __all__ = ["memory_budget", "lr_schedule", "zero_under_micro_batches", "plot_loss_curves", "layout_table",
            "plot_bytes_by_kind", "norms_on_ranks", "plot_train_val", "samples", "known_words",

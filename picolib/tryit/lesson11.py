@@ -1,38 +1,8 @@
-"""Lessons 11 and 11b's "try it" cells and machinery.
-
-Lesson 11: `rooflines(hw, n_gpus, ffn_hidden, hidden, n_experts, top_k, ep)` draws the tokens
-per GPU each kind of parallelism needs to hide its communication (the critical batch) on a
-chosen GPU and network, and prints TP's largest degree and PP's smallest stage;
-`ROOFLINE_HINTS` are its hint's settings (tests/lessons/test_tryit_11.py runs them).
-
-Lesson 11b: a memory-and-throughput calculator for a Llama 3 on a cluster.
-
-    plan_calculator(model, n_gpus, tp, pp, zero, recompute, micro_batch_size, hw)
-
-draws each pipeline rank's bytes (parameters, gradients, optimizer state, activations of the
-micro-batches its 1F1B schedule keeps in flight) against the GPU's memory, and prints the
-step time and MFU of `picolib.plan_search.step_time`. Activations are Llama's block as
-picolib runs it (`activations="picolib"`, measured): recompute "selective" recomputes the
-s×s attention scores in backward, as a flash-attention kernel does; "none" is eager
-attention that keeps them; "full" keeps each block's input only.
-`HINTS` are the settings the lesson's hint suggests, with what each shows;
-tests/lessons/test_tryit_11.py runs every one, checks the calculator's bytes against a TinyLlama
-measured in one process and runs every knob combination.
-`measured_block_bytes` measures the bytes a Llama block saves for backward (lesson 11b §2).
-
-The lesson's machinery lives here so its cells stay short:
-`zero_step`, `tp_sp_step`, `pipeline_step` are the rank functions of 11b §1 (one training step each,
-their traffic recorded by a `comm.Ledger` — on picolib's rings for ZeRO and TP+SP, so those
-bytes are counted as sent); `fake_pg_traffic` runs DDP and ZeRO as rank 5 of 1,024 on
-PyTorch's fake process group (11b §1); `trainer_vs_planner` trains layouts with
-`picolib.train` on real ranks and sets the busiest rank's bytes beside the planner's (11b §1);
-`plot_all_reduce` (11 §2) and `plot_candidates` (11b §2) draw. `dry_vs_planner` dry-runs a
-trainer configuration (`picolib.dry_run`: the trainer's own step on meta tensors over a fake
-process group of the full world size) and puts the planner's bytes for the same pipeline
-positions beside it; `show_dry_vs_planner` prints the two (lesson 11 §4). `TABLE4` holds the
-Llama 3 report's Table 4 and `price_table4` the planner's throughput for each of its runs (11b §3);
-`tokens_through_a_stage_copy` counts the tokens a pipeline schedule sends through each copy of a
-stage's weights (11b §4).
+"""Lessons 11 and 11b's plumbing: `rooflines` (the critical batch of each parallelism on a GPU
+and network), `plan_calculator` (a Llama 3's bytes per pipeline rank against a GPU's memory, and
+the step time of `picolib.plan_search.step_time`), the rank functions and fake-process-group runs
+of 11b §1, the planner beside the dry run (11 §4) and Table 4 of the Llama 3 report (11b §3).
+`HINTS` and `ROOFLINE_HINTS` are the hints' settings (tests/lessons/test_tryit_11.py runs them).
 """
 from __future__ import annotations
 
@@ -40,7 +10,7 @@ from ..hardware import hardware
 from ..model import param_count
 from ..plan_search import model_flops_per_token, step_time
 from ..planner import LLAMA3_70B, LLAMA3_405B, Parallelism, memory
-from . import rank_bars
+from ..memory import rank_bars
 
 __all__ = ["MODELS", "HINTS", "ROOFLINE_HINTS", "rooflines", "plan_calculator", "measured_block_bytes", "zero_step", "tp_sp_step",
            "pipeline_step", "fake_pg_traffic", "plot_all_reduce", "plot_candidates", "trainer_vs_planner",

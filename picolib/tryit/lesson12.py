@@ -1,18 +1,6 @@
-"""Lesson 12 (inside one accelerator): the measurements the lesson makes, as functions, and
-its try-it.
-
-- `eager_traffic(fn, *args)`: the bytes every eager operation of `fn` reads and writes, and
-  how many operations (kernels) it runs;
-- `fusion(...)`: RMSNorm, SwiGLU's activation-and-product and the softmax, eager against
-  `torch.compile` — predicted speed-up (bytes) against measured, kernels counted;
-- `attention_cost(seqs)`: time and bytes of tensors created, eager attention against
-  `scaled_dot_product_attention`;
-- `fp16_gradients(divisors)`: gradients that vanish in fp16, survive in bf16 and with a loss
-  scaler;
-- `outlier_errors(...)`: FP8 error of ordinary values next to an outlier channel, by scale
-  granularity; `fp8_runs(...)`: a short training run with FP8 matmul inputs against bf16;
-- `io_plot(head_dim, block, on_chip_kib)`: the try-it — slow-memory traffic of attention,
-  naive and tiled, for s from 1k to 128k.
+"""Lesson 12's measurements: eager traffic and kernels against `torch.compile` (`fusion`),
+attention's cost, fp16 gradients and the loss scaler, FP8 errors by scale granularity and a short
+FP8 run, and the try-it `io_plot` (attention's slow-memory traffic, naive and tiled).
 """
 from __future__ import annotations
 

@@ -107,9 +107,16 @@ def test_zero3_reduce_scatters_wait_for_the_last_gather_and_two_stay_in_flight(p
     """The lesson's §6 timelines: a block's whole gradient stays until backward has issued its
     last all-gather (one order on every rank); `_drain(keep=1)` keeps at most two reduce-scatters
     in flight, so before block 1's backward a rank waits for those of blocks 4 and 3."""
-    from picolib.timeline import merge
-    from picolib.tryit.lesson03 import zero3_timeline
-    events = merge(run(zero3_timeline, 2, CFG.replace(n_layers=4), COSTS, prefetch, 2, 8))
+    from picolib.timeline import Timeline, merge
+
+    def zero3_timeline(cfg):       # the lesson's zero3_step: one ZeRO-3 step, recorded with emulated costs
+        tl, model = Timeline(emulate=COSTS), TinyLlama(cfg)
+        zero = ZeRO(model, 3, optimizer=torch.optim.Adam, lr=1e-3, prefetch=prefetch, timeline=tl)
+        model.loss(*random_tokens(2, 8, cfg.vocab_size, seed=dist.get_rank())).backward()
+        zero.step()
+        return tl.events
+
+    events = merge(run(zero3_timeline, 2, CFG.replace(n_layers=4)))
     for r in (0, 1):
         o = backward_order(events, r, COSTS)
         assert o["done"] == ([2, 3, 4] if prefetch else [1, 2, 3, 4]), (r, o)
