@@ -18,7 +18,8 @@ Two guards, one at run time and one on the text:
      sent_bytes, collective);
    - in a markdown cell, a sentence or table row that says "measured" and names traffic
      (on the wire, bytes sent, sent, sends, traffic, same bytes).
-   A claim is *settled* when counted bytes stand behind it: a code line claim in its own cell,
+   A code cell tagged `prose` (a `say(...)` sentence) is text. A claim is *settled* when
+   counted bytes stand behind it: a code line claim in its own cell,
    a markdown claim in its own section (from one `## ` heading to the next; the goals before
    the first heading, and the closing summary, try-it and takeaways: anywhere in the lesson). A cell settles when
    it calls `measured_total(`, opens `Ledger(rings=True)`, or calls picolib's rings
@@ -144,8 +145,9 @@ def unsettled(cells: list[dict]) -> list[str]:
     sections, current, counting, settled_cells = [], [], set(), set()
     for c in cells:     # try-it helpers imported in any cell whose module counts bytes
         src = "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
-        for module, names in re.findall(r"from (picolib\.tryit\.\w+) import ([\w, ()\n]+)", src):
-            path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+        for module, names in re.findall(r"from (picolib\.tryit(?:\.\w+)?) import ([\w, ()\n]+)", src):
+            path = ROOT.joinpath(*module.split("."))
+            path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
             if c["cell_type"] == "code" and path.exists() and SETTLES.search(path.read_text()):
                 counting |= set(re.findall(r"\w+", names))
     for i, c in enumerate(cells):
@@ -156,7 +158,8 @@ def unsettled(cells: list[dict]) -> list[str]:
         if c["cell_type"] == "code" and _settles(src, counting):
             settled_cells.add(i)
             counting |= set(re.findall(r"^\s*def (\w+)", src, re.M))
-        current.append((i, c["cell_type"], src))
+        prose = "prose" in c.get("metadata", {}).get("tags", [])    # say(...): text, rendered
+        current.append((i, "markdown" if prose else c["cell_type"], src))
     sections.append(current)
     anywhere = bool(settled_cells)
     problems = []
@@ -254,3 +257,15 @@ def test_measured_total_refuses_gloo_and_counts_the_rings():
         assert all(r["measured"] for r in recs1) and not any(r["measured"] for r in recs0)
         # every size here divides by 2: the counted bytes equal the ring formula's
         assert counted == formula
+
+
+def test_a_prose_cell_is_text_settled_by_its_section_or_the_lessons_takeaways():
+    """A `say(...)` cell tagged `prose` states its claim as text: in its own section it needs
+    counted bytes there; under Takeaways, any counted cell of the lesson settles it."""
+    claim = {"cell_type": "code", "metadata": {"tags": ["prose"]},
+             "source": 'say(f"The ring sends {x} bytes on the wire (*measured*).")'}
+    counted = _code("with comm.Ledger(rings=True) as led:\n    step()\nled.measured_total()")
+    assert unsettled([_md("## 3 · Rings"), _code("step()"), claim]) == [f"c2: {claim['source']}"]
+    assert unsettled([_md("## 3 · Rings"), counted, claim]) == []
+    assert unsettled([_md("## 3 · Rings"), counted, _md("## 4 · Other"), claim]) != []
+    assert unsettled([_md("## 3 · Rings"), counted, _md("## Takeaways"), claim]) == []
