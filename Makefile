@@ -15,9 +15,10 @@ NOTEBOOKS := $(wildcard notebooks/*.ipynb solutions/*.ipynb)
 # Each notebook is one test (the root conftest.py): executed once per run into build/executed/
 # by tools/site.py's executor (reused while the notebook, picolib and torch are unchanged),
 # failing on any cell's error. The prose check and `make site` read the same executed files.
-# Two pytest-xdist workers, each test file whole on one; the notebooks come first so that
+# Two pytest-xdist workers, each test file whole on one, taken in the order given (xdist
+# would otherwise start with the files that hold the most tests): the notebooks first, so that
 # both workers run them. `make XDIST= test` runs everything in one process.
-XDIST  ?= -n 2 --dist loadfile
+XDIST  ?= -n 2 --dist loadfile --no-loadscope-reorder
 # JupyterLab serves the whole repository (lessons, exercises, docs), on this machine only,
 # and opens on lesson 00 (tests/repo/test_lab.py starts exactly this).
 LAB_ARGS := --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_collectives.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
