@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import io
 import json
 import re
@@ -517,7 +518,9 @@ def output_text(outputs: list) -> str:
     return join(printed) + (RENDERED + join(rendered) if rendered else "")
 
 
+@functools.lru_cache(maxsize=None)
 def _executor():
+    """tools/site.py, loaded once (its LessonFailed is then one class)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("picolib_tools_site", ROOT / "tools" / "site.py")
     module = importlib.util.module_from_spec(spec)    # tools/site.py: not the standard `site`
