@@ -83,7 +83,7 @@ CELLS = ['from picolib.tryit import knobs\n'
 
 @pytest.mark.parametrize("setup", ["widgets", "no widgets", "echoing (the old knobs)"])
 def test_a_try_it_cell_shows_only_its_live_output(setup):
-    """Run in a real kernel (as Jupyter and `make test` do): IPython prints a cell's last value
+    """Run in a real kernel (as Jupyter and nbval do): IPython prints a cell's last value
     unless it is None; a try-it cell's would be the first call's result, which no longer
     matches the live output once a knob moves. 'echoing' puts the old behaviour back, to
     show the check sees an echoed value."""
