@@ -12,16 +12,18 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NOTEBOOKS := $(wildcard notebooks/*.ipynb solutions/*.ipynb)
-NBVAL  := --nbval-lax --nbval-current-env
-# Two pytest-xdist workers: each test file (each notebook) runs whole on one, the lessons and
-# their prose checks together on one (the root conftest.py's scheduler). `make XDIST= test`
-# runs everything in one process.
-XDIST  ?= -n 2
+# Each notebook is one test (the root conftest.py): executed once per run into build/executed/
+# by tools/site.py's executor (reused while the notebook, picolib and torch are unchanged),
+# failing on any cell's error. The prose check and `make site` read the same executed files.
+# Two pytest-xdist workers, each test file whole on one, taken in the order given (xdist
+# would otherwise start with the files that hold the most tests): the notebooks first, so that
+# both workers run them. `make XDIST= test` runs everything in one process.
+XDIST  ?= -n 2 --dist loadfile --no-loadscope-reorder
 # JupyterLab serves the whole repository (lessons, exercises, docs), on this machine only,
 # and opens on lesson 00 (tests/repo/test_lab.py starts exactly this).
 LAB_ARGS := --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks/00_collectives.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: lab test test-lib test-notebooks test-torch test-setup exercises bench clean site slides
+.PHONY: lab test test-lib test-notebooks test-torch test-setup exercises bench clean executed site slides
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,13 +35,13 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab $(LAB_ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) tests $(NOTEBOOKS) $(NBVAL) -p no:cacheprovider
+	$(PY) -m pytest -q $(XDIST) $(NOTEBOOKS) tests -p no:cacheprovider
 
 test-lib: $(STAMP)
 	$(PY) -m pytest -q tests/lib
 
 test-notebooks: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) $(NOTEBOOKS) $(NBVAL)
+	$(PY) -m pytest -q $(XDIST) $(NOTEBOOKS)
 
 # The torch range picolib supports, oldest and newest; CI (.ci/run) runs every lesson and solution
 # on both besides `make test` on the pinned one, and the wrappers of PyTorch's private APIs
@@ -48,7 +50,8 @@ test-notebooks: $(STAMP)
 # ${XDG_CACHE_HOME:-~/.cache}/picolib/ and reused while pyproject.toml's dependencies are unchanged
 # (tools/torch_env.py, built by uv from its wheel cache there; the first build downloads 2-6 GB). `make test-setup TORCH_VERSION=...`
 # runs lesson 00 from its setup cell in a fresh environment that has only that torch.
-# TORCH_PYTHON picks the Python of the environment (e.g. python3.13).
+# TORCH_PYTHON picks the Python of the environment (e.g. python3.13). The executed notebooks of
+# each version go to build/executed-torch-<version>/, never mixed with the pinned torch's.
 TORCH_OLDEST  ?= 2.6.0
 TORCH_NEWEST  ?= 2.15.0
 TORCH_VERSION ?= $(TORCH_NEWEST)
@@ -56,7 +59,8 @@ TORCH_PYTHON  ?= $(PYTHON)
 
 test-torch:
 	env=$$($(PYTHON) tools/torch_env.py $(TORCH_VERSION) --python $(TORCH_PYTHON)) && \
-	  PYTHONPATH=$(CURDIR) $$env/bin/python -m pytest -q $(XDIST) $(NOTEBOOKS) tests/lib/test_torch_compat.py $(NBVAL) -p no:cacheprovider
+	  PYTHONPATH=$(CURDIR) $$env/bin/python -m pytest -q $(XDIST) $(NOTEBOOKS) tests/lib/test_torch_compat.py \
+	    --executed build/executed-torch-$(TORCH_VERSION) -p no:cacheprovider
 
 test-setup:
 	$(PYTHON) tools/test_setup.py $(TORCH_VERSION)
@@ -77,22 +81,22 @@ clean:
 # Teaching (docs/teaching.md). `make site`: every lesson executed, as static HTML with its
 # outputs and figures, an index and previous/next links, in build/site/ (open index.html).
 # `make slides`: a reveal.js deck per lesson in build/slides/ (slide metadata: tools/slides.py).
-# Both use the executed lessons in build/executed/, redone when a lesson or picolib changes.
+# Both use the executed lessons in build/executed/ (the files `make test` writes), executed
+# first by tools/site.py when missing or stale (the lesson, picolib or torch changed).
 # Nothing is downloaded at build time. When a deck is shown it loads reveal.js (REVEAL_PREFIX),
 # require.js and jQuery from their CDNs; to present offline, see docs/teaching.md ("Slides").
 LESSONS  := $(sort $(wildcard notebooks/*.ipynb))
 EXECUTED := $(LESSONS:notebooks/%.ipynb=build/executed/%.ipynb)
-LIBRARY  := $(wildcard picolib/*.py picolib/*/*.py)
 REVEAL_PREFIX ?= https://unpkg.com/reveal.js@4.0.2
 SLIDES_FLAGS  ?=
 
-build/executed/%.ipynb: notebooks/%.ipynb $(LIBRARY) | $(STAMP)
-	$(PY) tools/site.py execute $< $@
+executed: $(STAMP)
+	$(PY) tools/site.py execute $(LESSONS)
 
-site: $(EXECUTED)
+site: executed
 	$(PY) tools/site.py html --out build/site $(EXECUTED)
 
-slides: $(EXECUTED)
+slides: executed
 	$(VENV)/bin/jupyter nbconvert --to slides --output-dir build/slides \
 	  --SlidesExporter.reveal_url_prefix=$(REVEAL_PREFIX) --SlidesExporter.reveal_scroll=True \
 	  --TagRemovePreprocessor.enabled=True --TagRemovePreprocessor.remove_input_tags=prose \

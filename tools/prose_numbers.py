@@ -9,8 +9,7 @@ A number a lesson's markdown states is one of:
   from the variables that hold the result; it is not in the markdown at all (the literal parts
   of a `say` string are read as prose, like markdown);
 - *shown*: the same value, to the precision the text gives it (a wider margin after "about",
-  "~", "≈"), is printed by a code cell of the same section, or is a literal of that section's
-  code (an input the text names, a bound an `assert` checks). A section runs from one `## `
+  "~", "≈"), is printed by a code cell of the same section. A section runs from one `## `
   heading to the next; the opening goals, the summary, the try-it and the takeaways may point
   anywhere in the lesson; a sentence that names "§N" or "lesson NN" may point there too;
 - *cited*: its sentence (or table row) names a source listed in `docs/sources.md` — a
@@ -20,18 +19,21 @@ A number a lesson's markdown states is one of:
   ZeRO-3, 1F1B, Llama-3-70B), a compound such as "2-core", the year of a citation, or a bare
   count from 0 to 10 (written without a unit, a decimal point or "about").
 
+A number that only a literal of equal value in its section's code matches (an input the
+text names, a bound an `assert` checks, or a coincidence: "about 3×" matches any literal from
+2.7 to 3.3) is an *advisory*: counted and listed with `--advisories`, not a failure.
+
 Vague amounts stand for numbers too ("a few per cent", "below the noise", "buys little"): they
 are flagged unless quoted, so a result is stated with its value. Everything else is reported,
-naming the lesson, the cell and the number. Outputs come from the notebook's own run: under
-`make test` the nbval run of the same session (root conftest.py keeps them); otherwise this
-tool runs the lesson (nbclient, as `tools/site.py` does) and keeps the outputs in
-build/prose-outputs/, reused while the lesson and picolib are unchanged.
+naming the lesson, the cell and the number. Outputs are read from the lesson's executed copy,
+build/executed/<lesson>.ipynb, the one `make test` and `make site` read too (tools/site.py's
+executor runs the lesson first when that copy is missing or stale).
 """
 from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
+import functools
 import io
 import json
 import re
@@ -42,7 +44,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ROOT / "docs" / "sources.md"
-CACHE = ROOT / "build" / "prose-outputs"
 
 # ---------------------------------------------------------------------------------------------
 # Reading numbers out of text
@@ -336,16 +337,50 @@ def load_sources(path: Path = SOURCES) -> list[str]:
     return names
 
 
+@dataclass
+class Tally:
+    """How the numbers of the checked prose are bound, and the advisories: numbers whose only
+    match is a literal of equal value in the code (a coincidence of value as often as not)."""
+    output: int = 0
+    citation: int = 0
+    literal: int = 0
+    unbound: int = 0
+    advisories: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return (f"{self.output} bound by what a cell printed, {self.citation} by a citation, "
+                f"{self.literal} by a code literal only (advisory), {self.unbound} unbound")
+
+
+LITERAL_ONLY = "bound only by a literal of equal value in the code, not by anything printed (advisory)"
+
+
+def _bind(n: Number, printed: list[Value], code: list[Value], tally: Tally, where: Unbound) -> Unbound | None:
+    """Count `n` by what binds it: None when bound, `where` (a failure) when nothing does."""
+    if any(n.matches(*v) for v in printed):
+        tally.output += 1
+    elif any(n.matches(*v) for v in code):
+        tally.literal += 1
+        where.why = LITERAL_ONLY
+        tally.advisories.append(where)
+    else:
+        tally.unbound += 1
+        return where
+    return None
+
+
 def check(notebook: Path, outputs: dict[int, str], other_lessons: dict[str, list[Section]] | None = None,
-          sources: list[str] | None = None, cells: list[dict] | None = None) -> list[Unbound]:
+          sources: list[str] | None = None, cells: list[dict] | None = None,
+          tally: Tally | None = None) -> list[Unbound]:
     """Every unbound number of one lesson. `outputs`: cell index → the text it printed;
-    `other_lessons`: name → sections, for a sentence that names another lesson."""
+    `other_lessons`: name → sections, for a sentence that names another lesson; `tally`
+    counts how each number is bound and keeps the advisories."""
     if cells is None:
         cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
     sources = load_sources() if sources is None else sources
     source_re = re.compile("|".join(re.escape(s) for s in sorted(sources, key=len, reverse=True)), re.I) if sources else None
+    tally = Tally() if tally is None else tally
     sections = sections_of(cells, outputs)
-    everything = [v for s in sections for v in s.values]
     by_number = {section_number(s.title): s for s in sections if section_number(s.title)}
     found: list[Unbound] = []
     for section in sections:
@@ -361,25 +396,24 @@ def check(notebook: Path, outputs: dict[int, str], other_lessons: dict[str, list
                                          "a vague amount: state the value"))
                 for n in numbers_in(prose):
                     if source_re and source_re.search(" ".join(n.sentence.split())):
+                        tally.citation += 1
                         continue
-                    refs = [by_number[r].values for r in re.findall(r"§\s*(\d+[a-z]?)", n.block) if r in by_number]
-                    pool = [v for r in refs for v in r]
-                    if section.kind == "open":
-                        pool += everything
-                    elif section.kind == "section":
-                        pool += section.values
-                    elif not refs:
+                    refs = [by_number[r] for r in re.findall(r"§\s*(\d+[a-z]?)", n.block) if r in by_number]
+                    if section.kind == "summary" and not refs:
+                        tally.unbound += 1
                         found.append(Unbound(notebook.stem, i, section.title, n.text, n.sentence,
                                              "a summary states where a number comes from: add (§N)"))
                         continue
+                    pool = refs + (sections if section.kind == "open" else [section] if section.kind == "section" else [])
                     for ref in re.findall(r"\blessons?\s+(\d\d[a-z]?)\b", n.block, re.I):
                         for other, secs in (other_lessons or {}).items():
                             if other.split("_")[0] == ref:
-                                pool += [v for s in secs for v in s.values]
-                    if not any(n.matches(*v) for v in pool):
-                        found.append(Unbound(notebook.stem, i, section.title, n.text, n.sentence,
-                                             "not printed or used by the code of its section, "
-                                             "not cited, not quoted"))
+                                pool += secs
+                    bad = _bind(n, [v for s in pool for v in s.printed], [v for s in pool for v in s.code], tally,
+                                Unbound(notebook.stem, i, section.title, n.text, n.sentence,
+                                        "not printed by the code of its section, not cited, not quoted"))
+                    if bad:
+                        found.append(bad)
     return found
 
 
@@ -416,31 +450,36 @@ def doc_chunks(text: str) -> list[tuple[str, int, str]]:
     return out
 
 
-def check_doc(path: Path, lessons: dict[str, list[Section]], sources: list[str] | None = None) -> list[Unbound]:
+def check_doc(path: Path, lessons: dict[str, list[Section]], sources: list[str] | None = None,
+              tally: Tally | None = None) -> list[Unbound]:
     """A page that quotes the lessons (README, docs/teaching.md, docs/claims.md): every number
-    in a lesson's part binds to that lesson's code or outputs (any section), or to a lesson its
-    sentence names, or is cited, quoted or structure."""
+    in a lesson's part binds to that lesson's outputs or rendered prose (any section), or to a
+    lesson its sentence names, or is cited, quoted or structure; one that only a literal of the
+    lesson's code matches is an advisory."""
     sources = load_sources() if sources is None else sources
     source_re = re.compile("|".join(re.escape(s) for s in sorted(sources, key=len, reverse=True)), re.I) if sources else None
+    tally = Tally() if tally is None else tally
     by_no = {name.split("_")[0]: secs for name, secs in lessons.items()}
     found = []
     for lesson, line, text in doc_chunks(path.read_text(encoding="utf-8")):
         if lesson not in by_no:
             continue
-        own = [v for s in by_no[lesson] for v in s.values + s.rendered]
         prose, _ = strip_markdown(text)
         for vague in VAGUE.finditer(prose):
             found.append(Unbound(path.name, line, f"lesson {lesson}", vague.group(0), prose[max(0, vague.start() - 60):vague.end() + 40],
                                  "a vague amount: state the value"))
         for n in numbers_in(prose):
             if source_re and source_re.search(" ".join(n.sentence.split())):
+                tally.citation += 1
                 continue
-            pool = list(own)
+            pool = list(by_no[lesson])
             for ref in re.findall(r"\blessons?\s+(\d\d[a-z]?)\b", n.block, re.I):
-                pool += [v for s in by_no.get(ref, []) for v in s.values + s.rendered]
-            if not any(n.matches(*v) for v in pool):
-                found.append(Unbound(path.name, line, f"lesson {lesson}", n.text, n.sentence,
-                                     f"not printed or used by lesson {lesson}, not cited, not quoted"))
+                pool += by_no.get(ref, [])
+            bad = _bind(n, [v for s in pool for v in s.printed + s.rendered], [v for s in pool for v in s.code], tally,
+                        Unbound(path.name, line, f"lesson {lesson}", n.text, n.sentence,
+                                f"not printed by lesson {lesson}, not cited, not quoted"))
+            if bad:
+                found.append(bad)
     return found
 
 
@@ -455,7 +494,8 @@ def count_numbers(notebook: Path) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# A lesson's outputs: captured by the test session, or run here
+# A lesson's outputs: those of its executed copy (tools/site.py's executor, as `make test` and
+# `make site` run it)
 
 RENDERED = "\x1e"     # what a cell printed, then (after this mark) the prose it rendered
 
@@ -478,58 +518,57 @@ def output_text(outputs: list) -> str:
     return join(printed) + (RENDERED + join(rendered) if rendered else "")
 
 
-def _fingerprint(notebook: Path) -> str:
-    h = hashlib.sha256(notebook.read_bytes())
-    for f in sorted((ROOT / "picolib").rglob("*.py")):
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+@functools.lru_cache(maxsize=None)
+def _executor():
+    """tools/site.py, loaded once (its LessonFailed is then one class)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("picolib_tools_site", ROOT / "tools" / "site.py")
+    module = importlib.util.module_from_spec(spec)    # tools/site.py: not the standard `site`
+    spec.loader.exec_module(module)
+    return module
 
 
-def cached_outputs(notebook: Path) -> dict[int, str] | None:
-    f = CACHE / f"{notebook.stem}.{_fingerprint(notebook)}.json"
-    if f.exists():
-        return {int(k): v for k, v in json.loads(f.read_text()).items()}
-    return None
-
-
-def store_outputs(notebook: Path, outputs: dict[int, str]) -> None:
-    CACHE.mkdir(parents=True, exist_ok=True)
-    for old in CACHE.glob(f"{notebook.stem}.*.json"):
-        old.unlink()
-    (CACHE / f"{notebook.stem}.{_fingerprint(notebook)}.json").write_text(json.dumps(outputs))
-
-
-def run_lesson(notebook: Path, timeout: int = 600) -> dict[int, str]:
-    """Execute a lesson in a fresh kernel (cwd notebooks/, as JupyterLab) and keep its outputs."""
-    import nbformat
-    from nbclient import NotebookClient
-    nb = nbformat.read(notebook, as_version=4)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(notebook.parent)}}).execute()
-    outputs = {i: output_text(c.get("outputs", [])) for i, c in enumerate(nb.cells) if c.cell_type == "code"}
-    store_outputs(notebook, outputs)
-    return outputs
+def executed_outputs(notebook: Path, into: Path | None = None, run: str = "",
+                     cached: bool = False) -> dict[int, str]:
+    """What each code cell of the lesson printed (cell index → text), read from its executed
+    copy in build/executed/, which is made first if it is missing or stale (`cached`: read
+    whatever copy is there, never run)."""
+    site = _executor()
+    into = site.EXECUTED if into is None else Path(into)
+    path = site.executed_path(notebook, into) if cached else site.ensure_executed(notebook, into, run=run)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not executed yet; run without --cached")
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    return {i: output_text(c.get("outputs", [])) for i, c in enumerate(cells) if c["cell_type"] == "code"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prose_numbers", description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="+", type=Path)
-    parser.add_argument("--cached", action="store_true", help="use the last run's outputs; never execute")
+    parser.add_argument("--cached", action="store_true",
+                        help="read the executed copies in build/executed/ as they are; never execute")
+    parser.add_argument("--advisories", action="store_true", help="list the advisories too, not only their count")
     args = parser.parse_args(argv)
-    bad = 0
+    bad, total = 0, Tally()
     for nb in args.notebooks:
         if not nb.exists():
             parser.error(f"no such notebook: {nb}")
-        outputs = cached_outputs(nb)
-        if outputs is None:
-            if args.cached:
-                parser.error(f"{nb}: no outputs kept for this version; run without --cached")
-            outputs = run_lesson(nb)
-        found = check(nb.resolve(), outputs)
-        print(f"{nb.stem}: {count_numbers(nb)} numbers in the prose, {len(found)} unbound")
+        try:
+            outputs = executed_outputs(nb.resolve(), cached=args.cached)
+        except FileNotFoundError as err:
+            parser.error(str(err))
+        tally = Tally()
+        found = check(nb.resolve(), outputs, tally=tally)
+        print(f"{nb.stem}: {count_numbers(nb)} numbers in the prose: {tally}")
         for u in found:
             print("  " + str(u))
+        for u in tally.advisories if args.advisories else []:
+            print("  advisory: " + str(u))
         bad += len(found)
+        for name in ("output", "citation", "literal", "unbound"):
+            setattr(total, name, getattr(total, name) + getattr(tally, name))
+    if len(args.notebooks) > 1:
+        print(f"all: {total}")
     return 1 if bad else 0
 
 

@@ -2,15 +2,19 @@
 page each with links to the previous and next lesson, and an index with the lesson map.
 
     python tools/site.py build [--out build/site] [--only 00 01] [--timeout 300]
-    python tools/site.py execute notebooks/00_collectives.ipynb build/executed/00_collectives.ipynb
+    python tools/site.py execute [--into build/executed] notebooks/00_collectives.ipynb [...]
     python tools/site.py html [--out build/site] build/executed/*.ipynb
 
-`build` does both steps; `make site` runs `execute` once per lesson (kept in build/executed/,
-redone only when the lesson or picolib changes; `make slides` uses the same executed
-notebooks) and then `html`. Each lesson runs in a fresh kernel with notebooks/ as the working
-directory, as in JupyterLab; a failing or timed-out cell stops the build, naming the lesson
-and the cell. The seconds each lesson took are kept in build/site/timings.json (the run times
-in docs/teaching.md come from there).
+This is also the course's one executor: `make test` (the root conftest.py), the prose check
+(tools/prose_numbers.py), `make site` and `make slides` all read the executed notebooks it
+writes, build/executed/<lesson>.ipynb (a solution: build/executed/solutions/<name>.ipynb).
+Each file carries a stamp (a hash of the notebook, picolib's sources and the torch version);
+`ensure_executed` reuses a file whose stamp is current and otherwise runs the notebook, under
+a file lock, so two pytest-xdist workers never run the same notebook twice. Every run is
+logged in build/executed/runs.log. Each notebook runs in a fresh kernel with its folder as
+the working directory, as in JupyterLab; a failing or timed-out cell fails the run, naming
+the notebook, the cell, its first line and the traceback's end. The seconds each lesson took
+are kept in build/site/timings.json (the run times in docs/teaching.md come from there).
 
 Why nbconvert: the site needs exactly what a notebook already is — cells, outputs, figures —
 and nbconvert is Jupyter's own maintained converter, installed with JupyterLab (the
@@ -20,7 +24,10 @@ downloads nothing at build time. A site generator (Jupyter Book, Sphinx with mys
 Quarto) would bring a second toolchain for features this course does not need.
 
 Figures: before a lesson runs, the kernel is given a display formatter that writes down the
-titles of every matplotlib figure it shows (a setup cell, removed again afterwards); each
+titles of every matplotlib figure it shows, and `picolib.figure_check.watch` looks at each
+figure as it is shown; what a reader could not see is kept, with the cell, in the executed
+notebook's metadata (`figures`), which `make test` fails on (a setup cell, removed again
+afterwards). Each
 figure's <img> then gets as alt text its title(s) and the first sentence of the markdown cell
 before it. Links: `../docs/glossary.md#term` becomes `glossary.html#term`, a link to a lesson
 its page; a link to anything the site does not hold (an exercise, a library file) becomes its
@@ -33,6 +40,8 @@ line naming each knob and its range.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import html
 import json
 import os
@@ -40,21 +49,28 @@ import re
 import shutil
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 from urllib.parse import unquote
 
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellControlSignal, DeadKernelError
-from nbconvert import HTMLExporter
 from traitlets.config import Config
-from nbconvert.filters.markdown import markdown2html_mistune as markdown2html
 
 ROOT = Path(__file__).resolve().parent.parent
+EXECUTED = ROOT / "build" / "executed"
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")          # the colours of an IPython traceback
+
+
+def markdown2html(text: str) -> str:
+    # nbconvert is imported where pages are written: executing needs only nbclient (the
+    # environments of `make test-torch` have no nbconvert)
+    from nbconvert.filters.markdown import markdown2html_mistune
+    return markdown2html_mistune(text)
 
 
 class LessonFailed(RuntimeError):
@@ -62,6 +78,7 @@ class LessonFailed(RuntimeError):
 
 
 FIGURE_MIME = "application/vnd.picolib.figure+json"
+FIGURE_MARK = "\x1f[picolib figure] "   # starts each line the figure check writes to stderr
 
 # Run in the kernel before the lesson's first cell: every matplotlib figure that is displayed
 # (inline, or into a try-it's Output widget) also yields {"titles": [...]} under FIGURE_MIME.
@@ -93,6 +110,9 @@ def _picolib_site_setup():
     shell = get_ipython()
     formatter = FigureTitles(parent=shell.display_formatter)
     shell.display_formatter.formatters[formatter.format_type] = formatter
+
+    from picolib.figure_check import watch
+    watch(lambda line: print({FIGURE_MARK!r} + line, file=sys.stderr, flush=True))
 
 _picolib_site_setup()
 del _picolib_site_setup
@@ -143,7 +163,27 @@ def execute(path: Path, timeout: float = 300) -> nbformat.NotebookNode:
                            "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
     flatten_widgets(nb)
     figure_titles_to_metadata(nb)
+    nb.metadata["figures"] = figure_problems(nb)
     return nb
+
+
+def figure_problems(nb) -> list[dict]:
+    """Take the figure check's lines out of the cells' stderr: [{"cell": i, "problem": line}]."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        kept = []
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and FIGURE_MARK in out.get("text", ""):
+                lines = out.text.splitlines(keepends=True)
+                found += [{"cell": i, "problem": ln[len(FIGURE_MARK):].strip()}
+                          for ln in lines if ln.startswith(FIGURE_MARK)]
+                out.text = "".join(ln for ln in lines if not ln.startswith(FIGURE_MARK))
+                if not out.text:
+                    continue
+            kept.append(out)
+        if cell.cell_type == "code":
+            cell.outputs = kept
+    return found
 
 
 def figure_titles_to_metadata(nb) -> None:
@@ -415,6 +455,7 @@ machine with {", ".join(str(c) for c in sorted(cpus, key=str))} CPU cores (also 
 
 def export(nb, resources: dict, mathjax_url: str | None = None) -> str:
     # a cell tagged `prose` speaks through its output (picolib.prose.say): the page shows the text only
+    from nbconvert import HTMLExporter
     config = Config()
     config.TagRemovePreprocessor.enabled = True
     config.TagRemovePreprocessor.remove_input_tags = {"prose"}
@@ -495,8 +536,79 @@ def write_site(executed: list[Path], out: Path, mathjax_url: str | None = None) 
     return timings
 
 
-def write_executed(src: Path, dest: Path, timeout: float) -> None:
+def stamp(src: Path) -> str:
+    """What an executed notebook depends on: the notebook, picolib's sources, the setup cell
+    and the torch of this environment (the kernel's: nbclient starts this Python)."""
+    h = hashlib.sha256(Path(src).read_bytes())
+    for f in sorted((ROOT / "picolib").rglob("*.py")):
+        h.update(f.relative_to(ROOT).as_posix().encode() + f.read_bytes())
+    h.update(SETUP.encode())
+    try:
+        h.update(metadata.version("torch").encode())
+    except metadata.PackageNotFoundError:
+        pass
+    return h.hexdigest()[:20]
+
+
+def executed_path(src: Path, into: Path = EXECUTED) -> Path:
+    """build/executed/<lesson>.ipynb; a notebook of another folder (solutions/) in its own."""
+    src = Path(src)
+    return into / src.name if src.parent.name == "notebooks" else into / src.parent.name / src.name
+
+
+def _stamp_of(path: Path) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)["metadata"].get("executed", {}).get("stamp")
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def ensure_executed(src: Path, into: Path = EXECUTED, timeout: float = 300, run: str = "") -> Path:
+    """The executed copy of `src`, run now unless a copy with the current stamp exists. A
+    lock per notebook: a second caller waits for the first caller's run and reads its file. A
+    failure raises LessonFailed, and again for each caller of the same `run` (one pytest
+    session) without running the notebook again."""
+    src, into = Path(src), Path(into)
+    dest = executed_path(src, into)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    key = stamp(src)
+    failed = dest.with_suffix(".failed")
+    with open(dest.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _stamp_of(dest) == key:
+            return dest
+        if run and failed.exists():
+            memo = json.loads(failed.read_text(encoding="utf-8"))
+            if memo.get("stamp") == key and memo.get("run") == run:
+                raise LessonFailed(memo["error"])
+        try:
+            write_executed(src, dest, timeout, key)
+        except LessonFailed as err:
+            failed.write_text(json.dumps({"stamp": key, "run": run, "error": str(err)}), encoding="utf-8")
+            raise
+        finally:
+            with open(into / "runs.log", "a", encoding="utf-8") as log:
+                log.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {run or '-'} {os.getpid()} "
+                          f"{dest.relative_to(into).as_posix()} {key}\n")
+        failed.unlink(missing_ok=True)
+    return dest
+
+
+def runs(into: Path = EXECUTED, run: str | None = None) -> dict[str, int]:
+    """How many times each notebook was executed (in session `run`, or ever), from runs.log."""
+    counts: dict[str, int] = {}
+    log = into / "runs.log"
+    for line in log.read_text(encoding="utf-8").splitlines() if log.exists() else []:
+        parts = line.split()
+        if len(parts) == 5 and (run is None or parts[1] == run):
+            counts[parts[3]] = counts.get(parts[3], 0) + 1
+    return counts
+
+
+def write_executed(src: Path, dest: Path, timeout: float, key: str | None = None) -> None:
     nb = execute(src, timeout)
+    nb.metadata["executed"] = {"stamp": key or stamp(src), "source": Path(src).name}
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_suffix(".tmp")
     nbformat.write(nb, tmp)
@@ -509,9 +621,9 @@ def main(argv: list[str]) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="execute the lessons and write the site")
     b.add_argument("--only", nargs="*", help="lesson numbers, e.g. 00 01")
-    e = sub.add_parser("execute", help="execute one lesson into an executed notebook")
-    e.add_argument("source", type=Path)
-    e.add_argument("dest", type=Path)
+    e = sub.add_parser("execute", help="execute notebooks whose executed copy is missing or stale")
+    e.add_argument("sources", nargs="+", type=Path)
+    e.add_argument("--into", type=Path, default=EXECUTED)
     h = sub.add_parser("html", help="write the site from executed notebooks")
     h.add_argument("executed", nargs="+", type=Path)
     for p in (b, e):
@@ -523,16 +635,15 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     try:
         if args.command == "execute":
-            write_executed(args.source, args.dest, args.timeout)
+            for src in args.sources:
+                ensure_executed(src, args.into, args.timeout)
         elif args.command == "html":
             write_site(args.executed, args.out, args.mathjax_url)
         else:
             sources = [p for p in sorted((ROOT / "notebooks").glob("*.ipynb"))
                        if not args.only or p.name[:2] in args.only]
-            executed = ROOT / "build" / "executed"
-            for src in sources:
-                write_executed(src, executed / src.name, args.timeout)
-            write_site([executed / s.name for s in sources], args.out, args.mathjax_url)
+            executed = [ensure_executed(src, EXECUTED, args.timeout) for src in sources]
+            write_site(executed, args.out, args.mathjax_url)
     except LessonFailed as err:
         print(f"site build failed — {err}", file=sys.stderr)
         return 1

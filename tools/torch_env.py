@@ -27,7 +27,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST_TOOLS = ["pytest", "pytest-xdist", "nbval", "ipykernel"]   # pytest -n 2 --nbval-lax, with a kernel
+TEST_TOOLS = ["pytest", "pytest-xdist", "nbclient", "ipykernel"]   # pytest -n 2, notebooks in a kernel
 # torch.compile's inductor imports setuptools on older torch (2.6: lesson 12); pip's venvs came
 # with it, uv's come bare
 TEST_TOOLS += ["setuptools"]

@@ -8,7 +8,7 @@ Two guards, one at run time and one on the text:
 
 1. At run time, lessons sum the traffic they call measured with `ledger.measured_total()` /
    `comm.measured_total(records)`, which raises `NotMeasured` if any record it sums carries
-   `measured=False`. The notebooks run under nbval in `make test`, so a lesson whose
+   `measured=False`. The notebooks run in `make test`, so a lesson whose
    "measured" bytes came from gloo fails there. The tests below check that the guard bites
    (a native collective is refused) and lets counted bytes through (the same step on the rings).
 

@@ -8,6 +8,9 @@ lesson and the cell."""
 import importlib.util
 import re
 import socket
+import subprocess
+import sys
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 from unittest import mock
@@ -65,18 +68,17 @@ def _image_outputs(nb):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(tmp_path_factory, pytestconfig):
     tmp = tmp_path_factory.mktemp("site")
     after = _lesson(tmp / "99_after.ipynb", [
         nbformat.v4.new_markdown_cell("# 99 · The lesson after\n\nYou will see a link back."),
         nbformat.v4.new_code_cell("print('the next lesson ran')"),
         nbformat.v4.new_markdown_cell(KNOWN_TEXT),
         nbformat.v4.new_code_cell(KNOWN_FIGURE)])
-    executed = []
-    for src in (LESSON, after):
-        dest = tmp / "executed" / src.name
-        site_tool.write_executed(src, dest, timeout=120)
-        executed.append(dest)
+    # lesson 04 as `make test` executed it (its own test, the same run): never executed twice
+    executed = [site_tool.ensure_executed(LESSON, Path(pytestconfig.getoption("--executed")),
+                                          run=pytestconfig.picolib_run),
+                site_tool.ensure_executed(after, tmp / "executed", timeout=120)]
     connections = []
 
     def refuse(*args, **kwargs):
@@ -173,10 +175,67 @@ def test_the_deck_has_a_slide_per_section_and_every_figure(built):
 def test_a_failing_cell_stops_the_build_naming_the_lesson_and_the_cell(tmp_path):
     broken = _lesson(tmp_path / "98_broken.ipynb", [
         nbformat.v4.new_markdown_cell("# 98 · Broken"), nbformat.v4.new_code_cell("x = 1"),
-        nbformat.v4.new_code_cell("raise ValueError('on purpose')")])
-    with pytest.raises(site_tool.LessonFailed, match=r"98_broken\.ipynb: cell 2 .*ValueError"):
-        site_tool.write_executed(broken, tmp_path / "out" / broken.name, timeout=60)
-    assert not (tmp_path / "out" / broken.name).exists()
+        nbformat.v4.new_code_cell("def deep():\n    raise ValueError('on purpose')\ndeep()")])
+    into = tmp_path / "out"
+    with pytest.raises(site_tool.LessonFailed) as err:
+        site_tool.ensure_executed(broken, into, timeout=60, run="r1")
+    # the lesson, the cell, its first line and the traceback's end
+    assert re.search(r"98_broken\.ipynb: cell 2 \('def deep\(\):'\) failed: .*ValueError: on purpose", str(err.value), re.S)
+    assert "deep()" in str(err.value)
+    assert not site_tool.executed_path(broken, into).exists()
+    with pytest.raises(site_tool.LessonFailed, match="on purpose"):     # the same run: not run again
+        site_tool.ensure_executed(broken, into, timeout=60, run="r1")
+    assert site_tool.runs(into, "r1") == {site_tool.executed_path(broken, into).relative_to(into).as_posix(): 1}
+
+
+def test_a_hanging_cell_fails_on_its_timeout(tmp_path):
+    hangs = _lesson(tmp_path / "97_hangs.ipynb", [
+        nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("import time\ntime.sleep(600)")])
+    start = time.perf_counter()
+    with pytest.raises(site_tool.LessonFailed, match=r"97_hangs\.ipynb: cell 1 \('import time'\) failed: CellTimeoutError"):
+        site_tool.ensure_executed(hangs, tmp_path / "out", timeout=3)
+    assert time.perf_counter() - start < 120
+
+
+ASK = ("import importlib.util, sys\n"
+       "spec = importlib.util.spec_from_file_location('s', sys.argv[1]); m = importlib.util.module_from_spec(spec)\n"
+       "spec.loader.exec_module(m); print(m.ensure_executed(sys.argv[2], sys.argv[3], 120, run=sys.argv[4]))")
+
+
+def test_each_notebook_runs_once_and_is_reused_while_its_stamp_holds(tmp_path):
+    """Two processes (two xdist workers) ask for the same notebook at once: it runs once, under
+    the lock, and both read the same file; a change to the notebook runs it again."""
+    for folder in ("notebooks", "solutions"):
+        (tmp_path / folder).mkdir()
+    src = _lesson(tmp_path / "notebooks" / "96_once.ipynb", [nbformat.v4.new_code_cell("print('ran')")])
+    into = tmp_path / "executed"
+    asks = [subprocess.Popen([sys.executable, "-c", ASK, str(ROOT / "tools" / "site.py"), str(src), str(into), "r1"],
+                             stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    paths = [a.communicate(timeout=300)[0].strip().splitlines()[-1] for a in asks]
+    assert paths == [str(into / "96_once.ipynb")] * 2
+    assert site_tool.runs(into, "r1") == {"96_once.ipynb": 1}
+    site_tool.ensure_executed(src, into, run="r2")
+    assert site_tool.runs(into, "r2") == {}                      # current stamp: reused
+    nb = nbformat.read(src, as_version=4)
+    nb.cells[0].source = "print('ran again')"
+    nbformat.write(nb, src)
+    site_tool.ensure_executed(src, into, run="r3")
+    assert site_tool.runs(into, "r3") == {"96_once.ipynb": 1}   # changed: run again
+    assert "ran again" in nbformat.read(into / "96_once.ipynb", as_version=4).cells[0].outputs[0].text
+    solution = _lesson(tmp_path / "solutions" / "96_once.ipynb", [nbformat.v4.new_code_cell("1")])
+    assert site_tool.ensure_executed(solution, into) == into / "solutions" / "96_once.ipynb"
+
+
+def test_figure_problems_are_kept_with_their_cell_and_leave_the_outputs(tmp_path):
+    src = _lesson(tmp_path / "95_figures.ipynb", [
+        nbformat.v4.new_code_cell("import matplotlib.pyplot as plt"),
+        nbformat.v4.new_code_cell("fig, (a, b) = plt.subplots(1, 2, figsize=(4, 2))\n"
+                                  "a.plot([0, 1]); a.set_title('drawn'); b.set_title('left empty')"),
+        nbformat.v4.new_code_cell(KNOWN_FIGURE)])
+    nb = nbformat.read(site_tool.ensure_executed(src, tmp_path / "out", timeout=120), as_version=4)
+    assert [f["cell"] for f in nb.metadata["figures"]] == [1]
+    assert "panel 1 ('left empty') is empty" in nb.metadata["figures"][0]["problem"]
+    assert not [o for c in nb.cells for o in c.get("outputs", []) if site_tool.FIGURE_MARK in o.get("text", "")]
 
 
 def test_slide_rule_and_idempotence():
