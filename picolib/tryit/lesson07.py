@@ -14,7 +14,7 @@ from ..pipeline_simulator import simulate
 from ..timeline import bubble_ratio, plot_gantt
 
 __all__ = ["schedule_gantt", "CASES", "T_OP", "op_costs", "param_bytes", "every_schedule",
-           "idle_gaps", "idle_per_rank", "schedule_figure", "name_ops", "activation_peaks", "stage_map_figure"]
+           "idle_gaps", "idle_per_rank", "schedule_figure", "name_ops", "stage_map_figure"]
 
 _CHUNKS = {"interleaved": 2, "dualpipev": 2}    # stages per rank when v is not given
 
@@ -48,8 +48,9 @@ def schedule_gantt(schedule: str = "1f1b", p: int = 4, m: int = 8, v: int | None
     return bubble
 
 
-# ----------------------------------------------------------------- the lesson's own helpers
-# (the run on real ranks and the figures of lessons 07 and 07b, kept here so their cells stay short)
+# ----------------------------------------------------------------- the lessons' own helpers
+# (emulated costs and figures of lessons 07 and 07b; 07b's run on real ranks, kept here so its cells
+# stay short — lesson 07 runs its schedules in its own cells)
 
 CASES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1), ("dualpipev", 1), ("dualpipe", 1)]
 T_OP = 0.04                      # emulated seconds of F, B or W for a stage of 2 blocks
@@ -69,7 +70,7 @@ def param_bytes(modules) -> int:
 
 
 def every_schedule(cfg, p: int, m: int, mb: int, seq: int, cases=CASES):
-    """On each of p ranks (run with picolib.launch.run): every schedule of `cases` on a fresh
+    """Lesson 07b. On each of p ranks (run with picolib.launch.run): every schedule of `cases` on a fresh
     TinyLlama(cfg), warmed up once, then timed with emulated costs. Returns {name: (events,
     loss or None, {param name: grad}, parameter bytes held)}. DualPipe's two copies of a layer
     (ranks r and p−1−r) are summed by the one gradient path: DDP over the mesh's pair group."""
@@ -160,28 +161,6 @@ def schedule_figure(panels: dict, xmax: float, unit: str = "ms", xlabel: str | N
         ax.set_xlabel("")
     axes[-1, 0].set_xlabel(xlabel or f"time ({unit})")
     return fig
-
-
-def activation_peaks(cfg, p: int, ms=(1, 2, 4, 8), mb: int = 2, seq: int = 8,
-                     names=("afab", "1f1b")) -> dict:
-    """On each of p ranks: run each schedule of `names` at each m of `ms` on one stage per
-    rank and return {(name, m): peak bytes autograd saved on this rank} (SavedActivations)."""
-    import torch.distributed as dist
-
-    from ..memory import SavedActivations
-    from ..model import TinyLlama, random_tokens
-    from ..pipeline_parallel import run_schedule, split_stages
-
-    tokens, targets = random_tokens(mb * max(ms), seq, cfg.vocab_size, seed=1)
-    out = {}
-    for name in names:
-        for m in ms:
-            stage = split_stages(TinyLlama(cfg), p)[dist.get_rank()]
-            act = SavedActivations(stage, per_module=False)
-            run_schedule(make_schedule(name, p, m), {dist.get_rank(): stage},
-                         list(tokens[:mb * m].chunk(m)), list(targets[:mb * m].chunk(m)), measure=act)
-            out[(name, m)] = act.peak
-    return out
 
 
 def stage_map_figure(p: int):
