@@ -9,7 +9,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from ..torch_compat import TorchDispatchMode
 
 from ..attention_io import largest_block, naive_bytes, on_chip_bytes, tiled_bytes
 from ..low_precision import DynamicLossScaler, fake_quantize, fp8_model
