@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["flatten", "unflatten", "fake_store", "local_tensor", "current_autograd_node",
-           "TorchDispatchMode", "ddp_bucket_sizes", "scoped_library"]
+           "TorchDispatchMode", "ddp_bucket_sizes", "scoped_library", "inductor_metrics"]
 
 from torch.utils._python_dispatch import TorchDispatchMode   # public name in no release yet
 
@@ -37,6 +37,13 @@ def unflatten(device_mesh, dim: str, index: int, sizes: tuple[int, ...], names: 
         except (ValueError, TypeError):       # refused before any group is made
             pass
     return None
+
+
+def inductor_metrics():
+    """Inductor's counters (`torch._inductor.metrics`: `reset()`, `generated_kernel_count`), the
+    kernels one `torch.compile` generated (lesson 12's fusion)."""
+    import torch._inductor.metrics as metrics
+    return metrics
 
 
 def fake_store():

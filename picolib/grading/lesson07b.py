@@ -18,7 +18,7 @@ import copy
 import itertools
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from ..torch_compat import TorchDispatchMode
 
 from ..model import LlamaConfig, SwiGLU
 from ..pipeline_schedules import Op, Schedule

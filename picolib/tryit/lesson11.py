@@ -200,8 +200,8 @@ def pipeline_step(cfg, m: int, mbs: int, seq: int):
 
 _FAKE = '''
 import json, sys, torch, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-dist.init_process_group("fake", rank=5, world_size=1024, store=FakeStore())
+from picolib.torch_compat import fake_store
+dist.init_process_group("fake", rank=5, world_size=1024, store=fake_store())
 torch.set_num_threads(1)
 from picolib import comm
 from picolib.data_parallel import DDP

@@ -9,7 +9,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from ..torch_compat import TorchDispatchMode
+from ..torch_compat import TorchDispatchMode, inductor_metrics
 
 from ..attention_io import largest_block, naive_bytes, on_chip_bytes, tiled_bytes
 from ..low_precision import DynamicLossScaler, fake_quantize, fp8_model
@@ -124,7 +124,7 @@ def fusion(rows: int = 32768, hidden: int = 512, ffn: int = 1024, seq: int = 256
     compiled by `torch.compile` (Inductor). For each: bytes eager moves (counted), the least
     bytes a fused kernel must move (its inputs and outputs), eager operations and generated
     kernels (Inductor's counter), and the best time of each."""
-    import torch._inductor.metrics as metrics
+    metrics = inductor_metrics()
     g = torch.Generator().manual_seed(0)
     cases = {"RMSNorm": (rmsnorm_eager, (torch.randn(rows, hidden, generator=g), torch.randn(hidden, generator=g))),
              "SwiGLU silu(g)·u": (swiglu_act, (torch.randn(rows, ffn, generator=g), torch.randn(rows, ffn, generator=g))),

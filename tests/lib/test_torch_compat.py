@@ -90,3 +90,12 @@ def test_scoped_library_undoes_its_registration():
         lib.impl("sub.Tensor", lambda a, b, alpha=1: a + b, "CPU")
         inside = (x - x).sum().item()
     assert inside == 8.0 and (x - x).sum().item() == 0.0
+
+
+def test_inductor_metrics_count_the_kernels_one_compile_generates():
+    metrics = torch_compat.inductor_metrics()
+    metrics.reset()
+    assert metrics.generated_kernel_count == 0
+    x = torch.randn(64, 32)
+    torch.compile(lambda t: (t * 2).relu().sum(-1))(x)
+    assert metrics.generated_kernel_count >= 1
