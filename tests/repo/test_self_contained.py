@@ -33,4 +33,4 @@ def test_every_lesson_has_goals_a_try_it_cell_and_takeaways(path):
     code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
     assert "goal" in md[0] or "you will" in md[0], "the first cell states the learning goals"
     assert any("knobs(" in c for c in code), "a try-it cell with knobs"
-    assert any("takeaway" in m for m in md[-3:]), "a takeaways cell at the end"
+    assert any("takeaway" in m for m in md[-4:]), "a takeaways cell at the end (Next, a summary, the exercises may follow)"
